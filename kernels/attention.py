@@ -1,0 +1,264 @@
+"""Attention over the paged KV cache: decode (one new token per sequence) and varlen prefill.
+
+Both kernels walk a sequence's KV in tiles of ``BLOCK_N`` tokens, turning each token position into
+a cache slot through ``block_tables`` (so the tile size is independent of the page size), and
+keep a flash-attention online softmax in float32 (log2 domain, ``exp2``).
+
+* Decode (flash-decoding): one program owns one (sequence, kv head, split). All ``G = H / Hkv``
+  query heads sharing that kv head are processed together as the rows of a ``[G, D] @ [D, N]``
+  dot, so each KV tile is read once per kv head group, not once per query head. Long contexts are
+  cut into ``num_splits`` token ranges processed in parallel; a second small kernel merges the
+  partial (max, sum, acc) triples. With one split the first kernel writes the output directly.
+* Prefill: one program owns ``BLOCK_M`` new tokens of one (sequence, query head); the new tokens
+  are the last ``q_len`` of ``seq_len`` (cached prefix first), with a causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_device, check_last_dim_contiguous, check_tensor, tile
+from ._attention_checks import check_attention_args, pick_num_splits
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, s_mask, m_i, l_i, acc,
+                 kv_head, num_kv_heads, head_dim, block_size, scale_log2,
+                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: q [M, BLOCK_D] against KV tokens ``offs_n`` [N]."""
+    dims = tl.arange(0, BLOCK_D)
+    block_id = tl.load(bt_row_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    slot = block_id * block_size + offs_n % block_size  # [N]
+    kv_off = slot[:, None] * (num_kv_heads * head_dim) + kv_head * head_dim + dims[None, :]
+    kv_mask = n_mask[:, None] & (dims[None, :] < head_dim)
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr,
+    out_ptr,  # [S, H, D]; written only when NUM_SPLITS == 1
+    part_acc_ptr,  # [S, H, NUM_SPLITS, D] float32, unnormalised
+    part_m_ptr, part_l_ptr,  # [S, H, NUM_SPLITS] float32
+    scale_log2, num_kv_heads, head_dim, block_size, tokens_per_split,
+    stride_qs, stride_qh, stride_bt,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this kv head
+    qo_mask = (g < GROUP)[:, None] & (dims < head_dim)[None, :]
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=qo_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+    # A finite start keeps exp2(m_i - m_new) defined for empty splits and zero-length sequences.
+    m_i = tl.full([BLOCK_G], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_ptr + seq * stride_bt, offs_n, n_mask,
+            n_mask[None, :], m_i, l_i, acc, kv_head, num_kv_heads, head_dim, block_size,
+            scale_log2, BLOCK_D, DOT_PRECISION)
+    num_heads = num_kv_heads * GROUP
+    row = seq * num_heads + heads  # [BLOCK_G] index into [S, H]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + row[:, None] * head_dim + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        part = row * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=qo_mask)
+        tl.store(part_m_ptr + part, m_i, mask=g < GROUP)
+        tl.store(part_l_ptr + part, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # flattened (seq, head)
+    sp = tl.arange(0, BLOCK_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    sp_mask = sp < NUM_SPLITS
+    m = tl.load(part_m_ptr + row * NUM_SPLITS + sp, mask=sp_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row * NUM_SPLITS + sp, mask=sp_mask, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # [BLOCK_SPLITS]
+    acc_off = (row * NUM_SPLITS + sp)[:, None] * head_dim + dims[None, :]
+    acc_mask = sp_mask[:, None] & (dims < head_dim)[None, :]
+    acc = tl.load(part_acc_ptr + acc_off, mask=acc_mask, other=0.0)  # [BLOCK_SPLITS, BLOCK_D]
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * head_dim + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, num_heads, num_kv_heads, head_dim, block_size,
+    stride_qt, stride_qh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+    kv_head = head // GROUP
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
+    dims = tl.arange(0, BLOCK_D)
+    qo_mask = (offs_m < q_len)[:, None] & (dims < head_dim)[None, :]
+    q_rows = q_start + offs_m
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_pos = prefix + offs_m  # absolute position of each query token
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: no query in this tile sees past its last row's position.
+    kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, seq_len)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        s_mask = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_ptr + seq * stride_bt, offs_n, n_mask, s_mask,
+            m_i, l_i, acc, kv_head, num_kv_heads, head_dim, block_size, scale_log2,
+            BLOCK_D, DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_rows[:, None] * num_heads + head) * head_dim + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # tf32 would cost float32 callers ~1e-3 relative error; they asked for float32 for a reason.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its whole cached context.
+
+    q: ``[S, H, D]`` (stride 1 in the last dim); k_cache, v_cache: ``[num_blocks, block_size,
+    Hkv, D]`` contiguous, q's dtype; block_tables: int32 ``[S, max_blocks]``; seq_lens: int32
+    ``[S]``, the KV length including the new token (already written to the cache); a sequence
+    with length 0 gets a zero output. ``num_splits``: split-K factor, chosen from the shapes when
+    None. Returns a new contiguous ``[S, H, D]`` tensor of q's dtype.
+    """
+    check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32))
+    num_seqs, num_heads, head_dim = q.shape
+    group = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
+    check_last_dim_contiguous("q", q)
+    names = ["q", "k_cache", "v_cache", "block_tables", "seq_lens"]
+    check_device(_decode_kernel, names, [q, k_cache, v_cache, block_tables, seq_lens])
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    block_n = 64 if head_dim <= 128 else 32
+    max_tokens = block_tables.shape[1] * block_size
+    splits = pick_num_splits(num_splits, num_seqs * num_kv_heads, max_tokens, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    part_shape = (num_seqs, num_heads, splits)
+    if splits > 1:
+        part_acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=q.device)
+        part_m = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # never touched on the single-split path
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * _LOG2E, num_kv_heads, head_dim, block_size, tokens_per_split,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        GROUP=group, NUM_SPLITS=splits, BLOCK_G=tile(group), BLOCK_N=block_n,
+        BLOCK_D=tile(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    if splits > 1:
+        _decode_merge_kernel[(num_seqs * num_heads,)](
+            out, part_acc, part_m, part_l, head_dim,
+            NUM_SPLITS=splits, BLOCK_SPLITS=tile(splits, 1), BLOCK_D=tile(head_dim, 1),
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened varlen batch of new tokens over the paged cache.
+
+    q: ``[T, H, D]`` (stride 1 in the last dim); sequence i owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 ``[S+1]``), which are the last ``q_len`` of its
+    ``seq_lens[i]`` tokens (int32 ``[S]``); their K/V must already be in the cache.
+    ``max_seqlen_q``: the largest ``q_len``; pass it to avoid a device-to-host sync.
+    Returns a new contiguous ``[T, H, D]`` tensor of q's dtype.
+    """
+    check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32))
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
+    group = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
+    check_last_dim_contiguous("q", q)
+    names = ["q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seq_lens"]
+    tensors = [q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens]
+    check_device(_prefill_kernel, names, tensors)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_seqlen_q <= 0:
+        return out
+    block_m = 64 if head_dim <= 128 else 32
+    block_m = min(block_m, tile(max_seqlen_q))
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * _LOG2E, num_heads, num_kv_heads, head_dim, block_size,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=tile(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return out

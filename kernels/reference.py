@@ -1,0 +1,135 @@
+"""Plain-PyTorch references for every kernel in this package.
+
+Each function has the same name, signature and semantics as its Triton launcher (including which
+arguments are updated in place), so tests can compare the two and CPU code paths can call these
+directly. They run on any device and float dtype, compute in float32 and cast back at the end.
+Clarity over speed: attention loops over sequences in Python.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[T, 2*I] -> [T, I]``: ``silu(gate) * up`` with gate the first half."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``[..., N]``: ``x / sqrt(mean(x**2) + eps) * weight``, new tensor of x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``residual += x``; ``x = rms_norm(residual)``. Returns ``(x, residual)``."""
+    total = x.float() + residual.float()
+    residual.copy_(total.to(residual.dtype))
+    x.copy_(rms_norm(total, weight, eps).to(x.dtype))
+    return x, residual
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place NeoX-style rotary on the first ``R = cos_sin_cache.shape[1]`` dims of q and k."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions].float()  # [T, R]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]  # [T, 1, R/2]
+    for x in (q, k):
+        x1 = x[..., :half].float()
+        x2 = x[..., half : 2 * half].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x[..., : 2 * half] = rotated.to(x.dtype)
+    return q, k
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: ``cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t]`` for every slot != -1."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence: ``[length, Hkv, D]`` in float32."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    slots = block_table.long()[pos // block_size] * block_size + pos % block_size
+    return cache.view(-1, *cache.shape[2:])[slots].float()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor) -> torch.Tensor:
+    """q ``[M, H, D]``, k/v ``[N, Hkv, D]``, mask ``[M, N]`` (True = attend) -> ``[M, H, D]``."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing to attend -> 0
+    return torch.einsum("hmn,nhd->mhd", probs, v)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q ``[S, H, D]`` attends to all ``seq_lens[i]`` cached tokens -> ``[S, H, D]``.
+
+    ``num_splits`` is accepted for signature parity and ignored.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i, length in enumerate(seq_lens.tolist()):
+        k = _gather_kv(k_cache, block_tables[i], length)
+        v = _gather_kv(v_cache, block_tables[i], length)
+        mask = torch.ones((1, length), dtype=torch.bool, device=q.device)
+        out[i] = _attend(q[i : i + 1], k, v, scale, mask)[0]
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention; q rows of sequence i are its last ``q_len`` tokens -> ``[T, H, D]``.
+
+    ``max_seqlen_q`` is accepted for signature parity and ignored.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    for i, length in enumerate(seq_lens.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[i], length)
+        v = _gather_kv(v_cache, block_tables[i], length)
+        q_pos = torch.arange(length - q_len, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, N]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask)
+    return out.to(q.dtype)

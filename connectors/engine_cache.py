@@ -1,0 +1,139 @@
+"""One engine per worker process, built lazily from plain configuration.
+
+Spark ships only an `EngineSpec` (model name + engine kwargs) to executors. The first task that
+needs an engine in a Python worker builds it; later tasks on the same, reused worker
+(`spark.python.worker.reuse=true`, Spark's default) find it here instead of reloading weights.
+The cache holds a single engine: a worker serves one device, and two models rarely fit on it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from batchgen_data.config import make_engine_config
+
+log = logging.getLogger(__name__)
+
+
+class DriverLike(Protocol):
+    """What connectors need from `EngineDriver` (see docs/ENGINE_API.md)."""
+
+    engine: Any
+
+    def submit(self, prompt_token_ids: list[int], params: Any, request_id: str | None = None,
+               prompt: str | None = None) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Picklable recipe for an engine: what crosses from the Spark driver to executors."""
+
+    model: str | None = None
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def create(cls, model: str | None, engine_kwargs: dict[str, Any]) -> "EngineSpec":
+        """Validate kwargs now (driver side) so a typo fails before any task starts."""
+        make_engine_config(model, **engine_kwargs)
+        return cls(model, tuple(sorted(engine_kwargs.items())))
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.engine_kwargs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return make_engine_config(self.model, **self.kwargs).scheduler.max_num_seqs
+
+    @property
+    def base_seed(self) -> int:
+        return make_engine_config(self.model, **self.kwargs).seed
+
+    def resolved(self, device: str, num_threads: int | None) -> "EngineSpec":
+        """Fill in device and CPU threads unless the user set them."""
+        kw = self.kwargs
+        if kw.get("device", "auto") == "auto":
+            kw["device"] = device
+        if kw["device"] == "cpu" and num_threads and "num_threads" not in kw:
+            kw["num_threads"] = num_threads
+        return EngineSpec(self.model, tuple(sorted(kw.items())))
+
+    def key(self) -> str:
+        # repr, not hash(): kwargs values may be lists, and the key must be stable in one process
+        return repr((self.model, self.engine_kwargs))
+
+
+def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None, cuda_available: bool) -> str:
+    """Device for this task: Spark's GPU assignment, then CUDA_VISIBLE_DEVICES, else CPU.
+
+    Spark hands out physical GPU addresses. When CUDA_VISIBLE_DEVICES is also set, CUDA numbers
+    the visible devices from 0, so the address is mapped to its position in that list.
+    """
+    visible = [d.strip() for d in (cuda_visible or "").split(",") if d.strip() and d.strip() != "-1"]
+    if gpu_addresses and cuda_available:
+        addr = str(gpu_addresses[0]).strip()
+        if visible:
+            return f"cuda:{visible.index(addr)}" if addr in visible else "cuda:0"
+        return f"cuda:{int(addr)}" if addr.isdigit() else "cuda:0"
+    if visible and cuda_available:
+        return "cuda:0"
+    return "cpu"
+
+
+def cuda_visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def derive_seed(base_seed: int, key: str) -> int:
+    """Stable per-row seed: the same row gets the same seed in every attempt of a task.
+
+    Python's hash() is salted per process, so a retried task on another worker would differ;
+    blake2b is not. 31 bits keep the value valid for every RNG the engine might seed.
+    """
+    digest = hashlib.blake2b(f"{base_seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+def build_driver(spec: EngineSpec) -> DriverLike:
+    """Load the real engine and start its stepping thread (imports torch: executor side only)."""
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
+
+    return EngineDriver(Engine.from_kwargs(model=spec.model, **spec.kwargs))
+
+
+class EngineCache:
+    """Process-wide holder of at most one driver; thread-safe."""
+
+    def __init__(self, factory: Callable[[EngineSpec], DriverLike] = build_driver) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._key: str | None = None
+        self._driver: DriverLike | None = None
+
+    def get(self, spec: EngineSpec) -> DriverLike:
+        with self._lock:
+            key = spec.key()
+            if self._driver is not None and self._key != key:
+                log.warning("batchgen: replacing cached engine %s with %s", self._key, key)
+                self._driver.shutdown()
+                self._driver, self._key = None, None
+            if self._driver is None:
+                self._driver = self._factory(spec)
+                self._key = key
+            return self._driver
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._driver is not None:
+                self._driver.shutdown()
+            self._driver, self._key = None, None
+
+
+ENGINES = EngineCache()

@@ -1,0 +1,96 @@
+"""Engine configuration: one frozen dataclass per concern, validated on construction.
+
+`make_engine_config` is the single place that turns user kwargs (vLLM names where they exist)
+into configs; an unknown kwarg raises TypeError listing the valid names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # KV memory on the device (CPU: bytes of host RAM used as "device" KV). None: derive.
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None  # exact override (tests use it to force preemption)
+    gpu_memory_utilization: float = 0.85
+    # Host memory for held sequences' KV (swap tier); beyond it, held sequences are recomputed.
+    host_kv_cache_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size!r}: must be a power of two >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes!r}: must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # "auto": keep KV in host memory when the tier has room, else recompute on resume.
+    preemption_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be >= 1")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: use auto, swap or recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int | None = None  # None: the model's own limit
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {_DTYPES}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads!r}: must be >= 1")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def engine_kwarg_names() -> list[str]:
+    names = [f.name for f in fields(EngineConfig) if f.name not in _SECTIONS]
+    for cls in _SECTIONS.values():
+        names += [f.name for f in fields(cls)]
+    return sorted(names)
+
+
+def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """Split flat user kwargs into the config sections; unknown names raise TypeError."""
+    unknown = sorted(set(kwargs) - set(engine_kwarg_names()))
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; valid: {engine_kwarg_names()}")
+    sections = {}
+    for key, cls in _SECTIONS.items():
+        own = {f.name for f in fields(cls)}
+        sections[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
+    return EngineConfig(model=model, **kwargs, **sections)

@@ -1,0 +1,257 @@
+"""The engine: owns the coroutines, the scheduler, the KV cache and the model runner.
+
+`step()` runs one scheduling round: the scheduler picks suspended coroutines and token counts,
+the runner computes them in one batch, the sampler draws next tokens, and each coroutine is
+resumed with its result. Requests that finish in the step are returned at once (completion
+order). The suspension-point primitives — abort, hold, resume, export, import_ — are public.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Any
+
+import torch
+
+from batchgen_data.config import EngineConfig, make_engine_config
+from batchgen_data.engine import coroutine
+from batchgen_data.engine.model_runner import ModelRunner
+from batchgen_data.engine.request import Request
+from batchgen_data.engine.sampler import Sampler
+from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen_data.engine.sequence import Sequence, SequenceStatus
+from batchgen_data.engine.setup import EngineParts, build_parts
+from batchgen_data.engine.stats import EngineStats
+from batchgen_data.outputs import RequestOutput
+from batchgen_data.sampling_params import SamplingParams
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        self.config = config
+        p = parts or build_parts(config)
+        self.tokenizer = p.tokenizer
+        self.device = p.device
+        self.max_model_len = p.max_model_len
+        self.vocab_size = p.model.shape.vocab
+        self.pool = p.pool
+        self.host = p.host
+        self.scheduler = Scheduler(config.scheduler, p.pool, p.host)
+        self.runner: ModelRunner = p.runner
+        self.stopper = p.stopper
+        self.sampler = Sampler(p.stopper.eos_token_ids)
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # held by the user: not resumed until resume()
+        self._coros: dict[int, coroutine.SequenceCoroutine] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._pending_out: list[RequestOutput] = []
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "Engine":
+        return cls(make_engine_config(model, **kwargs))
+
+    # ---- submitting work ------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Any, params: Any) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len} (room for at least one output token needed)")
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+               request_id: str | None = None, prompt: str | None = None) -> str:
+        params = params or SamplingParams()
+        self.check_request(prompt_token_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
+        if rid in self.requests or rid in self.parked:
+            raise ValueError(f"request_id={rid!r} is already in this engine")
+        ids = list(prompt_token_ids)
+        req = Request(rid, prompt, ids, params)
+        room = self.max_model_len - len(ids)
+        for i in range(params.n):
+            seed = self._seed_for(params.seed, i)
+            max_tokens = min(params.max_tokens or room, room)
+            req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens))
+        self._add(req)
+        return rid
+
+    def _seed_for(self, seed: int | None, index: int) -> int:
+        if seed is None:
+            return self._rng.getrandbits(62)
+        return seed if index == 0 else hash((seed, index)) & ((1 << 62) - 1)
+
+    def _add(self, req: Request, front: bool = False) -> None:
+        self.requests[req.request_id] = req
+        for seq in req.unfinished():
+            self._coros[seq.seq_id] = coroutine.start(seq, self.stopper)
+            self.scheduler.add(seq, front=front)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending_out)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        finished, self._pending_out = self._pending_out, []
+        out = self.scheduler.schedule()
+        self._move_kv(out)
+        if not out.seqs:
+            return finished
+        t0 = time.perf_counter()
+        inp = self.runner.prepare(out)
+        logits = self.runner.run(inp)
+        sampled = self.sampler(logits, inp.sample_seqs) if inp.sample_seqs else None
+        tokens: dict[int, tuple[int, Any]] = {}
+        if sampled is not None:
+            for seq, tok, lp in zip(inp.sample_seqs, sampled.token_ids, sampled.logprobs):
+                tokens[seq.seq_id] = (tok, lp)
+        done: list[Sequence] = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            tok, lp = tokens.get(seq.seq_id, (None, None))
+            if coroutine.send(self._coros[seq.seq_id], coroutine.StepResult(n, tok, lp)):
+                done.append(seq)
+        self.scheduler.after_step(out)
+        for seq in done:
+            self._retire(seq)
+        finished.extend(self._collect_finished(done))
+        self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0)
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return finished
+
+    def _move_kv(self, out: SchedulerOutput) -> None:
+        # order matters: read preempted KV before any new owner of those blocks writes them
+        for seq, blocks in out.swap_out:
+            if self.host.fits(seq.num_computed_tokens):
+                self.host.put(seq, self.runner.read_kv(blocks, seq.num_computed_tokens))
+            else:
+                seq.num_computed_tokens = 0
+        for seq in out.swap_in:
+            self.runner.write_kv(seq.block_ids, self.host.take(seq))
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.host.drop(seq)
+        del self._coros[seq.seq_id]
+
+    def _collect_finished(self, done: list[Sequence]) -> list[RequestOutput]:
+        outs = []
+        for rid in dict.fromkeys(s.request_id for s in done):
+            req = self.requests.get(rid)
+            if req is not None and req.finished:
+                del self.requests[rid]
+                self.stats.num_finished += 1
+                outs.append(req.output(self.stopper))
+        return outs
+
+    # ---- suspension-point primitives ------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None) or self.parked.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.unfinished():
+            if seq.seq_id in self._coros:
+                self._retire(seq)
+            else:
+                self.host.drop(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._pending_out.append(req.output(self.stopper))
+        return True
+
+    def hold(self, request_id: str, keep_kv: bool = True) -> None:
+        """Suspend a request: free its KV blocks (copy to host if `keep_kv` and it fits)."""
+        req = self._live(request_id)
+        for seq in req.unfinished():
+            self._hold_seq(seq, keep_kv)
+        del self.requests[request_id]
+        self.parked[request_id] = req
+
+    def _hold_seq(self, seq: Sequence, keep_kv: bool) -> None:
+        if seq.host_kv is None and seq.block_ids and seq.num_computed_tokens > 0:
+            if keep_kv and self.host.fits(seq.num_computed_tokens):
+                self.host.put(seq, self.runner.read_kv(seq.block_ids, seq.num_computed_tokens))
+            else:
+                seq.num_computed_tokens = 0
+        elif not keep_kv and seq.host_kv is not None:
+            self.host.drop(seq)
+            seq.num_computed_tokens = 0
+        self.scheduler.remove(seq)
+        self._coros.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.HELD
+
+    def resume(self, request_id: str, front: bool = True) -> None:
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not held")
+        self._add(req, front=front)
+
+    def export(self, request_id: str, include_kv: bool = False) -> dict[str, Any]:
+        """Turn a request into plain data and remove it from this engine."""
+        if request_id in self.requests:
+            self.hold(request_id, keep_kv=include_kv)
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not in this engine")
+        seqs = []
+        for seq in req.seqs:
+            state = seq.to_state()
+            state["finish"] = int(seq.status) if seq.status.finished else None
+            state["stop_reason"] = seq.stop_reason
+            if include_kv and seq.host_kv is not None:
+                state["kv"] = [(k.clone(), v.clone()) for k, v in seq.host_kv]
+            self.host.drop(seq)
+            seqs.append(state)
+        return {"request_id": req.request_id, "prompt": req.prompt,
+                "prompt_token_ids": list(req.prompt_token_ids), "params": req.params.to_dict(),
+                "seqs": seqs}
+
+    def import_(self, state: dict[str, Any], front: bool = True) -> str:
+        """Continue an exported request here; tokens match an unmoved run (greedy or seeded)."""
+        rid = state["request_id"]
+        if rid in self.requests or rid in self.parked:
+            raise ValueError(f"request_id={rid!r} is already in this engine")
+        params = SamplingParams.from_dict(state["params"])
+        self.check_request(state["prompt_token_ids"], params)
+        req = Request(rid, state.get("prompt"), list(state["prompt_token_ids"]), params)
+        for st in state["seqs"]:
+            seq = Sequence(next(self._seq_ids), rid, st["index"], req.prompt_token_ids, params,
+                           st["seed"], st["max_tokens"],
+                           token_ids=req.prompt_token_ids + list(st["output_token_ids"]),
+                           num_cached_tokens=st.get("num_cached_tokens", 0),
+                           logprobs=st.get("logprobs"), stop_reason=st.get("stop_reason"))
+            if st.get("finish") is not None:
+                seq.status = SequenceStatus(st["finish"])
+            elif st.get("kv") is not None:
+                kv = st["kv"]
+                seq.num_computed_tokens = kv[0][0].shape[0]
+                self.host.put(seq, kv)
+            req.seqs.append(seq)
+        self._add(req, front=front)
+        return rid
+
+    def _live(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not running in this engine")
+        return req
+
+    def load(self) -> dict[str, int]:
+        sch = self.scheduler
+        return {
+            "waiting": len(sch.waiting),
+            "running": len(sch.running),
+            "held": len(sch.preempted) + len(self.parked),
+            "remaining_tokens_est": sum(
+                s.remaining_tokens_estimate() for r in self.requests.values() for s in r.unfinished()),
+            "free_blocks": self.pool.num_free,
+            "total_blocks": self.pool.num_blocks,
+        }

@@ -1,0 +1,132 @@
+"""Model runner: turns a SchedulerOutput into one forward pass over the paged KV cache.
+
+Holds the model weights and the per-layer KV caches, flattens the scheduled sequences into one
+batch (decodes first, then prefill/extend chunks), and returns hidden states at the positions
+whose next token must be sampled. It also moves KV between the cache and host memory for
+hold/resume and export/import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen_data.engine.scheduler import SchedulerOutput
+from batchgen_data.engine.sequence import Sequence
+from batchgen_data.kvcache.host_tier import HostKV
+from batchgen_data.layers.attention import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # [S] rows of the hidden states to sample from
+    sample_seqs: list[Sequence]
+    order: list[int]  # scheduled index of each flattened sequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        s = model.shape
+        # [layers, 2, num_blocks, block_size, Hkv, D]
+        self.kv = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
+                              dtype=dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+        s = model.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        num_decodes = 0
+        for i in order:
+            seq, n = out.seqs[i], out.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            blocks = seq.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            q_lens.append(n)
+            tables.append(blocks)
+            num_decodes += n == 1
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        prefill_q = q_lens[num_decodes:]
+        cu = torch.tensor([0] + list(_cumsum(prefill_q)), dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            num_decodes=num_decodes,
+            block_tables=table.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            seq_lens_host=seq_lens,
+            query_lens_host=q_lens,
+            max_decode_len=max(seq_lens[:num_decodes], default=0),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
+            meta=meta,
+            sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
+            sample_seqs=sample_seqs,
+            order=order,
+        )
+
+    @torch.inference_mode()
+    def run(self, inp: ModelInput) -> torch.Tensor:
+        """Logits [S, vocab] float32 for the sequences in `inp.sample_seqs`."""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if not inp.sample_seqs:
+            return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
+        return self.model.compute_logits(hidden[inp.sample_index])
+
+    # ---- KV movement for hold / resume / export / import ---------------------------------
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:
+        """Copy the first `num_tokens` tokens' KV of these blocks to host memory."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        s = self.model.shape
+        data = self.kv[:, :, idx].reshape(s.num_layers, 2, -1, s.num_kv_heads, s.head_dim)
+        data = data[:, :, :num_tokens].to("cpu", copy=True)
+        return [(data[i, 0], data[i, 1]) for i in range(s.num_layers)]
+
+    def write_kv(self, block_ids: list[int], kv: HostKV) -> None:
+        n = kv[0][0].shape[0]
+        bs = self.block_size
+        slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(n)],
+                             dtype=torch.long, device=self.device)
+        for (kc, vc), (k, v) in zip(self.kv_caches, kv):
+            kc.view(-1, *kc.shape[2:])[slots] = k.to(self.device, self.dtype)
+            vc.view(-1, *vc.shape[2:])[slots] = v.to(self.device, self.dtype)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    total, out = 0, []
+    for x in xs:
+        total += x
+        out.append(total)
+    return out

@@ -1,0 +1,97 @@
+"""Build an engine's parts from its config: device, model, tokenizer, KV cache sizing."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen_data.config import EngineConfig
+from batchgen_data.engine.model_runner import ModelRunner
+from batchgen_data.engine.stop import StopChecker
+from batchgen_data.kvcache.block_pool import BlockPool
+from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.models import loader
+
+_CPU_KV_BYTES = 2 << 30  # default KV budget in host RAM when running on the CPU
+
+
+@dataclass
+class EngineParts:
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    max_model_len: int
+    pool: BlockPool
+    host: HostKVTier
+    runner: ModelRunner
+    stopper: StopChecker
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: CUDA is not available on this machine")
+    return dev
+
+
+def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
+        ids |= set(src) if isinstance(src, (list, tuple)) else ({src} if src is not None else set())
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return ids
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    path = loader.resolve_model_path(config.model)
+    hf_config = loader.load_config(path, config.trust_remote_code)
+    tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
+    tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
+    dtype = loader.pick_dtype(config.dtype, device, hf_config)
+    model = loader.build_model(hf_config, dtype, device)
+    loader.load_weights(model, path)
+
+    max_len = model.shape.max_positions
+    if config.max_model_len is not None:
+        if config.max_model_len > max_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_len}")
+        max_len = config.max_model_len
+    cc, sc = config.cache, config.scheduler
+    per_token = ModelRunner.kv_bytes_per_token(model, dtype)
+    num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, sc.max_num_seqs)
+    seq_blocks = -(-max_len // cc.block_size)
+    if num_blocks < seq_blocks + 1:
+        if cc.num_kv_blocks is None:
+            raise ValueError(f"KV cache of {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={max_len}; lower max_model_len")
+        max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
+    pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
+    host = HostKVTier(cc.host_kv_cache_bytes, per_token)
+    runner = ModelRunner(model, num_blocks, cc.block_size, device, dtype)
+    stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
+    return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper)
+
+
+def _num_blocks(cc: Any, device: torch.device, per_token: int, max_len: int, max_seqs: int) -> int:
+    block_bytes = per_token * cc.block_size
+    if cc.kv_cache_memory_bytes is not None:
+        budget = cc.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1 - cc.gpu_memory_utilization))
+    else:
+        # enough for every sequence at full length, capped by the host budget
+        budget = min(_CPU_KV_BYTES, max_seqs * max_len * per_token + block_bytes)
+    return max(2, budget // block_bytes)

@@ -1,0 +1,30 @@
+"""Counters an engine keeps about itself (cheap to update on every step)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    max_batch_seqs: int = 0
+    batch_seqs_hist: Counter = field(default_factory=Counter)  # sequences per step -> steps
+    computed_tokens: int = 0  # tokens run through the model (prompts, decodes, recomputes)
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+    step_time_s: float = 0.0
+
+    def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
+        self.num_steps += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, num_seqs)
+        self.batch_seqs_hist[num_seqs] += 1
+        self.computed_tokens += num_tokens
+        self.generated_tokens += num_sampled
+        self.step_time_s += dt
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["batch_seqs_hist"] = dict(self.batch_seqs_hist)
+        return d

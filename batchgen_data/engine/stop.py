@@ -1,0 +1,58 @@
+"""Stop conditions: EOS, stop token ids, stop strings, max_tokens.
+
+Stop strings are matched on a decoded window at the tail of the output, so the per-token cost
+does not grow with the output length.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen_data.engine.sequence import Sequence, SequenceStatus
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def check(self, seq: Sequence) -> SequenceStatus | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        last = seq.token_ids[-1]
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                seq.stop_reason = None
+                return SequenceStatus.FINISHED_STOPPED
+            if last in p.stop_token_ids:
+                seq.stop_reason = last
+                return SequenceStatus.FINISHED_STOPPED
+            if p.stop and self.tokenizer is not None and self._match_stop_string(seq):
+                return SequenceStatus.FINISHED_STOPPED
+        if n_out >= seq.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        # a token decodes to at least one character in practice; keep a margin for merges
+        window = seq.output_token_ids[-(longest + 8):]
+        tail = self.tokenizer.decode(window, skip_special_tokens=seq.params.skip_special_tokens)
+        for s in seq.params.stop:
+            if s in tail:
+                seq.stop_reason = s
+                return True
+        return False
+
+    def final_text(self, seq: Sequence) -> str:
+        """Detokenise the output once, trimming at the stop string (vLLM semantics)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
+        if isinstance(seq.stop_reason, str):
+            cut = text.find(seq.stop_reason)
+            if cut >= 0:
+                keep = len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0
+                text = text[: cut + keep]
+        return text

@@ -1,0 +1,106 @@
+"""Paged KV block pool with reference counts and prefix caching.
+
+Blocks are fixed-size slabs of the KV cache. A block whose tokens are all computed gets a hash
+chained from its parent block's hash, so identical prefixes (a shared system prompt over a million
+rows) map to the same physical blocks. A block whose last user frees it keeps its hash and sits in
+an LRU free queue: it is reused for a cache hit if one comes before it is recycled for new tokens.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # free blocks in eviction order (oldest first); a cached free block can still be hit
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._block_of: dict[int, int] = {}
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._forget(b)
+            self.ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        # tail blocks first, so the end of a sequence is evicted before its shared prefix
+        for b in reversed(block_ids):
+            assert self.ref_counts[b] > 0, f"double free of block {b}"
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+
+    @staticmethod
+    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks covering at most `max_tokens` of `token_ids`.
+
+        Returns (block_ids, hashes); the blocks are referenced on behalf of the caller.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(max_tokens // bs):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, toks)
+            b = self._block_of.get(h)
+            if b is None or self._tokens_of[b] != toks:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        self.queries += max_tokens // bs
+        self.hits += len(blocks)
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+        return blocks, hashes
+
+    def register(self, block_id: int, parent: int | None, tokens: tuple[int, ...]) -> int:
+        """Publish a fully computed block for prefix reuse; returns its chain hash."""
+        h = self.chain_hash(parent, tokens)
+        if self.enable_prefix_caching and h not in self._block_of:
+            self._block_of[h] = block_id
+            self._hash_of[block_id] = h
+            self._tokens_of[block_id] = tokens
+        return h
+
+    def _forget(self, b: int) -> None:
+        h = self._hash_of[b]
+        if h is not None:
+            if self._block_of.get(h) == b:
+                del self._block_of[h]
+            self._hash_of[b] = None
+            self._tokens_of[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        for b in range(self.num_blocks):
+            self._forget(b)

@@ -1,0 +1,109 @@
+"""Attention over the paged KV cache.
+
+The batch is flattened: the first `num_decodes` tokens are single-token decodes (one per
+sequence), the rest are prefill/extend chunks of varying length whose cached prefix sits in the
+paged cache. On CUDA the Triton kernels run; elsewhere a torch reference that gathers each
+sequence's blocks and runs dense attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen_data.layers import backend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, decodes first
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this step
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32: prefill token offsets (from num_decodes)
+    # host-side copies for the CPU reference path (no device sync needed)
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    max_decode_len: int
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D]."""
+    if backend.use_triton(q):
+        return _attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    return _attention_torch(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _attention_triton(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    from batchgen_data.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
+
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                          meta.seq_lens[:nd], scale)
+    if q.shape[0] > nd:
+        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                           meta.cu_seqlens_q, meta.seq_lens[nd:], scale)
+    return out
+
+
+def _attention_torch(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    num_kv = k_cache.shape[2]
+    head_dim = k_cache.shape[3]
+    k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k
+    v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
+    nd = meta.num_decodes
+    outs = []
+    if nd:
+        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale))
+    start = nd
+    for i, (qlen, slen) in enumerate(zip(meta.query_lens_host[nd:], meta.seq_lens_host[nd:])):
+        qs = q[start:start + qlen]
+        if qlen == slen:  # no cached prefix: attend to the fresh K/V directly
+            ks, vs = k[start:start + qlen], v[start:start + qlen]
+        else:
+            nblk = -(-slen // k_cache.shape[1])
+            blocks = meta.block_tables[nd + i, :nblk].long()
+            ks = k_cache[blocks].view(-1, num_kv, head_dim)[:slen]
+            vs = v_cache[blocks].view(-1, num_kv, head_dim)[:slen]
+        outs.append(_prefill_one(qs, ks, vs, scale))
+        start += qlen
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q [Q, H, D], k/v [S, Hkv, D] with the Q new tokens at the end of the S
+    qlen, slen = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if qlen == slen:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (slen - qlen)
+        mask = torch.arange(slen, device=q.device).unsqueeze(0) <= rows  # [Q, S]
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # q [B, H, D]; gather each sequence's blocks up to the longest context in the batch
+    nd = meta.num_decodes
+    bs, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    nblk = -(-meta.max_decode_len // bs)
+    tables = meta.block_tables[:nd, :nblk].long()
+    keys = k_cache[tables].view(nd, nblk * bs, num_kv, head_dim).transpose(1, 2)  # [B,Hkv,L,D]
+    vals = v_cache[tables].view(nd, nblk * bs, num_kv, head_dim).transpose(1, 2)
+    group = q.shape[1] // num_kv
+    qg = q.view(nd, num_kv, group, head_dim)
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [B, Hkv, G, L]
+    pos = torch.arange(nblk * bs, device=q.device)
+    lens = meta.seq_lens[:nd].to(pos.device).long()
+    scores.masked_fill_((pos.unsqueeze(0) >= lens.unsqueeze(1))[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, vals).view(nd, num_kv * group, head_dim)

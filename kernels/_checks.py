@@ -65,8 +65,8 @@ def check_device(kernel: object, names: Sequence[str], tensors: Sequence[torch.T
 
         if not isinstance(kernel, InterpretedFunction):
             raise ValueError(
-                f"{names[0]} is on the CPU; Triton kernels need a GPU tensor, or TRITON_INTERPRET=1 "
-                "set before triton is first imported"
+                f"{names[0]} is on the CPU; Triton kernels need a GPU tensor, or "
+                "TRITON_INTERPRET=1 set before triton is first imported"
             )
 
 

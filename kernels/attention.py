@@ -125,8 +125,8 @@ def _prefill_kernel(
     m_block = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start  # int32, like every position below
     if m_block * BLOCK_M >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -135,7 +135,7 @@ def _prefill_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
     dims = tl.arange(0, BLOCK_D)
     qo_mask = (offs_m < q_len)[:, None] & (dims < head_dim)[None, :]
-    q_rows = q_start + offs_m
+    q_rows = q_start.to(tl.int64) + offs_m
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
     q_pos = prefix + offs_m  # absolute position of each query token
@@ -230,7 +230,8 @@ def paged_prefill_attention(
     q: ``[T, H, D]`` (stride 1 in the last dim); sequence i owns rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 ``[S+1]``), which are the last ``q_len`` of its
     ``seq_lens[i]`` tokens (int32 ``[S]``); their K/V must already be in the cache.
-    ``max_seqlen_q``: the largest ``q_len``; pass it to avoid a device-to-host sync.
+    ``max_seqlen_q``: at least the largest ``q_len`` (a smaller value leaves rows unwritten);
+    pass it to avoid a device-to-host sync.
     Returns a new contiguous ``[T, H, D]`` tensor of q's dtype.
     """
     check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32))
@@ -251,7 +252,8 @@ def paged_prefill_attention(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_seqlen_q <= 0:
         return out
-    block_m = 64 if head_dim <= 128 else 32
+    # 64x64 fp32 tiles with head_dim 128 need ~115 KB of shared memory; stay under 100 KB.
+    block_m = 64 if head_dim <= 128 and q.dtype != torch.float32 else 32
     block_m = min(block_m, tile(max_seqlen_q))
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](

@@ -79,7 +79,8 @@ def write_kv_cache(
     check_shape("v_cache", v_cache, k_cache.shape)
     if tuple(k_cache.shape[2:]) != (num_heads, head_dim):
         raise ValueError(
-            f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k {(num_heads, head_dim)}"
+            f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} do not match "
+            f"k {(num_heads, head_dim)}"
         )
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     check_last_dim_contiguous("k", k)

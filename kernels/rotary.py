@@ -61,8 +61,10 @@ def _rotary_kernel(
     r = tl.arange(0, BLOCK_R)[None, :]
     cos = tl.load(cache_ptr + pos * (2 * HALF) + r, mask=r < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + r, mask=r < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
-    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, num_q_heads, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_R)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, num_k_heads, cos, sin,
+                  HALF, BLOCK_HK, BLOCK_R)
 
 
 def apply_rotary(

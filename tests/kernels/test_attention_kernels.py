@@ -1,4 +1,4 @@
-"""Paged decode / prefill attention launchers vs. the torch reference, and the reference vs. SDPA."""
+"""Paged decode / prefill attention launchers vs. the torch reference; the reference vs. SDPA."""
 
 from __future__ import annotations
 

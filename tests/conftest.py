@@ -12,6 +12,8 @@ from typing import Callable
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on CPU tensors only under the interpreter; it must be set before import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

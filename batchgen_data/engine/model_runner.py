@@ -87,6 +87,7 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             query_lens_host=q_lens,
             max_decode_len=max(seq_lens[:num_decodes], default=0),
+            max_prefill_len=max(prefill_q, default=0),
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),

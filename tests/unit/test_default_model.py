@@ -41,7 +41,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     child_env = {**os.environ, env.CACHE_DIR_VAR: str(cache), "HF_HUB_OFFLINE": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WORKER], env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", _WORKER],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(2)
     ]
@@ -82,7 +86,7 @@ def test_converted_dir_is_a_plain_hf_llama_checkpoint(converted: tuple[Path, lis
     from safetensors import safe_open
 
     path = Path(converted[1][0]["path"])
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in dm._REQUIRED_FILES:
         assert (path / name).is_file(), name
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "llama"
@@ -103,11 +107,13 @@ def test_chat_template_renders_chatml(converted: tuple[Path, list[dict]]) -> Non
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(converted[1][0]["path"])
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
-    assert "chat_template" in json.loads(Path(converted[1][0]["path"], "tokenizer_config.json").read_text())
+    saved = json.loads(Path(converted[1][0]["path"], "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in saved["chat_template"]
 
 
 def test_find_default_gguf_points_into_the_wheel() -> None:
@@ -127,7 +133,9 @@ def _fake_convert(gguf: Path, out_dir: Path) -> None:
         (out_dir / name).write_text("{}")
 
 
-def test_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_conversion_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(gguf: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
         raise OSError("disk full")
@@ -140,7 +148,9 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: py
     assert (dm.default_model_dir(tmp_path) / "model.safetensors").is_file()
 
 
-def test_stale_temp_and_incomplete_target_are_redone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stale_temp_and_incomplete_target_are_redone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(dm, "_convert", _fake_convert)
     target = dm.default_model_dir(tmp_path)
     (target / "model.safetensors").unlink()  # e.g. someone cleaned up by hand
@@ -150,7 +160,16 @@ def test_stale_temp_and_incomplete_target_are_redone(tmp_path: Path, monkeypatch
     assert (target / "model.safetensors").is_file() and not stale.exists()
 
 
-def test_cache_dir_prefers_env_var_then_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unwritable_cache_names_the_env_var(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    with pytest.raises(RuntimeError, match=env.CACHE_DIR_VAR):
+        dm.default_model_dir(blocker / "cache")
+
+
+def test_cache_dir_prefers_env_var_then_xdg(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv(env.CACHE_DIR_VAR, "  ")  # blank counts as unset
     assert env.cache_dir() == tmp_path / "xdg" / "batchgen_data"

@@ -1,0 +1,234 @@
+"""The Arrow/pandas ⇄ request layer shared by the Ray Data and Spark connectors.
+
+A connector sees rows; the engine sees `(prompt_token_ids, SamplingParams)`. This module is the
+one place that turns a row into a request (or into a clear error message, so that a bad row
+never crashes a job) and a finished request back into output columns. It knows nothing about
+Ray or Spark and imports neither.
+
+    builder = RequestBuilder.from_engine(engine, default_params={"max_tokens": 32})
+    for row in batch_rows(table):
+        try:
+            req = builder.build(row)          # Request(prompt_token_ids, params, prompt)
+        except RowError as e:
+            out = error_row(str(e))           # empty outputs, `error` set
+        ...
+        out = result_row(request_output)      # generated_text, ..., error=None
+    table_out = attach_outputs(table, row_indices, out_rows)   # input columns kept
+
+Input columns, first non-null wins: `prompt_token_ids` (list of ints), `messages` (OpenAI chat
+list, rendered with the tokenizer's chat template and `add_generation_prompt=True`), `prompt`
+(str). Optional `sampling_params`: a dict/struct (or JSON string) of per-row overrides.
+Tokenization matches `LLM.generate` / `LLM.chat`, so a row gives the same tokens offline.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen_data.sampling_params import SamplingParams
+
+INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
+PARAMS_COLUMN = "sampling_params"
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens",
+                  "num_generated_tokens", "finish_reason", "error")
+
+
+class RowError(ValueError):
+    """A row the engine cannot take; its message becomes the row's `error` value."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One validated row, ready for `EngineDriver.submit(prompt_token_ids, params, prompt=)`."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+def output_schema() -> pa.Schema:
+    """Arrow schema of the columns both connectors append to every input row."""
+    return pa.schema([
+        pa.field("generated_text", pa.string()),
+        pa.field("generated_token_ids", pa.list_(pa.int32())),
+        pa.field("num_prompt_tokens", pa.int32()),
+        pa.field("num_generated_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("error", pa.string()),
+    ])
+
+
+def result_row(out: Any) -> dict[str, Any]:
+    """Output columns for a finished `RequestOutput` (its first completion)."""
+    c = out.outputs[0]
+    return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
+            "num_prompt_tokens": len(out.prompt_token_ids), "num_generated_tokens": len(c.token_ids),
+            "finish_reason": c.finish_reason, "error": None}
+
+
+def error_row(message: str) -> dict[str, Any]:
+    """Output columns for a row that produced nothing: empty outputs, `error` = message."""
+    return {"generated_text": "", "generated_token_ids": [], "num_prompt_tokens": 0,
+            "num_generated_tokens": 0, "finish_reason": None, "error": message}
+
+
+def to_python(value: Any) -> Any:
+    """Plain Python for one cell: numpy arrays/scalars → lists/scalars, NaN/NA → None.
+
+    pandas and numpy batches hold lists as numpy object arrays and missing strings as NaN;
+    validation and chat templates want plain lists, dicts and None.
+    """
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if type(value).__name__ in ("NAType", "NaTType"):
+        return None
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # numpy array or scalar
+        return to_python(value.tolist())
+    return value
+
+
+def to_arrow(batch: Any) -> pa.Table:
+    """Any batch Ray or Spark hands over (Arrow table/record batch, pandas, dict of columns)."""
+    if isinstance(batch, pa.Table):
+        return batch
+    if isinstance(batch, pa.RecordBatch):
+        return pa.Table.from_batches([batch])
+    if isinstance(batch, Mapping):
+        return pa.table({k: pa.array(to_python(list(v))) for k, v in batch.items()})
+    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas, imported lazily
+        return pa.table({c: pa.array([to_python(v) for v in batch[c].tolist()])
+                         for c in batch.columns})
+    raise TypeError(f"unsupported batch type {type(batch).__name__}")
+
+
+def batch_rows(batch: Any) -> list[dict[str, Any]]:
+    """The rows of a batch as plain dicts (see `to_python`)."""
+    return to_arrow(batch).to_pylist()
+
+
+def attach_outputs(table: pa.Table, indices: Sequence[int],
+                   rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Input rows `indices` of `table`, all columns kept, with the output columns appended.
+
+    An input column that already has an output column's name is replaced by the new value.
+    """
+    assert len(indices) == len(rows), (len(indices), len(rows))
+    kept = table.take(pa.array(indices, type=pa.int64()))
+    kept = kept.drop_columns([c for c in OUTPUT_COLUMNS if c in kept.column_names])
+    outputs = pa.Table.from_pylist(list(rows), schema=output_schema())
+    for field, column in zip(outputs.schema, outputs.columns):
+        kept = kept.append_column(field, column)
+    return kept
+
+
+def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt") -> tuple[list[int], str | None]:
+    """(prompt_token_ids, prompt text) for one input value, or RowError naming the problem."""
+    value = to_python(value)
+    if column == "prompt_token_ids":
+        if not isinstance(value, list) or not value:
+            raise RowError("prompt_token_ids must be a non-empty list of ints")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise RowError("prompt_token_ids must contain only ints")
+        return value, None
+    if column == "messages":
+        return _render_chat(value, tokenizer)
+    if value is None:
+        raise RowError("prompt is null")
+    if not isinstance(value, str):
+        raise RowError(f"prompt must be a string, got {type(value).__name__}")
+    if not value:
+        raise RowError("prompt is empty")
+    return tokenizer.encode(value), value
+
+
+def _render_chat(messages: Any, tokenizer: Any) -> tuple[list[int], str]:
+    if not isinstance(messages, list) or not messages:
+        raise RowError("messages must be a non-empty list of {'role': str, 'content': str}")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RowError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        m = {k: v for k, v in m.items() if v is not None}  # Arrow structs fill absent keys
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(f"messages[{i}] needs string 'role' and 'content'")
+        clean.append(m)
+    try:
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may reject a role order, e.g. two user turns
+        raise RowError(f"chat template failed on messages: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False), text
+
+
+def parse_overrides(value: Any) -> dict[str, Any] | None:
+    """Per-row sampling overrides: dict/struct, JSON object string, or null."""
+    value = to_python(value)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowError(f"sampling_params is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise RowError(f"sampling_params must be a dict, got {type(value).__name__}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+class RequestBuilder:
+    """Validates rows against one engine's tokenizer and limits and turns them into Requests."""
+
+    def __init__(self, tokenizer: Any, default_params: SamplingParams | Mapping[str, Any] | None = None,
+                 check: Callable[[list[int], SamplingParams], None] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.default_params = SamplingParams.from_dict(
+            dict(default_params) if isinstance(default_params, Mapping) else default_params)
+        # engine.check_request: raises ValueError for prompts too long, token ids out of vocab
+        self.check = check
+
+    @classmethod
+    def from_engine(cls, engine: Any, default_params: Any = None) -> "RequestBuilder":
+        return cls(engine.tokenizer, default_params, engine.check_request)
+
+    def build(self, row: Mapping[str, Any]) -> Request:
+        """The Request for one row; RowError with a message naming the problem otherwise."""
+        present = [c for c in INPUT_COLUMNS if c in row]
+        if not present:
+            raise RowError(f"row has none of the input columns {list(INPUT_COLUMNS)[::-1]}")
+        column = next((c for c in present if to_python(row[c]) is not None), present[-1])
+        ids, text = encode_prompt(row[column], self.tokenizer, column)
+        params = self.params_for(row.get(PARAMS_COLUMN))
+        if self.check is not None:
+            try:
+                self.check(ids, params)
+            except (ValueError, TypeError) as e:
+                raise RowError(str(e)) from None
+        return Request(ids, params, text)
+
+    def params_for(self, overrides: Any) -> SamplingParams:
+        """Defaults merged with one row's overrides; RowError when they are invalid."""
+        try:
+            params = self.default_params.merged(parse_overrides(overrides))
+        except (TypeError, ValueError) as e:
+            raise RowError(f"bad sampling_params: {e}") from None
+        if params.n != 1:
+            raise RowError(f"bad sampling_params: n={params.n}; connectors emit one row per "
+                           "input row, so n must be 1")
+        return params
+
+    def try_build(self, row: Mapping[str, Any]) -> Request | str:
+        """Like `build`, but returns the error message instead of raising."""
+        try:
+            return self.build(row)
+        except RowError as e:
+            return str(e)

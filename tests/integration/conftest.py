@@ -1,0 +1,36 @@
+"""Shared fixtures for integration tests: one local Spark session for the whole pytest run.
+
+Starting a JVM costs ~10 s, so every Spark test shares this session; tests change only
+per-query SQL confs (and restore them), never cluster settings.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator["pyspark.sql.SparkSession"]:  # noqa: F821
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pandas")
+    from pyspark.sql import SparkSession
+
+    # Executors must run this interpreter (it has torch and batchgen_data installed).
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("batchgen-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.python.worker.reuse", "true")
+        .config("spark.driver.memory", "2g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

@@ -1,0 +1,136 @@
+"""Spark connector end to end on local[2] with a tiny random Llama.
+
+All tests share one engine configuration, so each Python worker loads the model once and later
+tests reuse it (as production jobs do); the fail-fast test runs last because a failed task
+retires its worker.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from batchgen_data import LLM, SamplingParams  # noqa: E402
+from batchgen_data.connectors.engine_cache import derive_seed  # noqa: E402
+from batchgen_data.connectors.spark import batchgen_udf, generate_df  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = {"max_model_len": 64, "max_num_seqs": 64}
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 8}
+PROMPTS = [f"The quick brown fox {i} jumps over" if i % 2 else f"Summarise paragraph {i}"
+           for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[..., Path]) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(model: str) -> LLM:
+    return LLM(model, **ENGINE)
+
+
+@pytest.fixture
+def arrow_batch_rows(spark: Any) -> Iterator[Callable[[int], None]]:
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    old = spark.conf.get(key)
+    yield lambda n: spark.conf.set(key, str(n))
+    spark.conf.set(key, old)
+
+
+def texts(outs: list) -> list[str]:
+    return [o.outputs[0].text for o in outs]
+
+
+def prompt_df(spark: Any, prompts: list[Any], partitions: int = 2) -> Any:
+    rows = [(i, p) for i, p in enumerate(prompts)]
+    return spark.createDataFrame(rows, "id long, prompt string").repartition(partitions, "id")
+
+
+def run_udf(df: Any, udf: Any, col: str = "prompt") -> list[Any]:
+    return sorted(df.select("id", udf(col).alias("o")).select("id", "o.*").collect(),
+                  key=lambda r: r.id)
+
+
+def test_udf_matches_offline_generate(spark: Any, model: str, llm: LLM) -> None:
+    df = prompt_df(spark, PROMPTS)
+    greedy = run_udf(df, batchgen_udf(model, GREEDY, **ENGINE))
+    expected = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    assert [r.generated_text for r in greedy] == texts(expected)
+    assert [r.generated_token_ids for r in greedy] == [o.outputs[0].token_ids for o in expected]
+    assert all(r.error is None and r.finish_reason in ("stop", "length") for r in greedy)
+    assert [r.num_prompt_tokens for r in greedy] == [len(o.prompt_token_ids) for o in expected]
+
+    # no seed given: each row is seeded from its prompt, so offline runs can reproduce it
+    sampled = run_udf(df, batchgen_udf(model, SAMPLED, **ENGINE))
+    seeded = [SamplingParams(**SAMPLED, seed=derive_seed(0, p)) for p in PROMPTS]
+    assert [r.generated_text for r in sampled] == texts(llm.generate(PROMPTS, seeded, use_tqdm=False))
+
+
+def test_bad_rows_become_errors(spark: Any, model: str, llm: LLM) -> None:
+    too_long = "the lazy dog " * 40
+    prompts = ["The quick brown fox", None, "", too_long, "What is the capital of France?"]
+    rows = run_udf(prompt_df(spark, prompts), batchgen_udf(model, GREEDY, **ENGINE))
+    assert [r.error is None for r in rows] == [True, False, False, False, True]
+    assert "null" in rows[1].error and "empty" in rows[2].error
+    assert "max_model_len" in rows[3].error
+    assert rows[3].generated_text is None and rows[3].num_generated_tokens is None
+    good = llm.generate([prompts[0], prompts[4]], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [rows[0].generated_text, rows[4].generated_text] == texts(good)
+
+
+def test_sql_registration(spark: Any, model: str, llm: LLM) -> None:
+    spark.udf.register("batchgen_generate", batchgen_udf(model, GREEDY, **ENGINE))
+    prompt_df(spark, PROMPTS[:6]).createOrReplaceTempView("prompts")
+    rows = spark.sql("SELECT id, batchgen_generate(prompt).generated_text AS text "
+                     "FROM prompts").collect()
+    assert [r.text for r in sorted(rows, key=lambda r: r.id)] == texts(llm.generate(PROMPTS[:6], SamplingParams(**GREEDY),
+                                                        use_tqdm=False))
+
+
+def test_small_arrow_batches_still_fill_engine(spark: Any, model: str,
+                                               arrow_batch_rows: Callable[[int], None]) -> None:
+    arrow_batch_rows(4)
+    prompts = [f"Extract the invoice number {i}" for i in range(32)]
+    udf = batchgen_udf(model, GREEDY, debug_stats=True, **ENGINE)
+    rows = run_udf(prompt_df(spark, prompts, partitions=1), udf)
+    assert len(rows) == 32 and all(r.error is None for r in rows)
+    # predict_batch_udf would cap the engine at 4 sequences here
+    assert max(r.engine_max_batch_seqs for r in rows) > 4
+
+
+def test_generate_df_completion_order_keeps_columns(spark: Any, model: str, llm: LLM) -> None:
+    prompts = PROMPTS[:12] + [None]
+    from pyspark.sql import functions as F
+
+    df = prompt_df(spark, prompts).withColumn("tag", F.lit("x"))
+    out = generate_df(df, id_col="id", model=model, sampling_params=SAMPLED, **ENGINE).collect()
+    assert sorted(r.id for r in out) == list(range(13))
+    assert set(out[0].asDict()) >= {"id", "prompt", "tag", "generated_text", "error"}
+    by_id = {r.id: r for r in out}
+    assert by_id[12].error is not None and by_id[12].tag == "x"
+    # seeded from the id column, not the prompt
+    seeded = [SamplingParams(**SAMPLED, seed=derive_seed(0, str(i))) for i in range(12)]
+    expected = texts(llm.generate(PROMPTS[:12], seeded, use_tqdm=False))
+    assert [by_id[i].generated_text for i in range(12)] == expected
+
+
+def test_chat_messages_column(spark: Any, model: str, llm: LLM) -> None:
+    convs = [[{"role": "user", "content": f"What is the capital of France {i}?"}] for i in range(4)]
+    df = spark.createDataFrame([(i, c) for i, c in enumerate(convs)],
+                               "id long, messages array<struct<role:string,content:string>>")
+    rows = run_udf(df, batchgen_udf(model, GREEDY, **ENGINE), col="messages")
+    assert [r.generated_text for r in rows] == texts(llm.chat(convs, SamplingParams(**GREEDY),
+                                                             use_tqdm=False))
+
+
+def test_on_error_raise_fails_the_job(spark: Any, model: str) -> None:
+    df = prompt_df(spark, ["The quick brown fox", ""])
+    with pytest.raises(Exception, match="empty"):
+        run_udf(df, batchgen_udf(model, GREEDY, on_error="raise", **ENGINE))

@@ -89,6 +89,8 @@ class ModelRunner:
             max_decode_len=max(seq_lens[:num_decodes], default=0),
             max_prefill_len=max(prefill_q, default=0),
         )
+        if dev.type == "cpu" and num_decodes:
+            self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
@@ -97,6 +99,15 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             order=order,
         )
+
+    def _decode_gather_index(self, meta: AttentionMetadata, tables: torch.Tensor,
+                             lens: list[int]) -> None:
+        bs, width = self.block_size, meta.max_decode_len
+        offsets = torch.arange(bs, dtype=torch.long)
+        slots = (tables.long().unsqueeze(2) * bs + offsets).view(len(lens), -1)[:, :width]
+        meta.decode_slots = slots.contiguous()  # [B, width]
+        meta.decode_mask = (torch.arange(width).unsqueeze(0)
+                            < torch.tensor(lens).unsqueeze(1))[:, None, None, :]
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:

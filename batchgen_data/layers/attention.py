@@ -27,6 +27,9 @@ class AttentionMetadata:
     query_lens_host: list[int]
     max_decode_len: int
     max_prefill_len: int  # longest prefill chunk (spares the kernel a device sync)
+    # torch path only, built once per step and shared by every layer:
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_decode_len] cache slots
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] True = attend
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -94,18 +97,12 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # q [B, H, D]; gather each sequence's blocks up to the longest context in the batch
-    nd = meta.num_decodes
-    bs, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    nblk = -(-meta.max_decode_len // bs)
-    tables = meta.block_tables[:nd, :nblk].long()
-    keys = k_cache[tables].view(nd, nblk * bs, num_kv, head_dim).transpose(1, 2)  # [B,Hkv,L,D]
-    vals = v_cache[tables].view(nd, nblk * bs, num_kv, head_dim).transpose(1, 2)
-    group = q.shape[1] // num_kv
-    qg = q.view(nd, num_kv, group, head_dim)
-    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [B, Hkv, G, L]
-    pos = torch.arange(nblk * bs, device=q.device)
-    lens = meta.seq_lens[:nd].to(pos.device).long()
-    scores.masked_fill_((pos.unsqueeze(0) >= lens.unsqueeze(1))[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, vals).view(nd, num_kv * group, head_dim)
+    # q [B, H, D]. Gather each sequence's KV rows (one index_select, no per-block copies) and
+    # let SDPA read them strided: this moves KV once instead of three times.
+    nd, num_kv, head_dim = meta.num_decodes, k_cache.shape[2], k_cache.shape[3]
+    slots = meta.decode_slots.view(-1)
+    keys = k_cache.view(-1, num_kv, head_dim).index_select(0, slots).view(nd, -1, num_kv, head_dim)
+    vals = v_cache.view(-1, num_kv, head_dim).index_select(0, slots).view(nd, -1, num_kv, head_dim)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                       attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)  # [B, H, D]

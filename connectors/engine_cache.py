@@ -129,6 +129,12 @@ class EngineCache:
                 self._key = key
             return self._driver
 
+    def discard(self, driver: DriverLike) -> None:
+        """Forget `driver` if it is the cached one (its engine died): the next task rebuilds."""
+        with self._lock:
+            if self._driver is driver:
+                self._driver, self._key = None, None
+
     def clear(self) -> None:
         with self._lock:
             if self._driver is not None:

@@ -13,11 +13,12 @@ pyspark and pandas are imported only when these functions are called.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors import spark_task
+from batchgen_data.connectors import common, spark_task
 from batchgen_data.connectors.spark_task import TaskSettings
 from batchgen_data.connectors.streaming import in_completion_order, in_input_order
 
@@ -63,28 +64,17 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
 
 def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterator["pd.DataFrame"]:
     """One task of `batchgen_udf`: submit across Arrow batches, yield in input order."""
-    session = spark_task.TaskSession(settings)
-    chunks = in_input_order(prompts, lambda s: session.submit(_values(s), _values(s)),
-                            settings.max_in_flight)
-    for futures in chunks:
-        yield session.outputs(futures).to_pandas(types_mapper=_pandas_type)
-
-
-def _values(series: "pd.Series") -> list[Any]:
-    """Python values of a pandas column; chat messages arrive as numpy arrays of dicts."""
-    return [v.tolist() if hasattr(v, "tolist") and not isinstance(v, str) else v
-            for v in series.tolist()]
-
-
-def _pandas_type(arrow_type: pa.DataType) -> Any:
-    """Keep nullable ints as pandas' Int types so error rows (nulls) do not turn into floats."""
     import pandas as pd
 
-    if pa.types.is_int32(arrow_type):
-        return pd.Int32Dtype()
-    if pa.types.is_int64(arrow_type):
-        return pd.Int64Dtype()
-    return None
+    session = spark_task.TaskSession(settings)
+    names = spark_task.output_schema(settings.debug_stats).names
+
+    def submit(series: pd.Series) -> list[Future]:
+        values = [common.to_python(v) for v in series.tolist()]
+        return session.submit([spark_task.value_row(v) for v in values], values)
+
+    for futures in in_input_order(prompts, submit, settings.max_in_flight):
+        yield pd.DataFrame.from_records(session.output_rows(futures), columns=names)
 
 
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
@@ -103,13 +93,12 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs)
-    out_schema = spark_task.output_schema(debug_stats)
-    clash = sorted(set(df.columns) & set(out_schema.names))
-    if clash:
-        raise ValueError(f"input columns {clash} clash with output columns; rename them first")
     from pyspark.sql.types import StructType
 
-    schema = StructType(df.schema.fields + _spark_type(out_schema).fields)
+    out_fields = _spark_type(spark_task.output_schema(debug_stats)).fields
+    # like common.attach_outputs: an input column named like an output column is replaced
+    kept = [f for f in df.schema.fields if f.name not in {o.name for o in out_fields}]
+    schema = StructType(kept + out_fields)
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         yield from _map_task(settings, prompt_col, id_col, batches)
@@ -122,15 +111,26 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
     """One task of `generate_df`: input columns plus results, as rows finish."""
     session = spark_task.TaskSession(settings)
 
-    def submit(batch: pa.RecordBatch) -> list:
-        prompts = batch.column(prompt_col).to_pylist()
-        keys = batch.column(id_col).to_pylist() if id_col is not None else prompts
-        return session.submit(prompts, keys)
+    def submit(batch: pa.RecordBatch) -> list[Future]:
+        values = batch.column(prompt_col).to_pylist()
+        rows = [spark_task.value_row(v) for v in values]
+        if common.PARAMS_COLUMN in batch.schema.names:
+            for row, over in zip(rows, batch.column(common.PARAMS_COLUMN).to_pylist()):
+                row[common.PARAMS_COLUMN] = over
+        keys = batch.column(id_col).to_pylist() if id_col is not None else values
+        return session.submit(rows, keys)
 
     for done in in_completion_order(batches, submit, settings.max_in_flight):
-        inputs = pa.Table.from_batches(
-            [batch.slice(i, 1) for batch, i, _ in done]).combine_chunks()
-        results = session.outputs([fut for _, _, fut in done])
-        yield from pa.Table.from_arrays(
-            inputs.columns + results.columns,
-            names=inputs.column_names + results.column_names).to_batches()
+        # finished rows grouped by the input batch they came from, so columns are taken once
+        groups: dict[int, tuple[pa.RecordBatch, list[int], list[Future]]] = {}
+        for batch, i, fut in done:
+            _, indices, futures = groups.setdefault(id(batch), (batch, [], []))
+            indices.append(i)
+            futures.append(fut)
+        for batch, indices, futures in groups.values():
+            rows = session.output_rows(futures)
+            table = common.attach_outputs(pa.Table.from_batches([batch]), indices, rows)
+            if settings.debug_stats:
+                peaks = [r[spark_task.DEBUG_FIELD] for r in rows]
+                table = table.append_column(spark_task.DEBUG_FIELD, pa.array(peaks, pa.int32()))
+            yield from table.to_batches()

@@ -1,29 +1,26 @@
 """Executor side of the Spark connector: what one Spark task does with its rows.
 
 A task finds (or builds) its worker's engine, turns each row into an engine request (or an error
-message), and submits it to the engine's driver thread; results come back as Futures that the
-windows in `streaming` hand back to Spark. Nothing here imports pyspark at module level except
-through `task_resources`, so the logic is testable without a JVM.
+message) through `connectors.common`, and submits it to the engine's driver thread; results come
+back as Futures that the windows in `streaming` hand back to Spark. pyspark is imported only in
+`task_resources`, so everything else is testable without a JVM.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.connectors import engine_cache
+from batchgen_data.connectors import common, engine_cache
+from batchgen_data.connectors.common import RowError
 from batchgen_data.connectors.engine_cache import EngineSpec
 from batchgen_data.connectors.streaming import BatchSizeProbe, failed_future
 from batchgen_data.sampling_params import SamplingParams
 
 ON_ERROR = ("row", "raise")
-
-
-class RowError(ValueError):
-    """A row the engine cannot take (or that failed in it); becomes the row's `error` value."""
-
+DEBUG_FIELD = "engine_max_batch_seqs"
 
 @dataclass(frozen=True)
 class TaskSettings:
@@ -73,55 +70,27 @@ def task_driver(settings: TaskSettings) -> engine_cache.DriverLike:
     return engine_cache.ENGINES.get(settings.spec.resolved(device, cpus))
 
 
-def row_seed(settings: TaskSettings, key: str) -> SamplingParams:
-    """Sampling params for one row, seeded from the row itself when the user gave no seed.
+def seeded(params: SamplingParams, base_seed: int, key: Any) -> SamplingParams:
+    """`params`, seeded from the row itself when neither the user nor the row gave a seed.
 
-    A retried or speculative task then samples the same tokens for the same row.
+    The key is the row's id (generate_df with id_col) or its prompt, so a retried or speculative
+    task samples the same tokens for the same row, whichever worker runs it.
     """
-    params = SamplingParams.from_dict(settings.params)
     if params.seed is not None:
         return params
-    return replace(params, seed=engine_cache.derive_seed(settings.spec.base_seed, key))
+    return replace(params, seed=engine_cache.derive_seed(base_seed, str(key)))
 
 
-def submit_rows(driver: engine_cache.DriverLike, settings: TaskSettings,
-                requests: Iterable[tuple[list[int], str | None, SamplingParams] | str]) -> list[Future]:
-    """Submit prepared requests; an error message, or input the engine refuses, becomes a
-    finished Future holding a `RowError` (or is raised at once when on_error="raise")."""
-    futures = []
-    for req in requests:
-        if isinstance(req, str):
-            futures.append(_reject(settings, req))
-            continue
-        ids, prompt, params = req
-        try:
-            futures.append(driver.submit(ids, params, prompt=prompt))
-        except ValueError as e:
-            futures.append(_reject(settings, str(e)))
-    return futures
-
-
-def _reject(settings: TaskSettings, message: str) -> Future:
-    if settings.on_error == "raise":
-        raise RowError(message)
-    return failed_future(RowError(message))
-
-
-def outcome(fut: Future, settings: TaskSettings) -> tuple[Any, str | None]:
-    """(RequestOutput, None) or (None, error message); re-raises when on_error="raise"."""
-    exc = fut.exception()
-    if exc is None:
-        return fut.result(), None
-    if settings.on_error == "raise":
-        raise exc
-    return None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, RowError) else str(exc)
-
-
-DEBUG_FIELD = "engine_max_batch_seqs"
+def value_row(value: Any) -> dict[str, Any]:
+    """A UDF cell as a `common` row: chat messages, token ids, or (anything else) a prompt."""
+    value = common.to_python(value)
+    if isinstance(value, list) and value:
+        return {"messages" if isinstance(value[0], dict) else "prompt_token_ids": value}
+    return {"prompt": value}
 
 
 def output_schema(debug_stats: bool = False) -> pa.Schema:
-    schema = _output_schema()
+    schema = common.output_schema()
     return schema.append(pa.field(DEBUG_FIELD, pa.int32())) if debug_stats else schema
 
 
@@ -131,61 +100,63 @@ class TaskSession:
     def __init__(self, settings: TaskSettings) -> None:
         self.settings = settings
         self._driver: engine_cache.DriverLike | None = None
+        self._builder: common.RequestBuilder | None = None
         self._probe: BatchSizeProbe | None = None
+        self._dead_error: type[BaseException] = RuntimeError
 
-    @property
-    def driver(self) -> engine_cache.DriverLike:
-        # built on first use, so an empty partition never loads a model
-        if self._driver is None:
+    def _start(self) -> tuple[engine_cache.DriverLike, common.RequestBuilder]:
+        # on first use, so an empty partition never loads a model
+        if self._driver is None or self._builder is None:
+            from batchgen_data.engine.driver import EngineDeadError
+
+            self._dead_error = EngineDeadError
             self._driver = task_driver(self.settings)
+            self._builder = common.RequestBuilder.from_engine(self._driver.engine,
+                                                              self.settings.params)
             self._probe = BatchSizeProbe(self._driver.engine)
-        return self._driver
+        return self._driver, self._builder
 
-    def submit(self, values: list[Any], keys: list[Any]) -> list[Future]:
-        """One Future per input value; `keys` (prompts or ids) seed unseeded sampling."""
-        tokenizer = self.driver.engine.tokenizer
-        requests: list[tuple[list[int], str | None, SamplingParams] | str] = []
-        for value, key in zip(values, keys):
-            prepared = _prepare(value, tokenizer)
-            if isinstance(prepared, str):
-                requests.append(prepared)
-            else:
-                ids, prompt = prepared
-                requests.append((ids, prompt, row_seed(self.settings, str(key))))
-        return submit_rows(self.driver, self.settings, requests)
+    def submit(self, rows: list[dict[str, Any]], keys: list[Any]) -> list[Future]:
+        """One Future per row; a rejected row gets a finished Future holding its RowError
+        (or raises at once with on_error="raise"). `keys` seed unseeded sampling."""
+        driver, builder = self._start()
+        base_seed = self.settings.spec.base_seed
+        futures = []
+        for row, key in zip(rows, keys):
+            try:
+                req = builder.build(row)
+                params = seeded(req.params, base_seed, key)
+                futures.append(driver.submit(req.prompt_token_ids, params, prompt=req.prompt))
+            except self._dead_error:
+                self._forget_engine()
+                raise
+            except ValueError as e:  # RowError, or the engine refusing the request
+                if self.settings.on_error == "raise":
+                    raise RowError(str(e)) from None
+                futures.append(failed_future(RowError(str(e))))
+        return futures
 
-    def outputs(self, futures: list[Future]) -> pa.Table:
-        """Finished Futures -> output columns (one row each, same order)."""
-        rows = [_result_row(*outcome(f, self.settings)) for f in futures]
+    def output_rows(self, futures: list[Future]) -> list[dict[str, Any]]:
+        """Finished Futures -> output column values, one dict per row, same order."""
+        rows = [self._row(f) for f in futures]
         if self.settings.debug_stats:
             peak = self._probe.max_batch_seqs() if self._probe is not None else 0
             for row in rows:
                 row[DEBUG_FIELD] = peak
-        return pa.Table.from_pylist(rows, schema=output_schema(self.settings.debug_stats))
+        return rows
 
+    def _row(self, fut: Future) -> dict[str, Any]:
+        exc = fut.exception()
+        if exc is None:
+            return common.result_row(fut.result())
+        if isinstance(exc, self._dead_error):
+            self._forget_engine()  # not the row's fault: fail the task, Spark retries it
+            raise exc
+        if self.settings.on_error == "raise":
+            raise exc
+        return common.error_row(str(exc) if isinstance(exc, RowError)
+                                else f"{type(exc).__name__}: {exc}")
 
-# ---- stand-ins until connectors/common.py lands ------------------------------------------
-def _output_schema() -> pa.Schema:
-    return pa.schema([("generated_text", pa.string()), ("generated_token_ids", pa.list_(pa.int32())),
-                      ("num_prompt_tokens", pa.int32()), ("num_generated_tokens", pa.int32()),
-                      ("finish_reason", pa.string()), ("error", pa.string())])
-
-
-def _prepare(value: Any, tokenizer: Any) -> tuple[list[int], str | None] | str:
-    if value is None:
-        return "prompt is null"
-    if isinstance(value, str):
-        return (tokenizer.encode(value), value) if value else "prompt is an empty string"
-    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
-        text = tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False), text
-    return f"prompt must be a string or chat messages, got {type(value).__name__}"
-
-
-def _result_row(out: Any, error: str | None) -> dict[str, Any]:
-    if out is None:
-        return {"error": error}
-    c = out.outputs[0]
-    return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
-            "num_prompt_tokens": len(out.prompt_token_ids), "num_generated_tokens": len(c.token_ids),
-            "finish_reason": c.finish_reason, "error": None}
+    def _forget_engine(self) -> None:
+        if self._driver is not None:
+            engine_cache.ENGINES.discard(self._driver)

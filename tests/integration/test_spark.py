@@ -80,7 +80,7 @@ def test_bad_rows_become_errors(spark: Any, model: str, llm: LLM) -> None:
     assert [r.error is None for r in rows] == [True, False, False, False, True]
     assert "null" in rows[1].error and "empty" in rows[2].error
     assert "max_model_len" in rows[3].error
-    assert rows[3].generated_text is None and rows[3].num_generated_tokens is None
+    assert rows[3].generated_text == "" and rows[3].num_generated_tokens == 0
     good = llm.generate([prompts[0], prompts[4]], SamplingParams(**GREEDY), use_tqdm=False)
     assert [rows[0].generated_text, rows[4].generated_text] == texts(good)
 

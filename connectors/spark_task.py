@@ -113,7 +113,8 @@ class TaskSession:
             self._driver = task_driver(self.settings)
             self._builder = common.RequestBuilder.from_engine(self._driver.engine,
                                                               self.settings.params)
-            self._probe = BatchSizeProbe(self._driver.engine)
+            if self.settings.debug_stats:
+                self._probe = BatchSizeProbe(self._driver.engine)
         return self._driver, self._builder
 
     def submit(self, rows: list[dict[str, Any]], keys: list[Any]) -> list[Future]:

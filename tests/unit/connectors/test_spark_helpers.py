@@ -1,0 +1,120 @@
+"""Executor-side pieces of the Spark connector that need no JVM: device choice, per-row seeds,
+settings validation, the engine cache, and a task session over a fake engine."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from batchgen_data.connectors import engine_cache, spark_task
+from batchgen_data.connectors.engine_cache import EngineCache, EngineSpec, derive_seed, pick_device
+from batchgen_data.connectors.spark_task import TaskSession, TaskSettings, seeded, value_row
+from batchgen_data.outputs import CompletionOutput, RequestOutput
+from batchgen_data.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("gpus, visible, cuda, expected", [
+    (["1"], None, True, "cuda:1"),          # Spark's address, nothing masked
+    (["3"], "2,3", True, "cuda:1"),         # address re-numbered inside CUDA_VISIBLE_DEVICES
+    ([], "5", True, "cuda:0"),              # no Spark GPU resource, but a visible device
+    (["0"], None, False, "cpu"),            # torch without CUDA
+    ([], "-1", True, "cpu"),
+    ([], None, True, "cpu"),                # GPUs exist but this task was given none
+])
+def test_pick_device(gpus: list[str], visible: str | None, cuda: bool, expected: str) -> None:
+    assert pick_device(gpus, visible, cuda) == expected
+
+
+def test_derived_seed_is_stable_and_row_specific() -> None:
+    assert derive_seed(0, "a") == derive_seed(0, "a")
+    assert len({derive_seed(0, "a"), derive_seed(0, "b"), derive_seed(1, "a")}) == 3
+    assert 0 <= derive_seed(7, "x" * 1000) < 2**31
+    user = SamplingParams(seed=5)
+    assert seeded(user, 0, "k") is user
+    assert seeded(SamplingParams(), 0, 12).seed == derive_seed(0, "12")
+
+
+def test_value_row_detects_input_kind() -> None:
+    assert value_row("hi") == {"prompt": "hi"}
+    assert value_row(None) == {"prompt": None}
+    assert value_row([1, 2]) == {"prompt_token_ids": [1, 2]}
+    assert value_row([{"role": "user", "content": "x"}]) == {
+        "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_settings_validate_on_the_driver() -> None:
+    with pytest.raises(TypeError, match="max_num_seq"):
+        TaskSettings.create(None, None, "row", None, False, {"max_num_seq": 4})
+    with pytest.raises(ValueError, match="on_error"):
+        TaskSettings.create(None, None, "skip", None, False, {})
+    with pytest.raises(ValueError, match="max_in_flight"):
+        TaskSettings.create(None, None, "row", 0, False, {})
+    with pytest.raises(TypeError, match="temprature"):
+        TaskSettings.create(None, {"temprature": 0}, "row", None, False, {})
+    s = TaskSettings.create("m", {"max_tokens": 3}, "row", None, False, {"max_num_seqs": 8})
+    assert s.max_in_flight == 16 and s.params["max_tokens"] == 3
+
+
+def test_spec_resolution_keeps_user_choices() -> None:
+    spec = EngineSpec.create(None, {"max_num_seqs": 4})
+    assert spec.resolved("cuda:1", 4).kwargs == {"max_num_seqs": 4, "device": "cuda:1"}
+    assert spec.resolved("cpu", 2).kwargs["num_threads"] == 2
+    mine = EngineSpec.create(None, {"device": "cpu", "num_threads": 8})
+    assert mine.resolved("cuda:0", 2).kwargs == {"device": "cpu", "num_threads": 8}
+
+
+class FakeDriver:
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec, self.down, self.submitted = spec, False, []
+        self.engine = self
+
+    tokenizer = None
+    stats = type("Stats", (), {"batch_seqs_hist": {}})()
+
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) > 4:
+            raise ValueError("prompt has too many tokens; max_model_len is 5")
+
+    def submit(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+               prompt: str | None = None) -> Future:
+        self.check_request(ids, params)
+        self.submitted.append(params.seed)
+        fut: Future = Future()
+        fut.set_result(RequestOutput("r", prompt, ids, [CompletionOutput(0, "ok", [7], "length")]))
+        return fut
+
+    def shutdown(self) -> None:
+        self.down = True
+
+
+def test_engine_cache_builds_once_and_replaces_on_new_config() -> None:
+    cache = EngineCache(FakeDriver)
+    a = EngineSpec.create(None, {"max_num_seqs": 4})
+    first = cache.get(a)
+    assert cache.get(EngineSpec.create(None, {"max_num_seqs": 4})) is first
+    second = cache.get(EngineSpec.create(None, {"max_num_seqs": 8}))
+    assert second is not first and first.down
+    cache.discard(first)  # not the cached one: no effect
+    assert cache.get(EngineSpec.create(None, {"max_num_seqs": 8})) is second
+    cache.discard(second)
+    assert cache.get(EngineSpec.create(None, {"max_num_seqs": 8})) is not second
+
+
+def test_task_session_rows_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_cache, "ENGINES", EngineCache(FakeDriver))
+    monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
+    settings = TaskSettings.create(None, {"temperature": 1.0}, "row", None, True, {})
+    session = TaskSession(settings)
+    rows = [{"prompt_token_ids": [1, 2]}, {"prompt": None}, {"prompt_token_ids": [1] * 9}]
+    futures = session.submit(rows, ["a", "b", "c"])
+    out = session.output_rows(futures)
+    assert [r["error"] is None for r in out] == [True, False, False]
+    assert out[0]["generated_text"] == "ok" and "null" in out[1]["error"]
+    assert "max_model_len" in out[2]["error"]
+    assert all(spark_task.DEBUG_FIELD in r for r in out)
+    driver = engine_cache.ENGINES.get(settings.spec.resolved("cpu", 1))
+    assert driver.submitted == [derive_seed(0, "a")]
+
+    strict = TaskSession(TaskSettings.create(None, None, "raise", None, False, {}))
+    with pytest.raises(ValueError, match="null"):
+        strict.submit([{"prompt": None}], ["k"])

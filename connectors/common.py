@@ -189,22 +189,27 @@ class RequestBuilder:
     """Validates rows against one engine's tokenizer and limits and turns them into Requests."""
 
     def __init__(self, tokenizer: Any, default_params: SamplingParams | Mapping[str, Any] | None = None,
-                 check: Callable[[list[int], SamplingParams], None] | None = None) -> None:
+                 check: Callable[[list[int], SamplingParams], None] | None = None,
+                 apply_chat_template: bool = True) -> None:
         self.tokenizer = tokenizer
+        # without the chat template a `messages` column is just another passed-through column
+        self.columns = INPUT_COLUMNS if apply_chat_template else tuple(
+            c for c in INPUT_COLUMNS if c != "messages")
         self.default_params = SamplingParams.from_dict(
             dict(default_params) if isinstance(default_params, Mapping) else default_params)
         # engine.check_request: raises ValueError for prompts too long, token ids out of vocab
         self.check = check
 
     @classmethod
-    def from_engine(cls, engine: Any, default_params: Any = None) -> "RequestBuilder":
-        return cls(engine.tokenizer, default_params, engine.check_request)
+    def from_engine(cls, engine: Any, default_params: Any = None,
+                    apply_chat_template: bool = True) -> "RequestBuilder":
+        return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template)
 
     def build(self, row: Mapping[str, Any]) -> Request:
         """The Request for one row; RowError with a message naming the problem otherwise."""
-        present = [c for c in INPUT_COLUMNS if c in row]
+        present = [c for c in self.columns if c in row]
         if not present:
-            raise RowError(f"row has none of the input columns {list(INPUT_COLUMNS)[::-1]}")
+            raise RowError(f"row has none of the input columns {list(self.columns)[::-1]}")
         column = next((c for c in present if to_python(row[c]) is not None), present[-1])
         ids, text = encode_prompt(row[column], self.tokenizer, column)
         params = self.params_for(row.get(PARAMS_COLUMN))

@@ -1,0 +1,134 @@
+"""`build_processor`: a drop-in for `ray.data.llm.build_processor` over `BatchGenPredictor`.
+
+    config = BatchGenProcessorConfig(model_source=None, concurrency=2, batch_size=32,
+                                     sampling_params={"max_tokens": 64})
+    processor = build_processor(config, preprocess=lambda r: {"prompt": r["text"], **r},
+                                postprocess=lambda r: {"answer": r["generated_text"], **r})
+    out = processor(ds)
+
+Field names follow `ray.data.llm.vLLMEngineProcessorConfig` where the idea carries over; the
+differences are listed in docs/ray_data.md. Ray is imported only when a processor runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from batchgen_data.config import make_engine_config
+from batchgen_data.connectors import ray_blocks
+from batchgen_data.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import ray.data
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchGenProcessorConfig:
+    """How to run `BatchGenPredictor` over a Dataset (vLLMEngineProcessorConfig's names)."""
+
+    model_source: str | None = None  # None: the embedded default model
+    batch_size: int = 32
+    concurrency: int | tuple[int, int] = 1  # int: fixed pool; (m, n): autoscaling
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    apply_chat_template: bool = True  # render a `messages` column with the chat template
+    max_concurrent_batches: int = 4  # input batches served at once by one actor
+    max_tasks_in_flight_per_actor: int | None = None
+    should_continue_on_error: bool = True  # False: the first bad row fails the job
+    accelerator_type: str | None = None
+    runtime_env: dict[str, Any] | None = None
+    # this project's own
+    sampling_params: SamplingParams | Mapping[str, Any] | None = None  # defaults for every row
+    num_cpus: float = 0.5  # below 1, so actors never starve read tasks on small machines
+    num_gpus: float = 0.0
+    stream: bool = True  # rows leave as they finish; False: each input batch whole, in order
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size!r}: must be an int >= 1")
+        sizes = self.concurrency if isinstance(self.concurrency, tuple) else (self.concurrency,)
+        if not 1 <= len(sizes) <= 2 or any(not isinstance(s, int) or s < 1 for s in sizes) \
+                or sizes[0] > sizes[-1]:
+            raise ValueError(f"concurrency={self.concurrency!r}: use n >= 1 or (m, n), 1 <= m <= n")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches={self.max_concurrent_batches!r}: must be >= 1")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
+        make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
+        SamplingParams.from_dict(dict(self.sampling_params)
+                                 if isinstance(self.sampling_params, Mapping)
+                                 else self.sampling_params)
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        """`fn_constructor_kwargs` for `BatchGenPredictor`."""
+        params = self.sampling_params
+        return dict(model=self.model_source,
+                    sampling_params=dict(params) if isinstance(params, Mapping) else params,
+                    on_error="row" if self.should_continue_on_error else "raise",
+                    stream=self.stream, apply_chat_template=self.apply_chat_template,
+                    **dict(self.engine_kwargs))
+
+    def map_batches_kwargs(self) -> dict[str, Any]:
+        """Everything else `Dataset.map_batches` needs to run the predictor."""
+        import ray.data
+
+        if isinstance(self.concurrency, tuple):
+            sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
+        else:
+            sizes = dict(size=self.concurrency)
+        compute = ray.data.ActorPoolStrategy(
+            **sizes, max_tasks_in_flight_per_actor=self.max_tasks_in_flight_per_actor,
+            max_concurrent_calls_per_actor=self.max_concurrent_batches,
+            # several __call__s run at once on one actor; the predictor is thread-safe
+            enable_true_multi_threading=True)
+        kw: dict[str, Any] = dict(batch_size=self.batch_size, batch_format="pyarrow",
+                                  compute=compute, num_cpus=self.num_cpus,
+                                  fn_constructor_kwargs=self.constructor_kwargs())
+        if self.num_gpus:
+            kw["num_gpus"] = self.num_gpus
+        if self.accelerator_type is not None:
+            kw["accelerator_type"] = self.accelerator_type
+        if self.runtime_env is not None:
+            kw["runtime_env"] = self.runtime_env
+        return kw
+
+
+class Processor:
+    """`processor(ds) -> ds`: optional preprocess, the predictor, optional postprocess."""
+
+    def __init__(self, config: BatchGenProcessorConfig,
+                 preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None,
+                 preprocess_map_kwargs: dict[str, Any] | None = None,
+                 postprocess_map_kwargs: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        # light row functions: a quarter CPU each, so they run beside the engine actors
+        self.preprocess_map_kwargs = {"num_cpus": 0.25, **(preprocess_map_kwargs or {})}
+        self.postprocess_map_kwargs = {"num_cpus": 0.25, **(postprocess_map_kwargs or {})}
+
+    def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
+        from batchgen_data.connectors.ray_data import BatchGenPredictor
+
+        ray_blocks.install()
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
+        ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs())
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
+        return ds
+
+
+def build_processor(config: BatchGenProcessorConfig,
+                    preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None,
+                    preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None) -> Processor:
+    """Same call shape as `ray.data.llm.build_processor` (without `builder_kwargs`)."""
+    if not isinstance(config, BatchGenProcessorConfig):
+        raise TypeError(f"config must be BatchGenProcessorConfig, got {type(config).__name__}")
+    return Processor(config, preprocess, postprocess, preprocess_map_kwargs,
+                     postprocess_map_kwargs)

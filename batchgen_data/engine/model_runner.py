@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen_data.engine.cuda_graphs import DecodeGraphs
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
+from batchgen_data.layers import backend
 from batchgen_data.layers.attention import AttentionMetadata
 
 
@@ -40,6 +42,13 @@ class ModelRunner:
         self.kv = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture pure-decode forwards; a no-op off CUDA or without the Triton kernels."""
+        if self.device.type == "cuda" and backend.use_triton(self.kv):
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
+                                       self.block_size, self.device)
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -112,7 +121,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] float32 for the sequences in `inp.sample_seqs`."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sample_seqs:
             return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_index])

@@ -80,6 +80,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
     host = HostKVTier(cc.host_kv_cache_bytes, per_token)
     runner = ModelRunner(model, num_blocks, cc.block_size, device, dtype)
+    if not config.enforce_eager:
+        runner.capture_cuda_graphs(sc.max_num_seqs, max_len)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper)
 

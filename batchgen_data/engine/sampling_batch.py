@@ -1,0 +1,123 @@
+"""Per-row sampling parameters of one step, built on the host and moved to the device at once.
+
+Building a small tensor per parameter costs one host-to-device copy each, and on a GPU each
+of those copies (and every `bool(device_tensor)`) can stall the host. Here every per-row value
+— seeds, output indices, top-k, temperatures, penalties, the min_tokens bans and, when
+penalties are on, the padded token histories — goes into one host buffer, is copied with one
+non-blocking transfer from pinned memory, and is unpacked into views on the device. Decisions
+about which sampling stages to run are made from host-side flags, never from device values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen_data.engine.sequence import Sequence
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Move host tensors to `device` with one copy (pinned and non-blocking on CUDA)."""
+    if device.type == "cpu":
+        return tensors
+    host = pack(tensors)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return unpack(host.to(device, non_blocking=True), tensors)
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes end to end, as one uint8 tensor. List them by non-increasing element
+    size so that `unpack` finds every tensor at an offset aligned for its dtype."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into `buf` (made by `pack(like)`, on any device) with the shapes of `like`."""
+    out, offset = [], 0
+    for t in like:
+        assert offset % t.element_size() == 0, "pack tensors by non-increasing element size"
+        nbytes = t.numel() * t.element_size()
+        out.append(buf[offset:offset + nbytes].view(t.dtype).view(t.shape))
+        offset += nbytes
+    assert offset == buf.numel()
+    return out
+
+
+def pad_rows(rows: list[list[int]], pad: int) -> torch.Tensor:
+    """[N, max(1, longest row)] int64, right-padded with `pad`."""
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@dataclass
+class SamplingBatch:
+    # host-side flags: which stages run this step
+    all_greedy: bool
+    truncate_top: bool  # some row has top_k or top_p
+    use_min_p: bool
+    use_repetition: bool
+    use_freq_presence: bool
+    want_logprobs: list[int | None]
+    # device tensors, one row per sequence
+    seed: torch.Tensor  # [N] int64
+    step: torch.Tensor  # [N] int64: the index of the token being drawn
+    top_k: torch.Tensor  # [N, 1] int64 (vocab when disabled)
+    ban: torch.Tensor  # [2, M] int64: (row, token) pairs banned by min_tokens
+    output_ids: torch.Tensor | None  # [N, Lo] int64 padded with vocab (penalties only)
+    prompt_ids: torch.Tensor | None  # [N, Lp] int64 padded with vocab (repetition only)
+    temperature: torch.Tensor  # [N, 1] float32, at least 1e-5
+    top_p: torch.Tensor  # [N, 1]
+    min_p: torch.Tensor  # [N, 1]
+    repetition: torch.Tensor  # [N, 1]
+    frequency: torch.Tensor  # [N, 1]
+    presence: torch.Tensor  # [N, 1]
+    greedy: torch.Tensor  # [N] bool
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab: int, eos_ids: list[int],
+              device: torch.device) -> "SamplingBatch":
+        ps = [s.params for s in seqs]
+        ints = torch.tensor([[s.seed, s.num_output_tokens, p.top_k if p.top_k > 0 else vocab]
+                             for s, p in zip(seqs, ps)], dtype=torch.long)  # [N, 3]
+        floats = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,
+                                p.frequency_penalty, p.presence_penalty] for p in ps],
+                              dtype=torch.float32)  # [N, 6]
+        greedy = torch.tensor([p.greedy for p in ps], dtype=torch.bool)
+        use_rep = any(p.repetition_penalty != 1 for p in ps)
+        use_fp = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in ps)
+        ban = torch.tensor(_min_tokens_bans(seqs, eos_ids, vocab), dtype=torch.long).view(2, -1)
+        history = []
+        if use_rep or use_fp:
+            history.append(pad_rows([s.output_token_ids for s in seqs], vocab))
+        if use_rep:
+            history.append(pad_rows([s.prompt_token_ids for s in seqs], vocab))
+        ints_d, ban_d, *hist_d, floats_d, greedy_d = to_device(
+            [ints, ban, *history, floats, greedy], device)
+        f = floats_d.unbind(1)
+        return cls(
+            all_greedy=all(p.greedy for p in ps),
+            truncate_top=any(0 < p.top_k < vocab for p in ps) or any(p.top_p < 1 for p in ps),
+            use_min_p=any(p.min_p > 0 for p in ps),
+            use_repetition=use_rep, use_freq_presence=use_fp,
+            want_logprobs=[p.logprobs for p in ps],
+            seed=ints_d[:, 0], step=ints_d[:, 1], top_k=ints_d[:, 2:3], ban=ban_d,
+            output_ids=hist_d[0] if hist_d else None,
+            prompt_ids=hist_d[1] if use_rep else None,
+            temperature=f[0].unsqueeze(1), top_p=f[1].unsqueeze(1), min_p=f[2].unsqueeze(1),
+            repetition=f[3].unsqueeze(1), frequency=f[4].unsqueeze(1),
+            presence=f[5].unsqueeze(1), greedy=greedy_d)
+
+
+def _min_tokens_bans(seqs: list[Sequence], eos_ids: list[int], vocab: int) -> list[list[int]]:
+    """[rows, tokens]: stop and EOS ids banned until a sequence has its min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if s.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            ids = sorted(t for t in banned if t < vocab)  # ids past the vocab never get sampled
+            rows += [i] * len(ids)
+            cols += ids
+    return [rows, cols]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +106,7 @@ def with_ratios(results: Sequence[RunResult], baselines: Sequence[str]) -> list[
         }
         for base in baselines:
             b = by_key.get((base, r.workload))
-            rec[f"vs_{base}"] = round(r.tok_s / b.tok_s, 3) if b is not None else None
+            rec[f"vs_{base}"] = round(r.tok_s / b.tok_s, 3) if b is not None and b.tok_s > 0 else None
         rec.update(r.extra)
         records.append(rec)
     return records
@@ -144,3 +146,17 @@ def parse_key_values(items: Sequence[str] | None) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             out[key] = raw
     return out
+
+
+def wait_for_quiet(max_wait_s: float, below: float = 1.0, poll_s: float = 5.0) -> float:
+    """Waits up to `max_wait_s` for the 1-minute load average to drop under `below`; returns it.
+
+    On a shared machine another job's threads halve a CPU benchmark's speed; waiting for a quiet
+    moment beats reporting a number that measures the neighbours.
+    """
+    deadline = time.monotonic() + max_wait_s
+    load = os.getloadavg()[0]
+    while load >= below and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    return load

@@ -71,7 +71,7 @@ def _check_correctness(args: argparse.Namespace, dtype: torch.dtype) -> None:
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--heads", type=int, default=32)
@@ -80,10 +80,11 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("kernel_bench: no CUDA device found; this benchmark measures GPU bandwidth only")
+    return parser.parse_args(argv)
 
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Check the kernel against the reference, then time every shape; one record per shape."""
     from batchgen_data.kernels import paged_decode_attention
     from batchgen_data.kernels._attention_checks import pick_num_splits
 
@@ -110,8 +111,12 @@ def main() -> None:
             "copy_gbs": round(copy_gbs, 1), "fraction_of_copy": round(gbs / copy_gbs, 3),
         })
         del q, k_cache, v_cache, tables, lens
+    return rows
 
-    print(f"copy_ bandwidth: {copy_gbs:.1f} GB/s ({torch.cuda.get_device_name()}, {args.dtype})")
+
+def print_rows(rows: list[dict]) -> None:
+    r0 = rows[0]
+    print(f"copy_ bandwidth: {r0['copy_gbs']:.1f} GB/s ({r0['device']}, {r0['dtype']})")
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'time_us':>10} {'KV MB':>9} "
           f"{'GB/s':>8} {'% copy':>7}")
     for r in rows:
@@ -120,6 +125,13 @@ def main() -> None:
               f"{100 * r['fraction_of_copy']:>6.1f}%")
     for r in rows:
         print(json.dumps(r))
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench: no CUDA device found; this benchmark measures GPU bandwidth only")
+    print_rows(measure(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Set-up for the GPU benchmark: run profiles, the random Qwen2.5-0.5B-shaped model, and the
+correctness check against HF that runs before anything is timed."""
+from __future__ import annotations
+
+import gc
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: str
+    dtype: str  # the benchmark dtype; the check also runs in float32
+    threads: int
+    num_requests: int
+    prompt_len: tuple[int, int]  # inclusive uniform ranges
+    output_len: tuple[int, int]
+    hf_time_limit: float
+    budget_s: float  # HF baselines are skipped or shortened to end the run by then
+    model: dict[str, int]  # Qwen2Config sizes
+    engine_kwargs: dict[str, Any]
+    check_prompt_lens: tuple[int, ...]
+    check_tokens: int
+    check_kv_bytes: int | None = None
+    cb_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def h200(cls) -> "Profile":
+        qwen25_05b = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                          num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                          max_position_embeddings=32768)
+        # KV for 256 sequences of 2048 tokens is 6.4 GB; the rest of the GPU stays free for HF.
+        engine = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
+                      kv_cache_memory_bytes=8 << 30)
+        return cls("cuda", "bfloat16", 4, 256, (100, 1024), (100, 1024), 60.0, 270.0,
+                   qwen25_05b, engine, (40, 300, 900), 24, check_kv_bytes=1 << 30)
+
+    @classmethod
+    def quick(cls) -> "Profile":
+        tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                    max_position_embeddings=256)
+        # few sequences and a small token budget: queueing and chunked prefill happen too
+        engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+        return cls("cpu", "float32", 1, 6, (5, 24), (3, 10), 20.0, 50.0, tiny, engine,
+                   (7, 20), 6, cb_config={"num_blocks": 16, "page_size": 64})
+
+    @property
+    def vocab(self) -> int:
+        return self.model["vocab_size"]
+
+    @property
+    def heads(self) -> int:
+        return self.model["num_attention_heads"]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.model["num_key_value_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.model["hidden_size"] // self.heads
+
+
+def _save_word_tokenizer(path: Path, vocab: int) -> None:
+    """A tokenizer with one word per id ("t0" ... ): prompts are token ids, it only detokenises."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+
+
+def build_model_dir(path: Path, p: Profile, device: torch.device) -> Path:
+    """Random Qwen2 weights (seed 0) in the benchmark dtype, tied embeddings, q/k/v bias, rope
+    theta 1e6, and no EOS token, so every system generates exactly max_tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**p.model, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      use_sliding_window=False, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model.to(getattr(torch, p.dtype)).save_pretrained(str(path))
+    _save_word_tokenizer(path, p.vocab)
+    del model
+    return path
+
+
+def load_hf(path: Path, dtype: str, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device) -> dict[str, Any]:
+    """Our greedy tokens vs HF on a few prompts: exact matches of HF `generate`, and whether
+    each token we chose is in HF's top-5 given the same prefix (one teacher-forced forward per
+    prompt). Near-ties of a random model flip the odd argmax in bfloat16; top-5 must hold."""
+    from batchgen_data import LLM, SamplingParams
+
+    llm = LLM(str(path), device=p.device, dtype=dtype, max_num_seqs=4,
+              max_model_len=p.engine_kwargs["max_model_len"],
+              kv_cache_memory_bytes=p.check_kv_bytes)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(p.vocab) for _ in range(n)] for n in p.check_prompt_lens]
+    sp = SamplingParams(max_tokens=p.check_tokens, temperature=0, ignore_eos=True)
+    ours = [list(o.outputs[0].token_ids) for o in
+            llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False)]
+    graphs = llm.engine.runner.graphs
+    del llm
+    hf = load_hf(path, dtype, device)
+    exact = in_top5 = total = 0
+    for prompt, toks in zip(prompts, ours):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + toks[:-1]], device=device)
+            logits = hf(input_ids=ids).logits[0, len(prompt) - 1:]  # [len(toks), vocab]
+            ref = hf.generate(torch.tensor([prompt], device=device), do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                        device=device),
+                              max_new_tokens=len(toks), pad_token_id=0)[0, len(prompt):]
+        top5 = logits.float().topk(5, -1).indices.tolist()
+        in_top5 += sum(t in row for t, row in zip(toks, top5))
+        total += len(toks)
+        exact += ref.tolist() == toks
+    del hf
+    _free(device)
+    return {"bench": "check", "dtype": dtype, "exact_greedy_match": f"{exact}/{len(prompts)}",
+            "top5_positions": f"{in_top5}/{total}", "top5_ok": in_top5 == total,
+            "cuda_graph_sizes": graphs.sizes if graphs is not None else None}

@@ -1,0 +1,226 @@
+"""GPU throughput in one device call: this engine against HF continuous batching and HF `generate`.
+
+1. Builds a model with Qwen2.5-0.5B's shape and random weights (seed 0), saved with a word-level
+   tokenizer (prompts are token ids), so every system loads the same files.
+2. Checks correctness first: greedy tokens against HF in float32, and in the benchmark dtype
+   (bfloat16) that each token we chose is in HF's top-5 given the same prefix.
+3. Times the engine, then HF static `generate` and HF continuous batching, on 256 requests with
+   prompt and output lengths uniform in [100, 1024], random token ids, EOS ignored. The HF runs
+   are time-boxed (`--hf-time-limit`) and reported over the tokens and requests they finished.
+4. Measures decode-attention bandwidth against a plain copy (benchmarks/kernel_bench.py).
+
+Prints a table and JSON lines; writes everything to $OUT/gpu_throughput.json when OUT is set.
+Needs only torch, triton, transformers and this project (no ray, no pyspark).
+
+    PYTHONPATH=. python benchmarks/gpu_throughput.py          # the H200 run, < 5 minutes
+    PYTHONPATH=. python benchmarks/gpu_throughput.py --quick  # CPU smoke run of the same steps
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen_data import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_setup import Profile, build_model_dir, check_against_hf, load_hf  # noqa: E402
+from _hf_baselines import Outcome, Request, hf_continuous, hf_static  # noqa: E402
+
+COLUMNS = ["system", "finished", "output_tokens", "wall_s", "tok_s", "tok_s_finished",
+           "vs_hf_static", "vs_hf_cb", "error"]
+
+
+def make_requests(p: Profile, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(*p.prompt_len))],
+                    rng.randint(*p.output_len)) for _ in range(p.num_requests)]
+
+
+def record(system: str, requests: list[Request], out: Outcome) -> dict[str, Any]:
+    """Useful tokens (capped at each request's max_tokens) and tokens of finished requests."""
+    got = [min(len(o), r.max_tokens) for o, r in zip(out.outputs, requests)]
+    fin = [g == r.max_tokens for g, r in zip(got, requests)]
+    fin_tokens = sum(g for g, f in zip(got, fin) if f)
+    return {"bench": "throughput", "system": system, "finished": f"{sum(fin)}/{len(requests)}",
+            "output_tokens": sum(got), "finished_tokens": fin_tokens,
+            "wall_s": round(out.wall_s, 2), "tok_s": round(sum(got) / out.wall_s, 1),
+            "tok_s_finished": round(fin_tokens / out.wall_s, 1), **out.extra}
+
+
+def run_ours(llm: Any, requests: list[Request]) -> Outcome:
+    from batchgen_data import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+              for r in requests]
+    steps0 = llm.engine.stats.num_steps
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    runner = llm.engine.runner
+    return Outcome([list(o.outputs[0].token_ids) for o in outs], wall, {
+        "engine_steps": llm.engine.stats.num_steps - steps0,
+        "cuda_graph_sizes": runner.graphs.sizes if runner.graphs is not None else None})
+
+
+def kernel_bandwidth(p: Profile) -> list[dict[str, Any]]:
+    import kernel_bench
+
+    args = kernel_bench.parse_args(["--dtype", "bfloat16", "--heads", str(p.heads),
+                                    "--kv-heads", str(p.kv_heads), "--head-dim", str(p.head_dim)])
+    return kernel_bench.measure(args)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"bench": "env", "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton_version, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "ray_or_pyspark_imported": sorted(m for m in ("ray", "pyspark") if m in sys.modules)}
+
+
+class Report:
+    """Collects records; rewrites $OUT/gpu_throughput.json after each phase, so a run cut
+    short by a timeout still leaves what it measured."""
+
+    def __init__(self) -> None:
+        out = os.environ.get("OUT")
+        self.path = Path(out) / "gpu_throughput.json" if out else None
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        print(json.dumps(rec), file=sys.stderr, flush=True)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.records, indent=1))
+
+    def table(self) -> None:
+        rows = [r for r in self.records if r.get("bench") == "throughput"]
+        base = {r["system"]: r.get("tok_s_finished") for r in rows}
+        for r in rows:
+            for b in ("hf_static", "hf_cb"):
+                ok = base.get(b) and "tok_s" in r
+                r[f"vs_{b}"] = round(r["tok_s"] / base[b], 2) if ok else None
+        self.save()
+        cells = [[str(r.get(c, "-"))[:60] for c in COLUMNS] for r in rows]
+        widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(COLUMNS)]
+        print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+        for x in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+        print("HF runs are time-boxed: tok_s_finished counts only requests that finished; "
+              "vs_* divide our tok_s by the baseline's tok_s_finished.")
+        for r in self.records:
+            print(json.dumps(r))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few requests")
+    ap.add_argument("--hf-time-limit", type=float, default=None, help="seconds per HF baseline")
+    ap.add_argument("--systems", default="ours,hf_static,hf_cb")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def warmup_requests(requests: list[Request]) -> list[Request]:
+    """Short prompts of a few sizes (each prefill tile variant compiles once), 4 tokens each."""
+    return [Request(r.prompt_token_ids[:n], 4) for r, n in zip(requests, (16, 48, 200))]
+
+
+def attempt(report: Report, what: dict[str, Any], fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run one phase; on failure record the error (traceback on stderr) and return None, so
+    that one broken phase does not cost the rest of a scarce device run."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:
+        traceback.print_exc()
+        report.add({**what, "error": repr(e)[:500]})
+        return None
+
+
+def run_engine(report: Report, p: Profile, model_dir: Path, requests: list[Request],
+               eager: bool) -> bool:
+    llm = LLM(str(model_dir), device=p.device, dtype=p.dtype, enforce_eager=eager,
+              **p.engine_kwargs)
+    for w in warmup_requests(requests):  # one prompt per step: each prefill tile compiles
+        run_ours(llm, [w])
+    report.add(record("ours" + ("_eager" if eager else ""), requests, run_ours(llm, requests)))
+    del llm
+    gc.collect()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    p = Profile.quick() if args.quick else Profile.h200()
+    deadline = time.monotonic() + p.budget_s
+    device = torch.device(p.device)
+    torch.set_num_threads(p.threads)
+    report = Report()
+    report.add(environment(device))  # after every import the engine needs
+    model_dir = build_model_dir(Path(tempfile.mkdtemp(prefix="gpu_bench_")), p, device)
+    requests = make_requests(p, p.vocab, args.seed)
+
+    checks = [attempt(report, {"bench": "check", "dtype": dtype}, check_against_hf,
+                      model_dir, p, dtype, device) for dtype in dict.fromkeys(["float32", p.dtype])]
+    for c in checks:
+        if c is not None:
+            report.add(c)
+    ok = all(c is not None and c["top5_ok"] for c in checks)
+    systems = args.systems.split(",")
+    if "ours" in systems:
+        what = {"bench": "throughput", "system": "ours"}
+        if attempt(report, what, run_engine, report, p, model_dir, requests, False) is None \
+                and device.type == "cuda":  # no number at all is the worst outcome
+            attempt(report, what, run_engine, report, p, model_dir, requests, True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            for row in attempt(report, {"bench": "decode_attention"}, kernel_bandwidth, p) or []:
+                report.add(row)
+    hf = load_hf(model_dir, p.dtype, device) if {"hf_static", "hf_cb"} & set(systems) else None
+    for name, fn in (("hf_static", hf_static), ("hf_cb", hf_continuous)):
+        what = {"bench": "throughput", "system": name}
+        if name not in systems or deadline - time.monotonic() < 20:
+            if name in systems:
+                report.add({**what, "error": "skipped: time budget spent"})
+            continue
+        kw = {"cb_config": p.cb_config} if name == "hf_cb" else {}
+        if attempt(report, what, fn, hf, warmup_requests(requests), 600, **kw) is None:
+            continue
+        limit = min(args.hf_time_limit or p.hf_time_limit, deadline - time.monotonic() - 10)
+        out = attempt(report, what, fn, hf, requests, max(limit, 5.0), **kw)
+        if out is not None:
+            report.add(record(name, requests, out))
+    report.add({"bench": "imports", "ray_or_pyspark_imported":
+                sorted(m for m in ("ray", "pyspark") if m in sys.modules)})
+    report.table()
+    print(f"correctness: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # HF's continuous-batching thread may outlive a time-boxed run; do not wait for it.
+    os._exit(code)

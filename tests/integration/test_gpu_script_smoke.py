@@ -1,0 +1,36 @@
+"""The GPU benchmark script runs end to end on the CPU (`--quick`: tiny model, few requests),
+and neither it nor the engine pulls in ray or pyspark, which the GPU machine does not have."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_import_needs_no_ray_or_spark() -> None:
+    code = ("import sys, batchgen_data, batchgen_data.engine.engine, batchgen_data.llm\n"
+            "bad = {'ray', 'pyspark', 'gguf', 'accelerate'} & {m.split('.')[0] for m in sys.modules}\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_gpu_throughput_quick(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "correctness: PASS" in proc.stdout
+    records = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    runs = {r["system"]: r for r in records if r["bench"] == "throughput"}
+    assert set(runs) == {"ours", "hf_static", "hf_cb"}
+    for name, r in runs.items():
+        assert "error" not in r, r
+        assert r["finished"] == "6/6" and r["tok_s"] > 0, r
+    assert runs["ours"]["output_tokens"] == runs["hf_static"]["output_tokens"]
+    checks = [r for r in records if r["bench"] == "check"]
+    assert checks and all(c["top5_ok"] for c in checks)
+    assert all(not r["ray_or_pyspark_imported"] for r in records if "ray_or_pyspark_imported" in r)

@@ -13,6 +13,10 @@ own max_tokens with EOS ignored. The metric is useful output tokens per second: 
 requests' max_tokens over the wall time of the generation call (model loading and warm-up excluded).
 
     .venv/bin/python benchmarks/cpu_throughput.py --systems hf_static,hf_cb --workloads uniform
+
+On a machine shared with other jobs, set OMP_WAIT_POLICY=PASSIVE in the environment (libgomp reads
+it when torch loads, so the script can only report it): with the default spin-waiting, two torch
+threads that lose time slices to neighbours ran decode steps 20-30x slower here.
 """
 from __future__ import annotations
 
@@ -274,6 +278,27 @@ def _warm_up(system, seed: int) -> None:
     system.run(reqs, time_limit_s=600)
 
 
+def measure(system, workload: str, requests: list[BenchRequest],
+            args: argparse.Namespace) -> tuple[RunResult, list[list[int]]]:
+    load_before = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else os.getloadavg()[0]
+    if load_before > args.threads + 1:
+        hint = "" if os.environ.get("OMP_WAIT_POLICY") else (
+            "; OMP_WAIT_POLICY=PASSIVE keeps spinning OpenMP threads from losing their time slices")
+        print(f"warning: load average {load_before:.1f} on {os.cpu_count()} CPUs before "
+              f"{system.name}/{workload}; other processes share the cores{hint}", file=sys.stderr)
+    cpu0 = time.process_time()
+    run = system.run(requests, args.time_limit)
+    cpu_s = time.process_time() - cpu0
+    useful, complete = _useful_tokens(requests, run.outputs)
+    # On a shared machine the load average around a run, and cpu_s / wall_s (how many cores the
+    # process actually got), are the first things to look at when two runs disagree.
+    extra = {"complete": complete, "cpu_s": round(cpu_s, 1), "load1_before": round(load_before, 2),
+             "load1_after": round(os.getloadavg()[0], 2), **run.extra}
+    print(f"  {system.name:<9} {workload:<8} {run.wall_s:7.1f}s  {useful / run.wall_s:7.1f} tok/s",
+          file=sys.stderr)
+    return RunResult(system.name, workload, useful, run.wall_s, extra), run.outputs
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
@@ -345,41 +370,28 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{args.seed}"
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     prepare_model_dir(model_dir, args.seed)
-    print(f"model: {model_dir}  threads: {torch.get_num_threads()}  torch {torch.__version__}", file=sys.stderr)
+    omp_policy = os.environ.get("OMP_WAIT_POLICY", "")
+    print(f"model: {model_dir}  threads: {torch.get_num_threads()}  OMP_WAIT_POLICY={omp_policy!r}  "
+          f"torch {torch.__version__}", file=sys.stderr)
 
     systems = build_systems(args, model_dir)
     if not args.no_warmup:
         for s in systems:
             _warm_up(s, args.seed)
 
+    # Greedy outputs are compared with HF static's when it runs: it is the plain reference path.
+    ref_name = "hf_static" if "hf_static" in args.systems else args.systems[0]
     results: list[RunResult] = []
     for workload in args.workloads:
         requests = make_workload(workload, args.num_requests, args.seed, VOCAB_SIZE, FIRST_PLAIN_ID)
-        reference: tuple[str, list[list[int]]] | None = None
-        for s in systems:
-            runs = []
-            for _ in range(args.repeat):
-                load_before = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else os.getloadavg()[0]
-                if load_before > args.threads + 1:
-                    print(f"warning: load average {load_before:.1f} on {os.cpu_count()} CPUs before "
-                          f"{s.name}/{workload}; other processes share the cores", file=sys.stderr)
-                cpu0 = time.process_time()
-                run = s.run(requests, args.time_limit)
-                cpu_s = time.process_time() - cpu0
-                wall, outputs = run.wall_s, run.outputs
-                useful, complete = _useful_tokens(requests, outputs)
-                # The 1-minute load average around the run: on a shared machine, the first thing to
-                # look at when two runs disagree.
-                # cpu_s / wall_s is how many cores this process actually got (threads included).
-                extra = {"complete": complete, "cpu_s": round(cpu_s, 1), "load1_before": round(load_before, 2),
-                         "load1_after": round(os.getloadavg()[0], 2), **run.extra}
-                if reference is None:
-                    reference = (s.name, outputs)
-                else:
-                    extra[f"agree_vs_{reference[0]}"] = _agreement(outputs, reference[1])
-                runs.append(RunResult(s.name, workload, useful, wall, extra))
-                print(f"  {s.name:<9} {workload:<8} {wall:7.1f}s  {useful / wall:7.1f} tok/s", file=sys.stderr)
-            results.append(median_result(runs))
+        measured = [(s.name, [measure(s, workload, requests, args) for _ in range(args.repeat)]) for s in systems]
+        ref_outputs = dict(measured)[ref_name][0][1]
+        for name, runs in measured:
+            if name != ref_name:
+                for result, outputs in runs:
+                    result.extra[f"agree_vs_{ref_name}"] = _agreement(outputs, ref_outputs)
+            results.append(median_result([result for result, _ in runs]))
+            results[-1].extra["omp_wait_policy"] = omp_policy or None
 
     records = with_ratios(results, BASELINES)
     print_report(records, ["system", "workload", "output_tokens", "wall_s", "tok_s", "vs_hf_static", "vs_hf_cb", "complete"])

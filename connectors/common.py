@@ -147,8 +147,8 @@ def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt") -> tuple[l
         raise RowError("prompt is null")
     if not isinstance(value, str):
         raise RowError(f"prompt must be a string, got {type(value).__name__}")
-    if not value:
-        raise RowError("prompt is empty")
+    if not value.strip():  # whitespace only is empty too: nothing to condition on
+        raise RowError("prompt is empty" if not value else "prompt is empty (whitespace only)")
     return tokenizer.encode(value), value
 
 

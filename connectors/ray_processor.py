@@ -116,6 +116,9 @@ class Processor:
         ray_blocks.install()
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
+        # One input batch per block: Ray hands a task's batches to the UDF one after another,
+        # so rows of a big block would reach the engine one batch at a time.
+        ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
         ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs())
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)

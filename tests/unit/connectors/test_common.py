@@ -58,6 +58,7 @@ def test_token_ids_row_and_first_non_null_column_wins(builder: RequestBuilder) -
     ({"prompt": None}, "prompt is null"),
     ({"prompt": float("nan")}, "prompt is null"),
     ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": " \n\t"}, "prompt is empty"),
     ({"prompt": 42}, "must be a string, got int"),
     ({"prompt": "x" * 50}, "max_model_len is 40"),
     ({"messages": []}, "non-empty list"),

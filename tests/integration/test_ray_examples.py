@@ -1,0 +1,73 @@
+"""Smoke runs of the Ray Data example, notebook and streaming benchmark as users run them.
+
+Each runs in its own interpreter (as a user would), with a small row count and a hard timeout.
+The examples use the embedded default model; the benchmark uses its fake engine.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], timeout: int, cwd: Path = ROOT) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_data_batch_example(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    stdout = _run(["examples/ray_data_batch.py", "--limit", "4", "--max-tokens", "4",
+                   "--output", str(out)], timeout=570)
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    # 4 rows from each file; the first 4 bad rows are null, "", whitespace and 42
+    assert summary["rows"] == summary["input_rows"] == 8
+    assert summary["errors"] == 4
+    table = pq.read_table(out)
+    assert sorted(table.column("id").to_pylist()) == sorted(
+        [f"b000{i}" for i in range(1, 5)] + table.filter(
+            table.column("error").is_null()).column("id").to_pylist())
+    good = table.filter(table.column("error").is_null())
+    assert all(n >= 1 for n in good.column("num_generated_tokens").to_pylist())
+    assert "generated" in stdout and "tokens/s" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_anyscale_notebook_runs(tmp_path: Path) -> None:
+    source = (ROOT / "examples" / "anyscale_notebook.py").read_text()
+    assert source.count("# %%") >= 4  # notebook-shaped: cells a user can paste
+    script = tmp_path / "notebook.py"
+    script.write_text(source.replace("LIMIT = 40", "LIMIT = 4").replace(
+        "MAX_TOKENS = 48", "MAX_TOKENS = 4"))
+    stdout = _run([str(script)], timeout=570)
+    assert "4 rows, 0 errors" in stdout
+
+
+@pytest.mark.timeout(300)
+def test_streaming_benchmark_fake_engine() -> None:
+    stdout = _run(["benchmarks/ray_streaming.py", "--engine", "fake", "--rows", "64",
+                   "--long-tokens", "100", "--seconds-per-token", "0.02"], timeout=270)
+    records = {r["mode"]: r for r in map(json.loads,
+                                         (l for l in stdout.splitlines() if l.startswith("{")))}
+    stream, whole, raybuf = records["stream"], records["whole"], records["stream_raybuf"]
+    slow = 100 * 0.02  # the long rows of every batch take 2 s
+    # streaming: short rows reach the consumer long before their batch's slowest row
+    assert stream["first_rows_s"] < slow / 2 < stream["first_batch_last_s"]
+    # whole batches, and Ray's default buffering, hold every row until the slowest is done
+    for rec in (whole, raybuf):
+        assert rec["first_rows_s"] >= slow * 0.9
+    assert all(rec["rows"] == 64 for rec in records.values())

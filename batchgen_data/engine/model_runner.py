@@ -98,7 +98,7 @@ class ModelRunner:
             max_decode_len=max(seq_lens[:num_decodes], default=0),
             max_prefill_len=max(prefill_q, default=0),
         )
-        if dev.type == "cpu" and num_decodes:
+        if num_decodes and not backend.use_triton(self.kv):  # the torch path's gather index
             self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
@@ -114,9 +114,9 @@ class ModelRunner:
         bs, width = self.block_size, meta.max_decode_len
         offsets = torch.arange(bs, dtype=torch.long)
         slots = (tables.long().unsqueeze(2) * bs + offsets).view(len(lens), -1)[:, :width]
-        meta.decode_slots = slots.contiguous()  # [B, width]
-        meta.decode_mask = (torch.arange(width).unsqueeze(0)
-                            < torch.tensor(lens).unsqueeze(1))[:, None, None, :]
+        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        meta.decode_slots = slots.contiguous().to(self.device)  # [B, width]
+        meta.decode_mask = mask[:, None, None, :].to(self.device)
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:

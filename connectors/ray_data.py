@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Iterator
@@ -71,6 +72,8 @@ class BatchGenPredictor:
                                                   apply_chat_template)
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()  # next() is atomic: calls run on several threads
+        # HF fast tokenizers can fail with "Already borrowed" when threads share one
+        self._tokenize_lock = threading.Lock()
 
     def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
         """Build the engine and its driver (tests and benchmarks override this seam)."""
@@ -102,7 +105,8 @@ class BatchGenPredictor:
     def _submit(self, index: int, row: dict[str, Any], pending: dict[Future, tuple[int, str]],
                 errors: list[tuple[int, dict[str, Any]]]) -> None:
         try:
-            req = self.builder.build(row)
+            with self._tokenize_lock:
+                req = self.builder.build(row)
             rid = f"{self._prefix}-{next(self._ids)}"
             fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
                                      prompt=req.prompt)

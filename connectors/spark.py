@@ -73,7 +73,7 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
         values = [common.to_python(v) for v in series.tolist()]
         return session.submit([spark_task.value_row(v) for v in values], values)
 
-    for futures in in_input_order(prompts, submit, settings.max_in_flight):
+    for futures in in_input_order(prompts, submit, settings.max_in_flight, session.abandon):
         yield pd.DataFrame.from_records(session.output_rows(futures), columns=names)
 
 
@@ -120,7 +120,7 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
         keys = batch.column(id_col).to_pylist() if id_col is not None else values
         return session.submit(rows, keys)
 
-    for done in in_completion_order(batches, submit, settings.max_in_flight):
+    for done in in_completion_order(batches, submit, settings.max_in_flight, session.abandon):
         # finished rows grouped by the input batch they came from, so columns are taken once
         groups: dict[int, tuple[pa.RecordBatch, list[int], list[Future]]] = {}
         for batch, i, fut in done:

@@ -7,6 +7,9 @@ back as Futures that the windows in `streaming` hand back to Spark. pyspark is i
 """
 from __future__ import annotations
 
+import itertools
+import logging
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,6 +24,8 @@ from batchgen_data.sampling_params import SamplingParams
 
 ON_ERROR = ("row", "raise")
 DEBUG_FIELD = "engine_max_batch_seqs"
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TaskSettings:
@@ -65,8 +70,12 @@ def task_driver(settings: TaskSettings) -> engine_cache.DriverLike:
     gpus, cpus = task_resources()
     import torch
 
-    device = engine_cache.pick_device(gpus, engine_cache.cuda_visible_devices(),
-                                      torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    device = engine_cache.pick_device(gpus, engine_cache.cuda_visible_devices(), cuda)
+    if device == "cpu" and cuda and settings.spec.kwargs.get("device", "auto") == "auto":
+        # concurrent tasks must not share one GPU unasked (each engine sizes its KV cache to it)
+        log.warning("batchgen: CUDA is available but this Spark task was given no GPU; running "
+                    "on the CPU. Set spark.task.resource.gpu.amount=1, or device='cuda'.")
     return engine_cache.ENGINES.get(settings.spec.resolved(device, cpus))
 
 
@@ -103,6 +112,8 @@ class TaskSession:
         self._builder: common.RequestBuilder | None = None
         self._probe: BatchSizeProbe | None = None
         self._dead_error: type[BaseException] = RuntimeError
+        self._request_ids: dict[Future, str] = {}  # in flight, for `abandon`
+        self._ids = (f"spark-{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 
     def _start(self) -> tuple[engine_cache.DriverLike, common.RequestBuilder]:
         # on first use, so an empty partition never loads a model
@@ -127,7 +138,11 @@ class TaskSession:
             try:
                 req = builder.build(row)
                 params = seeded(req.params, base_seed, key)
-                futures.append(driver.submit(req.prompt_token_ids, params, prompt=req.prompt))
+                rid = next(self._ids)
+                fut = driver.submit(req.prompt_token_ids, params, request_id=rid,
+                                    prompt=req.prompt)
+                self._request_ids[fut] = rid
+                futures.append(fut)
             except self._dead_error:
                 self._forget_engine()
                 raise
@@ -146,7 +161,14 @@ class TaskSession:
                 row[DEBUG_FIELD] = peak
         return rows
 
+    def abandon(self, futures: list[Future]) -> None:
+        """Abort rows nobody will read (Spark stopped early, e.g. `show()` or `limit`)."""
+        rids = [self._request_ids.pop(f) for f in futures if f in self._request_ids]
+        if rids and self._driver is not None:
+            self._driver.call(lambda engine: [engine.abort(rid) for rid in rids])
+
     def _row(self, fut: Future) -> dict[str, Any]:
+        self._request_ids.pop(fut, None)
         exc = fut.exception()
         if exc is None:
             return common.result_row(fut.result())

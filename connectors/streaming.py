@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 B = TypeVar("B")
+Abandon = Callable[[list[Future]], None]
 
 
 def failed_future(exc: BaseException) -> Future:
@@ -27,13 +28,14 @@ def failed_future(exc: BaseException) -> Future:
 
 
 def in_input_order(batches: Iterable[B], submit: Callable[[B], list[Future]],
-                   max_in_flight: int) -> Iterator[list[Future]]:
+                   max_in_flight: int, abandon: Abandon | None = None) -> Iterator[list[Future]]:
     """Yield each input batch's futures, all finished, in input order.
 
     At most `max_in_flight` rows are held (pulled but not yet yielded); a batch is yielded as
     soon as it and every batch before it are done, so output streams while input is still read.
     Spark's iterator-UDF contract is met: output never runs ahead of the input consumed, and
-    the totals match.
+    the totals match. If the consumer stops early (e.g. `df.limit`), `abandon` gets the rows
+    still unfinished, so the engine can drop them instead of computing results nobody reads.
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight={max_in_flight!r}: must be >= 1")
@@ -54,14 +56,16 @@ def in_input_order(batches: Iterable[B], submit: Callable[[B], list[Future]],
             wait(head)
             yield head
     finally:
-        _cancel(f for chunk in window for f in chunk)
+        _abandon(abandon, (f for chunk in window for f in chunk))
 
 
 def in_completion_order(batches: Iterable[B], submit: Callable[[B], list[Future]],
-                        max_in_flight: int) -> Iterator[list[tuple[B, int, Future]]]:
+                        max_in_flight: int, abandon: Abandon | None = None
+                        ) -> Iterator[list[tuple[B, int, Future]]]:
     """Yield finished rows as `(batch, row_index, future)` groups, as soon as they finish.
 
-    Waits only when `max_in_flight` rows are unfinished or the input has run out.
+    Waits only when `max_in_flight` rows are unfinished or the input has run out; `abandon`
+    as in `in_input_order`.
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight={max_in_flight!r}: must be >= 1")
@@ -84,13 +88,14 @@ def in_completion_order(batches: Iterable[B], submit: Callable[[B], list[Future]
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             yield take(done)
     finally:
-        _cancel(pending)
+        _abandon(abandon, pending)
 
 
-def _cancel(futures: Iterable[Future]) -> None:
-    """Abandoned rows (the consumer stopped early): let the driver drop them if it can."""
-    for fut in futures:
-        fut.cancel()
+def _abandon(abandon: Abandon | None, futures: Iterable[Future]) -> None:
+    # Not Future.cancel(): the engine thread may be resolving the same Future right now.
+    unfinished = [f for f in futures if not f.done()]
+    if abandon is not None and unfinished:
+        abandon(unfinished)
 
 
 class BatchSizeProbe:

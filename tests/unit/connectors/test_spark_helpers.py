@@ -3,6 +3,7 @@ settings validation, the engine cache, and a task session over a fake engine."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any, Callable
 
 import pytest
 
@@ -65,7 +66,8 @@ def test_spec_resolution_keeps_user_choices() -> None:
 
 class FakeDriver:
     def __init__(self, spec: EngineSpec) -> None:
-        self.spec, self.down, self.submitted = spec, False, []
+        self.spec, self.down, self.submitted, self.aborted = spec, False, [], []
+        self.pending = False  # True: submitted requests stay unfinished
         self.engine = self
 
     tokenizer = None
@@ -80,8 +82,17 @@ class FakeDriver:
         self.check_request(ids, params)
         self.submitted.append(params.seed)
         fut: Future = Future()
-        fut.set_result(RequestOutput("r", prompt, ids, [CompletionOutput(0, "ok", [7], "length")]))
+        if not self.pending:
+            out = [CompletionOutput(0, "ok", [7], "length")]
+            fut.set_result(RequestOutput(request_id or "r", prompt, ids, out))
         return fut
+
+    def call(self, fn: Callable[[Any], Any]) -> None:
+        fn(self)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
 
     def shutdown(self) -> None:
         self.down = True
@@ -118,3 +129,16 @@ def test_task_session_rows_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     strict = TaskSession(TaskSettings.create(None, None, "raise", None, False, {}))
     with pytest.raises(ValueError, match="null"):
         strict.submit([{"prompt": None}], ["k"])
+
+
+def test_task_session_aborts_abandoned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_cache, "ENGINES", EngineCache(FakeDriver))
+    monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
+    session = TaskSession(TaskSettings.create(None, None, "row", None, False, {}))
+    session.submit([{"prompt_token_ids": [1]}], ["a"])  # finishes at once
+    driver = engine_cache.ENGINES.get(session.settings.spec.resolved("cpu", 1))
+    driver.pending = True
+    futures = session.submit([{"prompt_token_ids": [2]}, {"prompt_token_ids": [3]}], ["b", "c"])
+    session.abandon(futures)
+    assert len(driver.aborted) == 2 and len(set(driver.aborted)) == 2
+    assert all(r.startswith("spark-") for r in driver.aborted)

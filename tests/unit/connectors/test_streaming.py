@@ -80,8 +80,9 @@ def test_completion_order_covers_every_row_once() -> None:
     assert 3 < eng.peak <= 16 + 3
 
 
-def test_early_close_cancels_pending() -> None:
+def test_early_close_abandons_unfinished_rows() -> None:
     held: list[Future] = []
+    abandoned: list[Future] = []
 
     def submit(batch: list[int]) -> list[Future]:
         futs = [Future() for _ in batch]
@@ -89,10 +90,19 @@ def test_early_close_cancels_pending() -> None:
         held.extend(futs)
         return futs
 
-    gen = in_completion_order(iter([[1, 2, 3]]), submit, max_in_flight=100)
+    gen = in_completion_order(iter([[1, 2, 3]]), submit, 100, abandon=abandoned.extend)
     assert len(next(gen)) == 1
     gen.close()  # e.g. df.limit(1): Spark stops reading
-    assert all(f.cancelled() for f in held[1:])
+    assert abandoned == held[1:]
+
+    pending = [Future(), Future()]
+    threading.Timer(0.05, pending[0].set_result, (1,)).start()
+    ordered = in_input_order(iter([[0], [1]]), lambda b: [pending[b[0]]], 2,
+                             abandon=abandoned.extend)
+    assert next(ordered) == pending[:1]  # window full: waited for the head
+    ordered.close()
+    assert abandoned[-1] is pending[1]
+    assert not any(f.cancelled() for f in held + pending)
 
 
 def test_rejects_empty_window() -> None:

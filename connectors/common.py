@@ -22,10 +22,11 @@ Tokenization matches `LLM.generate` / `LLM.chat`, so a row gives the same tokens
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -237,3 +238,24 @@ class RequestBuilder:
             return self.build(row)
         except RowError as e:
             return str(e)
+
+
+def derive_seed(base_seed: int, key: str) -> int:
+    """Stable per-row seed: the same row gets the same seed in every attempt of a task.
+
+    Python's hash() is salted per process, so a retried task on another worker would differ;
+    blake2b is not. 31 bits keep the value valid for every RNG the engine might seed.
+    """
+    digest = hashlib.blake2b(f"{base_seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+def seeded(params: SamplingParams, base_seed: int, key: Any) -> SamplingParams:
+    """`params`, seeded from the row itself when neither the user nor the row gave a seed.
+
+    The key identifies the row (an id column, or its prompt), so a retried or speculative task,
+    or a row that migrates to another engine, samples the same tokens wherever it runs.
+    """
+    if params.seed is not None:
+        return params
+    return replace(params, seed=derive_seed(base_seed, str(key)))

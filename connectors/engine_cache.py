@@ -7,7 +7,6 @@ The cache holds a single engine: a worker serves one device, and two models rare
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from batchgen_data.config import make_engine_config
+from batchgen_data.connectors.common import derive_seed  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +90,6 @@ def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None, cuda_ava
 
 def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
-
-
-def derive_seed(base_seed: int, key: str) -> int:
-    """Stable per-row seed: the same row gets the same seed in every attempt of a task.
-
-    Python's hash() is salted per process, so a retried task on another worker would differ;
-    blake2b is not. 31 bits keep the value valid for every RNG the engine might seed.
-    """
-    digest = hashlib.blake2b(f"{base_seed}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
 def build_driver(spec: EngineSpec) -> DriverLike:

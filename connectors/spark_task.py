@@ -11,13 +11,13 @@ import itertools
 import logging
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from batchgen_data.connectors import common, engine_cache
-from batchgen_data.connectors.common import RowError
+from batchgen_data.connectors.common import RowError, seeded  # noqa: F401 - seeded re-exported
 from batchgen_data.connectors.engine_cache import EngineSpec
 from batchgen_data.connectors.streaming import BatchSizeProbe, failed_future
 from batchgen_data.sampling_params import SamplingParams
@@ -77,17 +77,6 @@ def task_driver(settings: TaskSettings) -> engine_cache.DriverLike:
         log.warning("batchgen: CUDA is available but this Spark task was given no GPU; running "
                     "on the CPU. Set spark.task.resource.gpu.amount=1, or device='cuda'.")
     return engine_cache.ENGINES.get(settings.spec.resolved(device, cpus))
-
-
-def seeded(params: SamplingParams, base_seed: int, key: Any) -> SamplingParams:
-    """`params`, seeded from the row itself when neither the user nor the row gave a seed.
-
-    The key is the row's id (generate_df with id_col) or its prompt, so a retried or speculative
-    task samples the same tokens for the same row, whichever worker runs it.
-    """
-    if params.seed is not None:
-        return params
-    return replace(params, seed=engine_cache.derive_seed(base_seed, str(key)))
 
 
 def value_row(value: Any) -> dict[str, Any]:

@@ -64,6 +64,15 @@ class EngineDriver:
         """Route the result of a request added through `call` (e.g. an import) to `fut`."""
         self._futures[request_id] = fut
 
+    def release(self, request_id: str) -> Future | None:
+        """Stop routing `request_id`'s result (it was exported); returns its Future, if any."""
+        return self._futures.pop(request_id, None)
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop died, or None while it runs."""
+        return self._dead
+
     def num_in_flight(self) -> int:
         return len(self._futures) + len(self._inbox)
 

@@ -1,0 +1,251 @@
+"""One simulated engine: the real Scheduler, BlockPool and host tier, with a cost-model clock.
+
+Every step starts with the real `Scheduler.schedule()` (admission, chunked prefill, preemption
+under memory pressure, swap to the host tier); the model runner is replaced by the cost model and
+sampling by "append a token; stop when the row's hidden output length is reached".
+
+Running the scheduler once per decode step is too slow for 128 engines x 200k rows, so each
+*span* is one real step followed by a planned run of pure decode steps during which the
+scheduler would decide the same thing at every step (`_steady`): all running sequences decode
+one token, none can be preempted (enough free blocks for the whole run, checked exactly), nobody
+can be admitted (queue empty, every seat taken, or the queue head does not fit), and the run
+stops at the step where the `cut`-th sequence finishes (`EngineShape.finishes_per_run`). The run's
+time is summed exactly as the batch shrinks and the KV grows (`decode_run.py`). A span is cut
+short at the next step boundary when work arrives or must leave (`interrupt`). The one
+approximation: a seat freed by a finish inside a run is refilled when the run ends, at most
+`finishes_per_run - 1` finishes later, instead of at the next step.
+
+Token ids are never read (prefix caching is off), so sequences hold zero-filled `bytearray`s:
+the real `Sequence` class, one byte per token instead of a list of ints.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batchgen_data.config import SchedulerConfig
+from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen_data.engine.sequence import Sequence, SequenceStatus
+from batchgen_data.kvcache.block_pool import BlockPool
+from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.placement import EngineLoad, RequestSummary
+from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.sim.costmodel import CostModel
+from batchgen_data.sim.decode_run import ZEROS, DecodeRun
+
+
+class SimHostTier(HostKVTier):
+    """The real host tier's accounting; a sequence's "KV" is just its size in bytes."""
+
+    def put(self, seq: Sequence, kv: int) -> None:  # type: ignore[override]
+        assert seq.seq_id not in self._owners
+        self._owners[seq.seq_id] = kv
+        self.used_bytes += kv
+        seq.host_kv = kv
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """Engine settings shared by every simulated actor."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384  # vLLM v1's offline default on >= 70 GB GPUs
+    block_size: int = 64  # coarser than vLLM's 16: 4x fewer pool operations, same decisions
+    host_kv_bytes: int = 4 << 30
+    # finishes one extrapolated decode run may span; None: max_num_seqs // 16 (see BENCHMARKS)
+    max_finishes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_finishes is not None and self.max_finishes < 1:
+            raise ValueError(f"max_finishes={self.max_finishes!r}: must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be >= 1")
+
+    @property
+    def finishes_per_run(self) -> int:
+        return self.max_finishes or max(1, self.max_num_seqs // 16)
+
+
+@dataclass(slots=True)
+class Span:
+    """One real step (ending at `t1`) and the decode run planned after it (ending at `end`)."""
+
+    start: float
+    t1: float
+    end: float
+    finished: list[tuple[int, float]]  # rows whose last token came in the real step
+    run: DecodeRun | None
+    steps: int  # decode-run steps to apply (lowered when the span is interrupted)
+    version: int = 0
+
+
+@dataclass
+class SimActor:
+    actor_id: int
+    cost: CostModel
+    shape: EngineShape
+    busy_s: float = 0.0
+    steps: int = 0
+    spans: int = 0
+    trace: list[tuple[float, int]] = field(default_factory=list)  # (time, running) on change
+
+    def __post_init__(self) -> None:
+        bs = self.shape.block_size
+        self.pool = BlockPool(self.cost.kv_capacity_tokens // bs, bs, enable_prefix_caching=False)
+        self.host = SimHostTier(self.shape.host_kv_bytes, self.cost.bytes_per_token)
+        cfg = SchedulerConfig(self.shape.max_num_seqs, self.shape.max_num_batched_tokens)
+        self.sched = Scheduler(cfg, self.pool, self.host)
+        self.live: dict[int, Sequence] = {}  # seq_id (= row id) -> sequence on this actor
+        self.target: dict[int, int] = {}  # seq_id -> output length at which the row stops
+
+    # ---- rows in and out ----------------------------------------------------------------
+    def add_row(self, row: int, input_len: int, output_len: int, params: SamplingParams) -> None:
+        seq = Sequence(row, str(row), 0, ZEROS[:input_len], params, 0, params.max_tokens or 1,
+                       token_ids=bytearray(input_len))
+        self.receive(seq, output_len, kv_bytes=None, front=False)
+
+    def receive(self, seq: Sequence, output_len: int, kv_bytes: int | None,
+                front: bool = True) -> None:
+        """Take a new or imported sequence; with `kv_bytes` its KV arrives through the host tier."""
+        seq.status = SequenceStatus.WAITING
+        if kv_bytes is not None and seq.num_computed_tokens > 0 and self.host.fits(
+                seq.num_computed_tokens):
+            self.host.put(seq, kv_bytes)
+        else:
+            seq.num_computed_tokens = 0
+        self.live[seq.seq_id] = seq
+        self.target[seq.seq_id] = output_len
+        self.sched.add(seq, front=front)
+
+    def export(self, row: int, ship_kv: bool) -> tuple[Sequence, int, int | None] | None:
+        """Remove a live sequence: (sequence, output length, KV bytes if shipped), or None."""
+        seq = self.live.pop(row, None)
+        if seq is None:
+            return None
+        self.sched.remove(seq)
+        self.host.drop(seq)
+        kv = seq.num_computed_tokens * self.cost.bytes_per_token if ship_kv else None
+        if not kv:
+            kv = None
+            seq.num_computed_tokens = 0
+        return seq, self.target.pop(row), kv
+
+    def _retire(self, seq: Sequence) -> None:
+        self.sched.remove(seq)
+        self.host.drop(seq)
+        seq.status = SequenceStatus.FINISHED_LENGTH
+        del self.live[seq.seq_id]
+        del self.target[seq.seq_id]
+
+    # ---- reports for the placement policy -----------------------------------------------
+    def load(self, now: float, span: Span | None) -> EngineLoad:
+        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy."""
+        s = self.sched
+        running = span.run.running_at(now) if span and span.run else len(s.running)
+        # remaining_tokens_est is left at 0: the policy does not read it and summing it per
+        # report would cost O(sequences)
+        return EngineLoad(self.actor_id, len(s.waiting), running, len(s.preempted), 0,
+                          self.pool.num_free, self.pool.num_blocks, self.shape.max_num_seqs,
+                          self.pool.block_size)
+
+    def summaries(self, max_running: int) -> list[RequestSummary]:
+        """Waiting (queue order), held, and the `max_running` oldest running sequences."""
+        s = self.sched
+
+        def summ(seq: Sequence, kind: str) -> RequestSummary:
+            return RequestSummary(seq.request_id, kind, seq.num_tokens, seq.num_output_tokens,
+                                  seq.num_computed_tokens)
+
+        out = [summ(q, "waiting") for q in s.waiting] + [summ(q, "held") for q in s.preempted]
+        oldest = heapq.nlargest(max_running, s.running, key=lambda q: q.num_output_tokens)
+        return out + [summ(q, "running") for q in oldest]
+
+    # ---- time ---------------------------------------------------------------------------
+    def start_span(self, now: float, cut: Callable[[list[int]], int]) -> Span | None:
+        """Run one real step and plan the decode run after it; None when there is no work.
+
+        `cut(rows)` gets the next rows to finish, in finish order, and returns how many of them
+        the run may include (>= 1): the cluster ends runs where a finish must be acted on.
+        """
+        sched = self.sched
+        out = sched.schedule()
+        if not out.seqs:
+            if sched.has_work():
+                raise RuntimeError(f"actor {self.actor_id}: work queued but nothing schedulable")
+            self.trace.append((now, 0))
+            return None
+        kv = 0
+        done: list[Sequence] = []
+        target = self.target
+        for q, n in zip(out.seqs, out.num_new_tokens):
+            kv += q.num_computed_tokens + n  # context this step attends over
+            q.num_computed_tokens += n
+            if q.num_computed_tokens == len(q.token_ids):  # a token is sampled
+                q.token_ids.append(0)
+                if len(q.token_ids) - len(q.prompt_token_ids) >= target[q.seq_id]:
+                    done.append(q)
+        t = now + self.cost.step_time(out.total_tokens, kv, len(out.seqs))
+        t += self._move_kv(out) / self.cost.pcie_bytes_per_s
+        self.trace.append((now, len(out.seqs)))
+        finished = [(q.seq_id, t) for q in done]
+        for q in done:
+            self._retire(q)
+        run = DecodeRun(self, t, cut) if self._steady() else None
+        if run is not None and run.k == 0:
+            run = None
+        end = t + run.duration if run is not None else t
+        return Span(now, t, end, finished, run, run.k if run is not None else 0)
+
+    def interrupt(self, span: Span, now: float) -> bool:
+        """End the span at the first step boundary at or after `now`; True if it moved."""
+        if span.run is None or now >= span.end:
+            return False
+        m = 0 if now <= span.t1 else span.run.steps_by(now)
+        if m >= span.steps:
+            return False
+        span.steps = m
+        span.end = span.t1 + span.run.time_at(m)
+        span.version += 1
+        return True
+
+    def end_span(self, span: Span) -> list[tuple[int, float]]:
+        """Apply the span's decode run up to its (possibly interrupted) end; rows finished."""
+        finished = span.finished
+        if span.run is not None and span.steps > 0:
+            span.run.commit(span.steps, finished)
+        self.busy_s += span.end - span.start
+        self.steps += 1 + span.steps
+        self.spans += 1
+        return finished
+
+    def _steady(self) -> bool:
+        """Would the next schedule() just decode every running sequence, admitting nobody?"""
+        s = self.sched
+        run = s.running
+        if not run or len(run) > s.config.max_num_batched_tokens:
+            return False
+        for seq in run:
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                return False
+        queue = s.preempted or s.waiting
+        if not queue or len(run) >= s.config.max_num_seqs:
+            return True
+        head = queue[0]
+        n = min(head.num_pending_tokens, s.config.max_num_batched_tokens - len(run))
+        # the scheduler's own admission test; free blocks only shrink during the run
+        return not s._can_grow(head, n, keep_free=s.watermark)
+
+    def _move_kv(self, out: SchedulerOutput) -> int:
+        """What `Engine._move_kv` does, with byte counts for KV: returns bytes over PCIe."""
+        moved = 0
+        for seq, _blocks in out.swap_out:
+            if self.host.fits(seq.num_computed_tokens):
+                nbytes = seq.num_computed_tokens * self.cost.bytes_per_token
+                self.host.put(seq, nbytes)
+                moved += nbytes
+            else:
+                seq.num_computed_tokens = 0
+        for seq in out.swap_in:
+            moved += self.host.take(seq)
+        return moved

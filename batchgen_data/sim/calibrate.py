@@ -1,0 +1,95 @@
+"""Fit the cost model's constants by timing the real engine on this machine.
+
+Runs the real `Engine` (default model unless told otherwise) through prefill-heavy and
+decode-heavy batches, records for every step the features the cost model uses — computed tokens,
+KV tokens read, scheduled sequences — and the wall time of `Engine.step()`, and fits
+`t = c0 + c_tok*new + c_kv*kv + c_seq*seqs` by non-negative least squares. The features are taken
+from the scheduler's own output: its `schedule` method is wrapped on the instance (engine code
+is untouched).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from batchgen_data.sim.costmodel import PRESETS, CostModel
+
+# (prompt length, batch size, output tokens): prefills of growing length, then decode batches
+PREFILL_RUNS = [(64, 1, 1), (256, 1, 1), (512, 1, 1), (1024, 1, 1), (256, 4, 1), (512, 4, 1)]
+DECODE_RUNS = [(32, 1, 24), (32, 8, 24), (32, 32, 24), (512, 1, 24), (512, 8, 24), (512, 32, 16)]
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients: refit without the columns that go negative."""
+    keep = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while keep:
+        sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (sol >= 0).all():
+            coef[keep] = sol
+            break
+        keep = [k for k, s in zip(keep, sol) if s >= 0]
+    return coef
+
+
+def measure(model: str | None = None, seed: int = 0, **engine_kwargs: Any) -> list[tuple]:
+    """(new_tokens, kv_tokens, num_seqs, seconds) for every step of the calibration runs."""
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.sampling_params import SamplingParams
+
+    engine = Engine.from_kwargs(model, device="cpu", max_num_seqs=64,
+                                max_num_batched_tokens=2048, **engine_kwargs)
+    rng = random.Random(seed)
+    feats: list[tuple[int, int, int]] = []
+    orig = engine.scheduler.schedule
+
+    def traced():  # type: ignore[no-untyped-def]
+        out = orig()
+        kv = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
+        feats.append((out.total_tokens, kv, len(out.seqs)))
+        return out
+
+    engine.scheduler.schedule = traced  # type: ignore[method-assign]
+    rows: list[tuple] = []
+    vocab = min(engine.vocab_size, 20000)
+    for i, (plen, batch, out_len) in enumerate(PREFILL_RUNS + DECODE_RUNS):
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        for _ in range(batch):
+            engine.submit([rng.randrange(100, vocab) for _ in range(plen)], params)
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if i > 0 and feats and feats[-1][2] > 0:  # the first run warms up
+                rows.append((*feats[-1], dt))
+    return rows
+
+
+def fit(rows: list[tuple], base: CostModel, name: str, source: str) -> CostModel:
+    data = np.array(rows, dtype=float)
+    x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+    c0, c_tok, c_kv, c_seq = _nnls(x, data[:, 3])
+    return replace(base, name=name, c0=float(c0), c_tok=float(c_tok), c_kv=float(c_kv),
+                   c_seq=float(c_seq), source=source)
+
+
+def calibrate(model: str | None = None, **engine_kwargs: Any) -> tuple[CostModel, dict]:
+    """Measure and fit; returns the model and fit diagnostics (steps, relative error)."""
+    from batchgen_data.engine.engine import Engine
+
+    rows = measure(model, **engine_kwargs)
+    probe = Engine.from_kwargs(model, device="cpu", max_num_seqs=64)
+    base = replace(PRESETS["cpu-smollm2"], bytes_per_token=probe.host.bytes_per_token,
+                   kv_capacity_tokens=probe.pool.num_blocks * probe.pool.block_size)
+    when = time.strftime("%Y-%m-%d")
+    cm = fit(rows, base, "cpu-calibrated",
+             f"calibrate on {when}: {len(rows)} timed steps of {model or 'the default model'} (CPU)")
+    pred = np.array([cm.step_time(a, b, c) for a, b, c, _ in rows])
+    real = np.array([r[3] for r in rows])
+    diag = {"steps": len(rows), "median_rel_error": float(np.median(np.abs(pred - real) / real)),
+            "total_time_ratio": float(pred.sum() / real.sum())}
+    return cm, diag

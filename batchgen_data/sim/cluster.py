@@ -1,0 +1,219 @@
+"""Discrete-event cluster simulation: actors, the input dispatcher and the coordinator.
+
+Time advances event by event: the next event is the end of some actor's span (one real
+scheduler step plus an extrapolated decode run, see `actor.py`), a moved sequence arriving at
+its new actor, or a coordinator tick. At the end of a span the actor's finished rows are
+credited to the input batch (and home actor) they came from, queued exports leave, the
+dispatcher binds new input batches where the mode allows, and the actor starts its next span.
+
+Rows are accounted once: a row finishes on whichever actor ran its last token, but it always
+counts against the batch and home actor that received it, like a migrated request whose result
+returns through the task that received the row.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+
+from batchgen_data.placement import find_receivers, pick_donors, plan_moves, rows_wanted
+from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.sim.actor import EngineShape, SimActor, Span
+from batchgen_data.sim.costmodel import CostModel
+from batchgen_data.sim.modes import ModeConfig
+from batchgen_data.sim.result import SimResult
+from batchgen_data.sim.workload import Workload
+
+_END, _ARRIVE, _TICK = 0, 1, 2
+
+
+class Cluster:
+    def __init__(self, wl: Workload, num_actors: int, cost: CostModel, shape: EngineShape,
+                 mode: ModeConfig) -> None:
+        if num_actors < 1:
+            raise ValueError(f"actors={num_actors!r}: must be >= 1")
+        self.wl, self.cost, self.shape, self.mode = wl, cost, shape, mode
+        self.actors = [SimActor(i, cost, shape) for i in range(num_actors)]
+        self.params = SamplingParams(temperature=0.0, max_tokens=wl.max_output, ignore_eos=True)
+        self.inp = wl.input_lens.tolist()
+        self.out = wl.output_lens.tolist()
+        n, b = wl.num_rows, mode.batch_size
+        self.num_batches = -(-n // b)
+        self.batch_left = [min(b, n - i * b) for i in range(self.num_batches)]
+        self.batch_home = [-1] * self.num_batches
+        self.batch_bound_at = np.full(self.num_batches, np.nan)
+        self.next_batch = 0
+        self.in_flight = [0] * num_actors  # unfinished rows each actor received
+        self.batches_open = [0] * num_actors
+        self.span: list[Span | None] = [None] * num_actors  # the span each actor is in
+        self.exports: list[list[tuple[int, int, bool]]] = [[] for _ in range(num_actors)]
+        self.inbound = [0] * num_actors
+        self.finish = np.full(n, np.nan)
+        self.finished_by = np.full(n, -1, dtype=np.int32)
+        self.num_finished = 0
+        self.moved: Counter[str] = Counter()
+        self.shipped_bytes = 0
+        self.transfer = cost.transfer()
+        # the policy decides ship-or-recompute with this cluster's cost model unless told
+        self.placement = mode.placement if mode.placement.transfer is not None else replace(
+            mode.placement, transfer=self.transfer)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+
+    # ---- dispatcher ---------------------------------------------------------------------
+    def _wants(self, a: int) -> bool:
+        if self.next_batch >= self.num_batches:
+            return False
+        if self.mode.static:
+            return self.batches_open[a] < self.mode.max_concurrent_batches
+        return rows_wanted(self.in_flight[a], self.shape.max_num_seqs, self.placement) > 0
+
+    def _bind(self, a: int, now: float) -> None:
+        b = self.next_batch
+        self.next_batch += 1
+        self.batch_home[b] = a
+        self.batch_bound_at[b] = now
+        lo = b * self.mode.batch_size
+        actor = self.actors[a]
+        for r in range(lo, lo + self.batch_left[b]):
+            actor.add_row(r, self.inp[r], self.out[r], self.params)
+        self.in_flight[a] += self.batch_left[b]
+        self.batches_open[a] += 1
+
+    def _cut(self, rows: list[int]) -> int:
+        """How many upcoming finishes a span may include: in static mode, stop at the first
+        one that completes an input batch (the actor then takes a new batch)."""
+        if not self.mode.static:
+            return len(rows)
+        seen: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            b = r // self.mode.batch_size
+            seen[b] = seen.get(b, self.batch_left[b]) - 1
+            if seen[b] == 0:
+                return i + 1
+        return len(rows)
+
+    # ---- events -------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, data: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, data))
+
+    def _start(self, a: int, now: float) -> None:
+        span = self.actors[a].start_span(now, self._cut)
+        self.span[a] = span
+        if span is not None:
+            self._push(span.end, _END, (a, span, span.version))
+
+    def _interrupt(self, a: int, now: float) -> None:
+        """Work arrives for or must leave a busy actor: end its span at the next step."""
+        span = self.span[a]
+        if span is not None and self.actors[a].interrupt(span, now):
+            self._push(span.end, _END, (a, span, span.version))
+
+    def _span_end(self, now: float, a: int, span: Span, version: int) -> None:
+        if self.span[a] is not span or span.version != version:
+            return  # superseded by an interrupt
+        self.span[a] = None
+        homes = {a}
+        for row, t in self.actors[a].end_span(span):
+            assert math.isnan(self.finish[row]), f"row {row} finished twice"
+            self.finish[row] = t
+            self.finished_by[row] = a
+            self.num_finished += 1
+            b = row // self.mode.batch_size
+            home = self.batch_home[b]
+            self.in_flight[home] -= 1
+            self.batch_left[b] -= 1
+            if self.batch_left[b] == 0:
+                self.batches_open[home] -= 1
+            homes.add(home)
+        self._run_exports(a, now)
+        for h in sorted(homes):
+            if h != a and self.span[h] is not None:
+                if self._wants(h):
+                    self._interrupt(h, now)  # it binds new rows at its next step boundary
+                continue
+            while self._wants(h):
+                self._bind(h, now)
+            if h != a and self.actors[h].sched.has_work():
+                self._start(h, now)
+        self._start(a, now)
+
+    def _run_exports(self, a: int, now: float) -> None:
+        for row, dst, ship in self.exports[a]:
+            seq = self.actors[a].live.get(row)
+            kind = "waiting" if seq is None else seq.status.name.lower()
+            got = self.actors[a].export(row, ship)
+            if got is None:  # finished before the move was carried out
+                self.inbound[dst] -= 1
+                continue
+            seq, out_len, kv = got
+            self.moved[kind] += 1
+            if kv is not None:
+                self.moved["kv_shipped"] += 1
+                self.shipped_bytes += kv
+                delay = self.transfer.ship_seconds(seq.num_computed_tokens)
+            else:
+                delay = self.mode.rpc_latency_s
+            self._push(now + delay, _ARRIVE, (dst, seq, out_len, kv))
+        self.exports[a] = []
+
+    def _arrive(self, now: float, dst: int, seq, out_len: int, kv: int | None) -> None:  # type: ignore[no-untyped-def]
+        self.inbound[dst] -= 1
+        self.actors[dst].receive(seq, out_len, kv)
+        if self.span[dst] is None:
+            self._start(dst, now)
+        else:
+            self._interrupt(dst, now)
+
+    def _tick(self, now: float) -> None:
+        pcfg = self.placement
+        loads = [act.load(now, self.span[i]) for i, act in enumerate(self.actors)
+                 if not self.exports[i] and not self.inbound[i]]
+        receivers = find_receivers(loads, pcfg)
+        if receivers:
+            donors = pick_donors(loads, pcfg)[:self.mode.max_donors]
+            summaries = {d.engine_id: self.actors[d.engine_id].summaries(
+                pcfg.max_requests_per_receiver) for d in donors}
+            for mv in plan_moves(loads, summaries, pcfg):
+                for rid in mv.request_ids:
+                    self.exports[mv.src].append((int(rid), mv.dst, mv.ship_kv))
+                    self.inbound[mv.dst] += 1
+            reach = now + self.mode.rpc_latency_s  # the export request's trip to the donor
+            for i, todo in enumerate(self.exports):
+                if todo and self.span[i] is None:
+                    self._run_exports(i, reach)
+                elif todo:
+                    self._interrupt(i, reach)
+        if self.num_finished < self.wl.num_rows:
+            self._push(now + self.mode.tick_s, _TICK, None)
+
+    # ---- driver -------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        progress = True
+        while progress:  # round-robin initial binding, one batch per actor per pass
+            progress = False
+            for a in range(len(self.actors)):
+                if self._wants(a):
+                    self._bind(a, 0.0)
+                    progress = True
+        for a in range(len(self.actors)):
+            self._start(a, 0.0)
+        if self.mode.migrate:
+            self._push(self.mode.tick_s, _TICK, None)
+        while self._events and self.num_finished < self.wl.num_rows:
+            now, _, kind, data = heapq.heappop(self._events)
+            if kind == _END:
+                self._span_end(now, *data)  # type: ignore[misc]
+            elif kind == _ARRIVE:
+                self._arrive(now, *data)  # type: ignore[misc]
+            else:
+                self._tick(now)
+        if self.num_finished != self.wl.num_rows:
+            raise RuntimeError(f"simulation stalled: {self.num_finished}/{self.wl.num_rows} rows")
+        return SimResult.collect(self, time.perf_counter() - wall)

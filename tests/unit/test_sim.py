@@ -1,0 +1,143 @@
+"""Cluster simulator: exactness of the extrapolated decode runs, row accounting, mode ordering."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from batchgen_data.placement import PlacementConfig
+from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.sim import (PRESETS, Cluster, CostModel, EngineShape, ModeConfig, compare,
+                               make_workload, mode_config, simulate)
+from batchgen_data.sim.__main__ import main
+from batchgen_data.sim.actor import SimActor
+from batchgen_data.sim.calibrate import fit
+from batchgen_data.sim.workload import Workload
+
+# a cost model where batch size matters (CPU-like): per-sequence work is not hidden
+LINEAR = CostModel("test-linear", c0=2e-3, c_tok=50e-6, c_kv=2e-7, c_seq=0.4e-3,
+                   bytes_per_token=4096, kv_capacity_tokens=200_000,
+                   pcie_bytes_per_s=10e9, link_bytes_per_s=5e9)
+
+
+def heavy_tail(rows: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    out = np.minimum(np.rint(rng.lognormal(4.5, 1.2, rows)), 2048).astype(np.int64) + 1
+    return Workload("tail", rng.integers(32, 257, rows), out, 2049)
+
+
+def reference_bct(wl: Workload, cost: CostModel, shape: EngineShape) -> float:
+    """One engine, every row queued at t=0, the real scheduler called at every single step."""
+    actor = SimActor(0, cost, shape)
+    params = SamplingParams(max_tokens=wl.max_output, ignore_eos=True)
+    for r in range(wl.num_rows):
+        actor.add_row(r, int(wl.input_lens[r]), int(wl.output_lens[r]), params)
+    t = 0.0
+    while actor.sched.has_work():
+        out = actor.sched.schedule()
+        kv = sum(q.num_computed_tokens + n for q, n in zip(out.seqs, out.num_new_tokens))
+        t += cost.step_time(out.total_tokens, kv, len(out.seqs))
+        t += actor._move_kv(out) / cost.pcie_bytes_per_s
+        for q, n in zip(out.seqs, out.num_new_tokens):
+            q.num_computed_tokens += n
+            if q.num_computed_tokens == q.num_tokens:
+                q.token_ids.append(0)
+                if q.num_output_tokens >= actor.target[q.seq_id]:
+                    actor._retire(q)
+    return t
+
+
+@pytest.mark.parametrize("preset", ["h200-llama8b", "test-linear", "roofline"])
+@pytest.mark.parametrize("kv_tokens", [1_000_000, 6_000])  # ample memory / preemptions
+def test_decode_runs_match_step_by_step_scheduling(preset: str, kv_tokens: int) -> None:
+    base = {"test-linear": LINEAR, "roofline": replace(PRESETS["h200-llama8b"], overlap=True)}
+    cost = replace(base.get(preset) or PRESETS[preset], kv_capacity_tokens=kv_tokens)
+    wl = heavy_tail(40, seed=1)
+    shape = EngineShape(max_num_seqs=8, max_num_batched_tokens=512, block_size=16,
+                        host_kv_bytes=64 * cost.bytes_per_token, max_finishes=1)
+    mode = ModeConfig("continuous", placement=PlacementConfig(queue_depth=1000))
+    ref = reference_bct(wl, cost, shape)
+    assert Cluster(wl, 1, cost, shape, mode).run().bct_s == pytest.approx(ref, rel=1e-9)
+
+
+def test_decode_run_time_is_the_sum_of_step_times() -> None:
+    roofline = replace(PRESETS["h200-llama8b"], overlap=True)
+    for cost in (PRESETS["h200-llama8b"], PRESETS["a100-qwen0.5b"], LINEAR, roofline):
+        for n, kv, a, b in [(1, 900, 1, 5000), (256, 256 * 800, 3, 40), (40, 60, 1, 1)]:
+            brute = sum(cost.step_time(n, kv + (j - 1) * n, n) for j in range(a, b + 1))
+            assert cost.decode_steps_time(n, kv, a, b) == pytest.approx(brute, rel=1e-9)
+
+
+def test_every_row_finishes_exactly_once_and_nothing_leaks() -> None:
+    wl = heavy_tail(1500, seed=2)
+    shape = EngineShape(max_num_seqs=32, host_kv_bytes=1 << 24)
+    for name in ("static", "continuous", "migrate"):
+        c = Cluster(wl, 6, LINEAR, shape, mode_config(name, 32, batch_size=4,
+                                                       max_concurrent_batches=8))
+        res = c.run()
+        assert res.rows_finished == wl.num_rows and not np.isnan(c.finish).any()
+        assert (c.finished_by >= 0).all()
+        assert sum(c.in_flight) == 0 and all(n == 0 for n in c.batch_left)
+        assert c.next_batch == c.num_batches and not any(c.exports) and not any(c.inbound)
+        for a in c.actors:
+            assert not a.sched.has_work() and not a.live
+            assert a.pool.num_free == a.pool.num_blocks and a.host.used_bytes == 0
+        assert res.bct_s == pytest.approx(float(np.max(c.finish)))
+        assert res.idle_gpu_s >= 0 and res.bct_s >= res.tail_floor_s
+        if name == "static":  # never more rows at once than batches x batch size
+            assert max(n for tr in res.traces for _, n in tr) <= 32
+        if name == "migrate":
+            assert res.moved.get("running", 0) > 0  # exports and imports were exercised
+            assert res.moved.get("kv_shipped", 0) > 0
+
+
+def test_migration_beats_streaming_beats_static_on_a_heavy_tail() -> None:
+    res = compare(heavy_tail(3000, seed=3), 8, LINEAR, EngineShape(max_num_seqs=32),
+                  batch_size=4, max_concurrent_batches=8)
+    static, continuous, migrate = (res[m].bct_s for m in ("static", "continuous", "migrate"))
+    assert migrate < continuous < static
+    assert res["migrate"].idle_gpu_s < res["continuous"].idle_gpu_s
+
+
+def test_coarse_runs_stay_close_to_exact_admission() -> None:
+    # with the linear cost model, delaying a freed seat by a few finishes barely matters
+    wl = make_workload("uniform", 1200, seed=0)
+    cost = PRESETS["h200-llama8b"]
+    exact = simulate(wl, 2, cost, mode_config("continuous", 64), EngineShape(64, max_finishes=1))
+    coarse = simulate(wl, 2, cost, mode_config("continuous", 64), EngineShape(64))
+    assert coarse.spans < exact.spans / 2
+    assert coarse.bct_s == pytest.approx(exact.bct_s, rel=0.02)
+
+
+def test_workloads_follow_their_distributions() -> None:
+    wl = make_workload("reasoning", 20_000, seed=0)
+    assert wl.input_lens.max() <= 8192 and wl.output_lens.max() <= 16384
+    assert np.median(wl.input_lens) == pytest.approx(np.exp(6.5), rel=0.05)
+    assert np.median(wl.output_lens) == pytest.approx(np.exp(6.0), rel=0.05)
+    uni = make_workload("uniform", 1000, seed=0)
+    assert uni.output_lens.min() >= 64 and uni.output_lens.max() <= 1024
+    with pytest.raises(ValueError, match="workload"):
+        make_workload("poetry", 10)
+
+
+def test_calibration_fit_recovers_known_constants() -> None:
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(200):
+        new, kv, seqs = int(rng.integers(1, 2000)), int(rng.integers(0, 50_000)), int(rng.integers(1, 64))
+        rows.append((new, kv, seqs, 3e-3 + 2e-5 * new + 1e-7 * kv + 4e-4 * seqs))
+    cm = fit(rows, PRESETS["cpu-smollm2"], "fitted", "synthetic")
+    assert (cm.c0, cm.c_tok, cm.c_kv, cm.c_seq) == pytest.approx((3e-3, 2e-5, 1e-7, 4e-4), rel=1e-6)
+
+
+def test_command_line_prints_json_and_plots(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "active.png"
+    assert main(["--actors", "3", "--rows", "300", "--json", "--jobs", "1",
+                 "--plot", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["modes"]) == {"static", "continuous", "migrate"}
+    assert report["modes"]["migrate"]["rows_finished"] == 300
+    assert "speedup_migrate_vs_static" in report
+    assert png.stat().st_size > 10_000

@@ -13,6 +13,7 @@ pyspark and pandas are imported only when these functions are called.
 """
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -36,6 +37,16 @@ def _spark_type(schema: pa.Schema) -> "StructType":
     return from_arrow_schema(schema)
 
 
+def _check_worker_reuse() -> None:
+    """Warn (on the driver) when Python workers are not reused: every task would reload the model."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is not None and spark.conf.get("spark.python.worker.reuse", "true") == "false":
+        warnings.warn("spark.python.worker.reuse=false: each Spark task will load the model "
+                      "again; set it to true (Spark's default) for batchgen_data", stacklevel=3)
+
+
 def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                  max_in_flight: int | None = None, debug_stats: bool = False,
                  **engine_kwargs: Any) -> Any:
@@ -51,6 +62,7 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs)
+    _check_worker_reuse()
     return_type = _spark_type(spark_task.output_schema(debug_stats))
 
     def batchgen_generate(prompts: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
@@ -78,8 +90,7 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
 
 
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
-                model: str | None = None,
-                sampling_params: Any = None, on_error: str = "row",
+                model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
@@ -93,6 +104,7 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs)
+    _check_worker_reuse()
     from pyspark.sql.types import StructType
 
     out_fields = _spark_type(spark_task.output_schema(debug_stats)).fields

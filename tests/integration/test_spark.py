@@ -106,19 +106,26 @@ def test_small_arrow_batches_still_fill_engine(spark: Any, model: str,
 
 
 def test_generate_df_completion_order_keeps_columns(spark: Any, model: str, llm: LLM) -> None:
-    prompts = PROMPTS[:12] + [None]
     from pyspark.sql import functions as F
 
-    df = prompt_df(spark, prompts).withColumn("tag", F.lit("x"))
+    prompts = PROMPTS[:12] + [None]
+    overrides = F.when(F.col("id") == 0, F.lit('{"max_tokens": 2}')).when(
+        F.col("id") == 1, F.lit('{"temperature": -1}'))  # per-row sampling_params (JSON)
+    df = prompt_df(spark, prompts).withColumn("tag", F.lit("x")).withColumn(
+        "sampling_params", overrides)
     out = generate_df(df, id_col="id", model=model, sampling_params=SAMPLED, **ENGINE).collect()
     assert sorted(r.id for r in out) == list(range(13))
     assert set(out[0].asDict()) >= {"id", "prompt", "tag", "generated_text", "error"}
     by_id = {r.id: r for r in out}
-    assert by_id[12].error is not None and by_id[12].tag == "x"
-    # seeded from the id column, not the prompt
-    seeded = [SamplingParams(**SAMPLED, seed=derive_seed(0, str(i))) for i in range(12)]
+    assert "null" in by_id[12].error and by_id[12].tag == "x"
+    assert "temperature" in by_id[1].error
+    # seeded from the id column, not the prompt; row 0 with its own max_tokens
+    seeded = [SamplingParams(**{**SAMPLED, "max_tokens": 2 if i == 0 else 8},
+                             seed=derive_seed(0, str(i))) for i in range(12)]
     expected = texts(llm.generate(PROMPTS[:12], seeded, use_tqdm=False))
-    assert [by_id[i].generated_text for i in range(12)] == expected
+    got = [by_id[i].generated_text for i in range(12)]
+    assert got[0] == expected[0] and by_id[0].num_generated_tokens <= 2
+    assert got[2:] == expected[2:]
 
 
 def test_chat_messages_column(spark: Any, model: str, llm: LLM) -> None:

@@ -14,11 +14,16 @@ async_map`), so only a sync generator can hand rows over as they finish; `ray_bl
 ship each yield at once instead of buffering it to 128 MiB.
 
 With `stream=False` each input batch comes back whole, in input order, as `ray.data.llm` does.
+
+With `migration=True` (the default) the actors of one job share a coordinator actor that moves
+waiting and long-running requests from busy engines to idle ones; results still come back
+through the task that received the row (`ray_migration`, docs/ray_data.md).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -28,7 +33,8 @@ import pyarrow as pa
 
 from batchgen_data.connectors import ray_blocks
 from batchgen_data.connectors.common import (
-    RequestBuilder, RowError, attach_outputs, error_row, result_row, to_arrow)
+    RequestBuilder, RowError, attach_outputs, error_row, result_row, seeded, to_arrow)
+from batchgen_data.connectors.ray_migration import MigrationOptions, start_migration
 from batchgen_data.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,16 @@ def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def exit_if_engine_dead(driver: Any) -> None:
+    """A dead engine never recovers: end the actor so Ray restarts it and retries its tasks
+    (Ray Data's actor pools run with max_restarts=-1, max_task_retries=-1)."""
+    if getattr(driver, "dead", None) is not None:
+        log.error("batchgen: engine loop died (%r); exiting the actor so Ray restarts it",
+                  driver.dead)
+        logging.shutdown()
+        os._exit(1)
+
+
 class BatchGenPredictor:
     """Callable class for `Dataset.map_batches`: input rows in, rows with outputs out."""
 
@@ -62,14 +78,20 @@ class BatchGenPredictor:
     def __init__(self, model: str | None = None,
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
                  on_error: str = "row", stream: bool = True, apply_chat_template: bool = True,
+                 migration: bool = True, migration_options: dict[str, Any] | None = None,
                  **engine_kwargs: Any) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: use one of {ON_ERROR}")
         self.on_error = on_error
         self.stream = stream
+        options = MigrationOptions(**(migration_options or {}))  # TypeError on unknown names
         self.driver = self.start_driver(model, engine_kwargs)
         self.builder = RequestBuilder.from_engine(self.driver.engine, sampling_params,
                                                   apply_chat_template)
+        self.base_seed = self.driver.engine.config.seed
+        # engines of one job share a coordinator: same Ray job and same predictor config
+        fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items())))
+        self.migration = start_migration(self.driver, fingerprint, options) if migration else None
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()  # next() is atomic: calls run on several threads
         # HF fast tokenizers can fail with "Already borrowed" when threads share one
@@ -107,9 +129,14 @@ class BatchGenPredictor:
         try:
             with self._tokenize_lock:
                 req = self.builder.build(row)
+            # unseeded sampling is seeded from the prompt: retried tasks and moved rows repeat it
+            params = seeded(req.params, self.base_seed, req.prompt_token_ids)
             rid = f"{self._prefix}-{next(self._ids)}"
-            fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
+            fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid,
                                      prompt=req.prompt)
+        except RuntimeError:
+            exit_if_engine_dead(self.driver)  # EngineDeadError: restart rather than fail rows
+            raise
         except (RowError, ValueError) as e:
             if self.on_error == "raise":
                 raise RowError(f"row {index}: {e}") from None
@@ -121,6 +148,7 @@ class BatchGenPredictor:
         exc = fut.exception()
         if exc is None:
             return result_row(fut.result())
+        exit_if_engine_dead(self.driver)
         if self.on_error == "raise" or not isinstance(exc, (RowError, ValueError)):
             raise exc  # engine failures are not row errors: let Ray retry the task
         return error_row(str(exc))
@@ -149,6 +177,8 @@ class BatchGenPredictor:
         self.driver.call(abort_all)
 
     def __del__(self) -> None:
+        if getattr(self, "migration", None) is not None:
+            self.migration.stop()
         driver = getattr(self, "driver", None)
         if driver is not None:
             driver.shutdown(timeout=1.0)

@@ -6,7 +6,7 @@ rows must carry an error; no row may be lost or duplicated; input columns pass t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
@@ -21,17 +21,6 @@ pytestmark = pytest.mark.timeout(300)
 ENGINE = {"max_model_len": 64, "max_num_seqs": 64}
 DEFAULTS = {"temperature": 0.0, "max_tokens": 8}
 NO_OVERRIDE = {"max_tokens": None, "temperature": None, "seed": None, "temprature": None}
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir="/tmp/ray")
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

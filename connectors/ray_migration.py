@@ -1,0 +1,234 @@
+"""Engine side of cross-actor migration: report load, export on order, import, deliver back.
+
+A `MigrationClient` lives next to each `BatchGenPredictor`'s `EngineDriver` and runs one thread
+that calls the job's coordinator (`ray_coordinator`) every `interval_s`. Ownership never moves:
+
+* the **owner** (the engine whose Ray task received the row) keeps the row's Future. On an
+  export order it takes the request out of its engine (`Engine.export`: waiting rows as they
+  are, running ones through hold + export), keeps the exported state, and mails it to the
+  receiver;
+* the **importer** continues the request (`Engine.import_`; KV recomputed unless the policy
+  chose to ship it) and mails the finished `RequestOutput` back;
+* the owner resolves the Future with it, so the owner's task yields the row, exactly once.
+
+If the importer stops reporting (dead) or the result does not come back within `timeout_s`,
+the owner imports its kept state into its own engine; a late result is then dropped. If the
+coordinator fails, every engine logs once, takes its rows back, drops its guests, and runs
+without migration. Exported state is greedy/seeded-exact, so a row's tokens never depend on
+where it ran.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen_data.connectors.ray_coordinator import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MigrationOptions:
+    job_id: str | None = None  # coordinator key; None: the Ray job id + the predictor's config
+    interval_s: float = 0.25  # how often an engine reports and collects mail
+    dead_after_s: float = 10.0  # an engine silent this long counts as dead
+    timeout_s: float = 600.0  # an exported row not back by then is run at home again
+    rpc_timeout_s: float = 30.0  # a coordinator call slower than this counts as a failure
+    placement: dict[str, Any] = field(default_factory=dict)  # PlacementConfig fields
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"migration {name}={getattr(self, name)!r}: must be > 0")
+
+
+@dataclass
+class _Away:
+    state: dict[str, Any]
+    future: Future
+    dst: str
+    since: float
+
+
+class MigrationClient:
+    """Moves this engine's surplus out and other engines' surplus in, as the coordinator says."""
+
+    def __init__(self, driver: Any, coordinator: Any, engine_id: str,
+                 options: MigrationOptions) -> None:
+        self.driver = driver
+        self.coordinator = coordinator
+        self.engine_id = engine_id
+        self.options = options
+        sched = driver.engine.config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.block_size = driver.engine.config.cache.block_size
+        self.away: dict[str, _Away] = {}  # owned rows running elsewhere; only this thread
+        self.guests: dict[str, str] = {}  # imported rid -> owner; only the engine thread
+        self.outbox: list[tuple[str, Message]] = []
+        self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0}
+        self.disabled = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # outbox: engine-thread callbacks append, we drain
+        self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.options.interval_s):
+            if self.driver.dead is not None:
+                return
+            try:
+                reply = self._exchange()
+            except Exception as e:  # noqa: BLE001 - any coordinator failure: run alone
+                self._degrade(e)
+                return
+            live = set(reply["live"])
+            for msg in reply["inbox"]:
+                self._receive(msg)
+            for dst, rids, ship in reply["orders"]:
+                self._export(dst, rids, ship)
+            self._reclaim_lost(live)
+
+    def _exchange(self) -> dict[str, Any]:
+        import ray
+
+        report, summaries = self.driver.call(self._snapshot).result(self.options.rpc_timeout_s)
+        with self._lock:
+            outbox, self.outbox = self.outbox, []
+        ref = self.coordinator.exchange.remote(self.engine_id, report, self.max_num_seqs,
+                                               self.block_size, summaries, outbox)
+        return ray.get(ref, timeout=self.options.rpc_timeout_s)
+
+    def _snapshot(self, engine: Any) -> tuple[dict[str, int], list[tuple[Any, ...]]]:
+        """Engine thread: load report plus summaries of owned requests (guests never move on)."""
+        sch = engine.scheduler
+        limit = max(1, len(sch.running))
+
+        def rows(seqs: Any, kind: str) -> list[tuple[Any, ...]]:
+            return [(s.request_id, kind, s.num_tokens, s.num_output_tokens, s.num_computed_tokens)
+                    for s in seqs if s.request_id not in self.guests]
+
+        running = sorted(sch.running, key=lambda s: -s.num_output_tokens)[:limit]
+        return engine.load(), (rows(sch.waiting, "waiting") + rows(sch.preempted, "held")
+                               + rows(running, "running"))
+
+    # ---- owner side ---------------------------------------------------------------------
+    def _export(self, dst: str, rids: tuple[str, ...], ship_kv: bool) -> None:
+        def take(engine: Any) -> list[tuple[str, dict[str, Any], Future]]:
+            out = []
+            for rid in rids:
+                if rid not in engine.requests or rid in self.guests:
+                    continue  # finished (or moved) since the report
+                fut = self.driver.release(rid)
+                if fut is None or fut.done():
+                    continue
+                out.append((rid, engine.export(rid, include_kv=ship_kv), fut))
+            return out
+
+        now = time.monotonic()
+        for rid, state, fut in self.driver.call(take).result(self.options.rpc_timeout_s):
+            self.away[rid] = _Away(state, fut, dst, now)
+            self._post(dst, ("import", self.engine_id, state))
+            self.counts["exported"] += 1
+
+    def _reclaim_lost(self, live: set[str]) -> None:
+        now = time.monotonic()
+        lost = [rid for rid, a in self.away.items()
+                if a.dst not in live or now - a.since > self.options.timeout_s]
+        for rid in lost:
+            self._reclaim(rid)
+
+    def _reclaim(self, rid: str) -> None:
+        away = self.away.pop(rid)
+        if away.future.done():
+            return
+
+        def run_here(engine: Any) -> None:
+            engine.import_(away.state)
+            self.driver.adopt(rid, away.future)
+
+        self.driver.call(run_here)
+        self.counts["reclaimed"] += 1
+        log.info("batchgen migration: row %s did not come back from %s; running it here",
+                 rid, away.dst)
+
+    def _degrade(self, err: BaseException) -> None:
+        self.disabled = True
+        log.warning("batchgen migration: coordinator unreachable (%r); this engine runs its own "
+                    "rows from now on", err)
+        for rid in list(self.away):
+            self._reclaim(rid)
+
+        def drop_guests(engine: Any) -> None:
+            for rid in list(self.guests):
+                engine.abort(rid)  # their owners reclaim them too
+
+        self.driver.call(drop_guests)
+
+    # ---- importer side ------------------------------------------------------------------
+    def _receive(self, msg: Message) -> None:
+        kind = msg[0]
+        if kind == "import":
+            self._import(msg[1], msg[2])
+        elif kind in ("deliver", "failed"):
+            away = self.away.pop(msg[1], None)
+            if away is None:
+                return  # reclaimed meanwhile: the local run resolves the Future
+            if kind == "failed":
+                self.away[msg[1]] = away
+                self._reclaim(msg[1])
+            elif not away.future.done():
+                away.future.set_result(msg[2])
+                self.counts["delivered"] += 1
+
+    def _import(self, owner: str, state: dict[str, Any]) -> None:
+        rid = state["request_id"]
+        fut: Future = Future()
+
+        def add(engine: Any) -> None:
+            try:
+                engine.import_(state)
+            except Exception:  # noqa: BLE001 - the owner runs it instead
+                self._post(owner, ("failed", rid))
+                raise
+            self.guests[rid] = owner
+            self.driver.adopt(rid, fut)
+
+        def done(f: Future) -> None:
+            self.guests.pop(rid, None)
+            out = None if f.exception() else f.result()
+            if out is not None and not self.disabled and out.outputs[0].finish_reason != "abort":
+                self._post(owner, ("deliver", rid, out))
+
+        fut.add_done_callback(done)
+        self.driver.call(add)
+        self.counts["imported"] += 1
+
+    def _post(self, dst: str, msg: Message) -> None:
+        with self._lock:
+            self.outbox.append((dst, msg))
+
+
+def start_migration(driver: Any, fingerprint: str,
+                    options: MigrationOptions) -> MigrationClient | None:
+    """Join (or create) the job's coordinator; None, logged, when Ray cannot provide one."""
+    import uuid
+
+    from batchgen_data.connectors.ray_coordinator import coordinator_name, get_coordinator
+
+    try:
+        name = coordinator_name(options.job_id, fingerprint)
+        coordinator = get_coordinator(name, placement=options.placement,
+                                      dead_after_s=options.dead_after_s,
+                                      cooldown_s=4 * options.interval_s)
+    except Exception as e:  # noqa: BLE001 - no Ray, no cluster: the job runs unmigrated
+        log.warning("batchgen migration: no coordinator (%r); running without migration", e)
+        return None
+    return MigrationClient(driver, coordinator, uuid.uuid4().hex[:12], options)

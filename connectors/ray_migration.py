@@ -85,21 +85,24 @@ class MigrationClient:
             if self.driver.dead is not None:
                 return
             try:
-                reply = self._exchange()
-            except Exception as e:  # noqa: BLE001 - any coordinator failure: run alone
+                self._tick()
+            except Exception as e:  # noqa: BLE001 - coordinator lost (or a bug): run alone
                 self._degrade(e)
                 return
-            live = set(reply["live"])
-            for msg in reply["inbox"]:
-                self._receive(msg)
-            for dst, rids, ship in reply["orders"]:
-                self._export(dst, rids, ship)
-            self._reclaim_lost(live)
+
+    def _tick(self) -> None:
+        reply = self._exchange()
+        for msg in reply["inbox"]:
+            self._receive(msg)
+        for dst, rids, ship in reply["orders"]:
+            self._export(dst, rids, ship)
+        self._reclaim_lost(set(reply["live"]))
 
     def _exchange(self) -> dict[str, Any]:
         import ray
 
-        report, summaries = self.driver.call(self._snapshot).result(self.options.rpc_timeout_s)
+        # no timeout here: a slow step is not a coordinator failure (a dead engine fails it)
+        report, summaries = self.driver.call(self._snapshot).result()
         with self._lock:
             outbox, self.outbox = self.outbox, []
         ref = self.coordinator.exchange.remote(self.engine_id, report, self.max_num_seqs,
@@ -133,7 +136,7 @@ class MigrationClient:
             return out
 
         now = time.monotonic()
-        for rid, state, fut in self.driver.call(take).result(self.options.rpc_timeout_s):
+        for rid, state, fut in self.driver.call(take).result():
             self.away[rid] = _Away(state, fut, dst, now)
             self._post(dst, ("import", self.engine_id, state))
             self.counts["exported"] += 1
@@ -161,8 +164,8 @@ class MigrationClient:
 
     def _degrade(self, err: BaseException) -> None:
         self.disabled = True
-        log.warning("batchgen migration: coordinator unreachable (%r); this engine runs its own "
-                    "rows from now on", err)
+        log.warning("batchgen migration: stopped (%r); this engine runs its own rows from now "
+                    "on", err)
         for rid in list(self.away):
             self._reclaim(rid)
 

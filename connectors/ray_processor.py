@@ -11,12 +11,14 @@ differences are listed in docs/ray_data.md. Ray is imported only when a processo
 """
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batchgen_data.config import make_engine_config
 from batchgen_data.connectors import ray_blocks
+from batchgen_data.connectors.ray_migration import MigrationOptions
 from batchgen_data.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +46,16 @@ class BatchGenProcessorConfig:
     num_cpus: float = 0.5  # below 1, so actors never starve read tasks on small machines
     num_gpus: float = 0.0
     stream: bool = True  # rows leave as they finish; False: each input batch whole, in order
+    # move work between engines (connectors/ray_migration.py); None: on when the pool can
+    # hold more than one actor
+    migration: bool | None = None
+    migration_options: Mapping[str, Any] | None = None  # MigrationOptions fields
+
+    @property
+    def migration_on(self) -> bool:
+        if self.migration is not None:
+            return self.migration
+        return (self.concurrency[-1] if isinstance(self.concurrency, tuple) else self.concurrency) > 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -57,35 +69,44 @@ class BatchGenProcessorConfig:
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
         make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
+        MigrationOptions(**dict(self.migration_options or {}))
         SamplingParams.from_dict(dict(self.sampling_params)
                                  if isinstance(self.sampling_params, Mapping)
                                  else self.sampling_params)
 
-    def constructor_kwargs(self) -> dict[str, Any]:
-        """`fn_constructor_kwargs` for `BatchGenPredictor`."""
+    def constructor_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
+        """`fn_constructor_kwargs` for `BatchGenPredictor`; `job_id` names the coordinator."""
         params = self.sampling_params
+        options = {"job_id": job_id, **dict(self.migration_options or {})}
         return dict(model=self.model_source,
                     sampling_params=dict(params) if isinstance(params, Mapping) else params,
                     on_error="row" if self.should_continue_on_error else "raise",
                     stream=self.stream, apply_chat_template=self.apply_chat_template,
+                    migration=self.migration_on, migration_options=options,
                     **dict(self.engine_kwargs))
 
-    def map_batches_kwargs(self) -> dict[str, Any]:
+    def map_batches_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
         """Everything else `Dataset.map_batches` needs to run the predictor."""
         import ray.data
+
+        in_flight = self.max_tasks_in_flight_per_actor
+        if in_flight is None and self.migration_on:
+            # late binding: no batches queued at an actor beyond the ones it serves, so rows
+            # stay unassigned until some engine has room (migration handles what is bound)
+            in_flight = self.max_concurrent_batches
 
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
         else:
             sizes = dict(size=self.concurrency)
         compute = ray.data.ActorPoolStrategy(
-            **sizes, max_tasks_in_flight_per_actor=self.max_tasks_in_flight_per_actor,
+            **sizes, max_tasks_in_flight_per_actor=in_flight,
             max_concurrent_calls_per_actor=self.max_concurrent_batches,
             # several __call__s run at once on one actor; the predictor is thread-safe
             enable_true_multi_threading=True)
         kw: dict[str, Any] = dict(batch_size=self.batch_size, batch_format="pyarrow",
                                   compute=compute, num_cpus=self.num_cpus,
-                                  fn_constructor_kwargs=self.constructor_kwargs())
+                                  fn_constructor_kwargs=self.constructor_kwargs(job_id))
         if self.num_gpus:
             kw["num_gpus"] = self.num_gpus
         if self.accelerator_type is not None:
@@ -109,6 +130,8 @@ class Processor:
         # light row functions: a quarter CPU each, so they run beside the engine actors
         self.preprocess_map_kwargs = {"num_cpus": 0.25, **(preprocess_map_kwargs or {})}
         self.postprocess_map_kwargs = {"num_cpus": 0.25, **(postprocess_map_kwargs or {})}
+        # one migration coordinator per processor: its actors move work among themselves only
+        self.job_id = uuid.uuid4().hex[:16]
 
     def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
         from batchgen_data.connectors.ray_data import BatchGenPredictor
@@ -119,7 +142,7 @@ class Processor:
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time.
         ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
-        ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs())
+        ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs(self.job_id))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds

@@ -122,7 +122,7 @@ def test_killing_the_importer_loses_no_row(ray_local: None, model: str, llm: LLM
 def test_coordinator_death_degrades_to_no_migration(ray_local: None, model: str,
                                                     llm: LLM) -> None:
     job = f"t3-{uuid.uuid4().hex}"
-    owner, other = start_pair(model, job, rpc_timeout_s=2.0)
+    owner, other = start_pair(model, job)
     rows = make_rows(6, 200)
     ref = owner.run.remote(rows)
     wait_for_import(other)

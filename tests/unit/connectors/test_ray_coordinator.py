@@ -1,0 +1,39 @@
+"""The migration coordinator's planning and mail, without Ray (it is a plain class)."""
+from __future__ import annotations
+
+import time
+
+from batchgen_data.connectors.ray_coordinator import Coordinator, coordinator_name
+
+IDLE = {"waiting": 0, "running": 0, "held": 0, "remaining_tokens_est": 0,
+        "free_blocks": 100, "total_blocks": 100}
+BUSY = {**IDLE, "waiting": 6, "running": 2, "free_blocks": 90}
+WAITING = [(f"r{i}", "waiting", 10, 0, 0) for i in range(6)]
+
+
+def test_busy_engine_is_told_to_export_waiting_rows_to_the_idle_one() -> None:
+    c = Coordinator(cooldown_s=60.0)
+    assert c.exchange("idle", IDLE, 2, 16, [], [])["orders"] == []
+    reply = c.exchange("busy", BUSY, 2, 16, WAITING, [])
+    assert reply["live"] == ["busy", "idle"]
+    [(dst, rids, ship)] = reply["orders"]
+    assert dst == "idle" and len(rids) == 2 and not ship  # the receiver's two free seats
+    assert set(rids) <= {f"r{i}" for i in range(6)} and "r0" not in rids  # queue head stays
+    # both are cooling down: no second order while their reports are stale
+    assert c.exchange("busy", BUSY, 2, 16, WAITING, [])["orders"] == []
+
+
+def test_mail_is_forwarded_once_and_dropped_for_dead_engines() -> None:
+    c = Coordinator(dead_after_s=0.2)
+    c.exchange("a", IDLE, 2, 16, [], [])
+    c.exchange("b", IDLE, 2, 16, [], [("a", ("deliver", "r1", "out"))])
+    assert c.exchange("a", IDLE, 2, 16, [], [])["inbox"] == [("deliver", "r1", "out")]
+    assert c.exchange("a", IDLE, 2, 16, [], [])["inbox"] == []
+    time.sleep(0.3)
+    reply = c.exchange("a", IDLE, 2, 16, [], [("b", ("import", "a", {}))])
+    assert reply["live"] == ["a"] and "b" not in c.mail
+
+
+def test_job_id_names_the_coordinator() -> None:
+    assert coordinator_name("job1", "x") == coordinator_name("job1", "y") == \
+        "batchgen-coordinator-job1"

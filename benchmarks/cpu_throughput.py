@@ -292,7 +292,9 @@ def measure(system, workload: str, requests: list[BenchRequest],
     useful, complete = _useful_tokens(requests, run.outputs)
     # On a shared machine the load average around a run, and cpu_s / wall_s (how many cores the
     # process actually got), are the first things to look at when two runs disagree.
-    extra = {"complete": complete, "cpu_s": round(cpu_s, 1), "load1_before": round(load_before, 2),
+    extra = {"complete": complete, "cpu_s": round(cpu_s, 1),
+             "tok_per_cpu_s": round(useful / cpu_s, 2) if cpu_s > 0 else None,
+             "load1_before": round(load_before, 2),
              "load1_after": round(os.getloadavg()[0], 2), **run.extra}
     print(f"  {system.name:<9} {workload:<8} {run.wall_s:7.1f}s  {useful / run.wall_s:7.1f} tok/s",
           file=sys.stderr)

@@ -71,13 +71,14 @@ class EngineSpec:
         return repr((self.model, self.engine_kwargs))
 
 
-def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None, cuda_available: bool) -> str:
+def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None,
+                cuda_available: bool) -> str:
     """Device for this task: Spark's GPU assignment, then CUDA_VISIBLE_DEVICES, else CPU.
 
     Spark hands out physical GPU addresses. When CUDA_VISIBLE_DEVICES is also set, CUDA numbers
     the visible devices from 0, so the address is mapped to its position in that list.
     """
-    visible = [d.strip() for d in (cuda_visible or "").split(",") if d.strip() and d.strip() != "-1"]
+    visible = [d for d in (x.strip() for x in (cuda_visible or "").split(",")) if d and d != "-1"]
     if gpu_addresses and cuda_available:
         addr = str(gpu_addresses[0]).strip()
         if visible:

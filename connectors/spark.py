@@ -38,7 +38,7 @@ def _spark_type(schema: pa.Schema) -> "StructType":
 
 
 def _check_worker_reuse() -> None:
-    """Warn (on the driver) when Python workers are not reused: every task would reload the model."""
+    """Warn (driver side) when Python workers are not reused: each task would reload the model."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()

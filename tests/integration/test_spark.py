@@ -70,7 +70,8 @@ def test_udf_matches_offline_generate(spark: Any, model: str, llm: LLM) -> None:
     # no seed given: each row is seeded from its prompt, so offline runs can reproduce it
     sampled = run_udf(df, batchgen_udf(model, SAMPLED, **ENGINE))
     seeded = [SamplingParams(**SAMPLED, seed=derive_seed(0, p)) for p in PROMPTS]
-    assert [r.generated_text for r in sampled] == texts(llm.generate(PROMPTS, seeded, use_tqdm=False))
+    expected = texts(llm.generate(PROMPTS, seeded, use_tqdm=False))
+    assert [r.generated_text for r in sampled] == expected
 
 
 def test_bad_rows_become_errors(spark: Any, model: str, llm: LLM) -> None:
@@ -90,8 +91,8 @@ def test_sql_registration(spark: Any, model: str, llm: LLM) -> None:
     prompt_df(spark, PROMPTS[:6]).createOrReplaceTempView("prompts")
     rows = spark.sql("SELECT id, batchgen_generate(prompt).generated_text AS text "
                      "FROM prompts").collect()
-    assert [r.text for r in sorted(rows, key=lambda r: r.id)] == texts(llm.generate(PROMPTS[:6], SamplingParams(**GREEDY),
-                                                        use_tqdm=False))
+    expected = llm.generate(PROMPTS[:6], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [r.text for r in sorted(rows, key=lambda r: r.id)] == texts(expected)
 
 
 def test_small_arrow_batches_still_fill_engine(spark: Any, model: str,

@@ -19,7 +19,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CELL = "# COMMAND ----------"
 
 
-def test_spark_batch_example(spark: Any, tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
+def test_spark_batch_example(spark: Any, tiny_model_dir: Callable[..., Path],
+                             tmp_path: Path) -> None:
     example = runpy.run_path(str(EXAMPLES / "spark_batch.py"))
     out = example["main"](["--model", str(tiny_model_dir("llama")), "--rows", "12",
                            "--max-tokens", "4", "--output", str(tmp_path / "out")], spark=spark)

@@ -31,10 +31,17 @@ STYLES = ["Write one sentence about {t}.",
           "Write a product review that mentions {t}."]
 
 
-def prompts(n: int) -> list[str]:
-    """Mixed prompt lengths and tasks, so output lengths vary as in real jobs."""
-    return [STYLES[i % len(STYLES)].format(t=TOPICS[(i // len(STYLES)) % len(TOPICS)]) + f" #{i}"
-            for i in range(n)]
+def prompts(n: int, tokenizer: Any) -> list[str]:
+    """Chat-formatted requests of mixed tasks, so answers end (EOS) at varied lengths.
+
+    The chat template is applied here, once, so both systems tokenize the very same text.
+    """
+    out = []
+    for i in range(n):
+        ask = STYLES[i % len(STYLES)].format(t=TOPICS[(i // len(STYLES)) % len(TOPICS)])
+        msgs = [{"role": "user", "content": f"{ask} (request {i})"}]
+        out.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    return out
 
 
 def hf_predict_fn(model_dir: str, max_tokens: int, threads: int) -> Callable[[], Callable]:
@@ -102,7 +109,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
              .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(args.arrow_batch))
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    df = spark.createDataFrame([(i, p) for i, p in enumerate(prompts(args.rows))],
+    from transformers import AutoTokenizer
+
+    texts = prompts(args.rows, AutoTokenizer.from_pretrained(model_dir))
+    df = spark.createDataFrame([(i, p) for i, p in enumerate(texts)],
                                "id long, prompt string").repartition(args.cores).cache()
     df.count()
     warm = df.limit(args.cores * 4).repartition(args.cores)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from batchgen_data.config import make_engine_config
-from batchgen_data.connectors.common import derive_seed  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen_data.connectors import common, engine_cache
-from batchgen_data.connectors.common import RowError, seeded  # noqa: F401 - seeded re-exported
+from batchgen_data.connectors.common import RowError, seeded
 from batchgen_data.connectors.engine_cache import EngineSpec
 from batchgen_data.connectors.streaming import BatchSizeProbe, failed_future
 from batchgen_data.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
-from batchgen_data.connectors.engine_cache import derive_seed  # noqa: E402
+from batchgen_data.connectors.common import derive_seed  # noqa: E402
 from batchgen_data.connectors.spark import batchgen_udf, generate_df  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,8 +8,9 @@ from typing import Any, Callable
 import pytest
 
 from batchgen_data.connectors import engine_cache, spark_task
-from batchgen_data.connectors.engine_cache import EngineCache, EngineSpec, derive_seed, pick_device
-from batchgen_data.connectors.spark_task import TaskSession, TaskSettings, seeded, value_row
+from batchgen_data.connectors.common import derive_seed, seeded
+from batchgen_data.connectors.engine_cache import EngineCache, EngineSpec, pick_device
+from batchgen_data.connectors.spark_task import TaskSession, TaskSettings, value_row
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 

@@ -34,3 +34,8 @@ def cache_dir() -> Path:
     xdg = _get_str("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
     return base / "batchgen_data"
+
+
+def cuda_visible_devices() -> str | None:
+    """``$CUDA_VISIBLE_DEVICES`` as set (None when unset); "" means no GPU is visible."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -8,12 +8,12 @@ The cache holds a single engine: a worker serves one device, and two models rare
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from batchgen_data.config import make_engine_config
+from batchgen_data import env
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None,
 
 
 def cuda_visible_devices() -> str | None:
-    return os.environ.get("CUDA_VISIBLE_DEVICES")
+    return env.cuda_visible_devices()
 
 
 def build_driver(spec: EngineSpec) -> DriverLike:

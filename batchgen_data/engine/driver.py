@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from batchgen_data.engine.engine import Engine
@@ -118,5 +118,8 @@ class EngineDriver:
 
     def _resolve(self, out: RequestOutput) -> None:
         fut = self._futures.pop(out.request_id, None)
-        if fut is not None and not fut.cancelled():
-            fut.set_result(out)
+        if fut is not None:
+            try:
+                fut.set_result(out)
+            except InvalidStateError:  # cancelled by its caller meanwhile: nobody is waiting
+                pass

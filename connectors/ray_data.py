@@ -66,7 +66,8 @@ def exit_if_engine_dead(driver: Any) -> None:
     if getattr(driver, "dead", None) is not None:
         log.error("batchgen: engine loop died (%r); exiting the actor so Ray restarts it",
                   driver.dead)
-        logging.shutdown()
+        for handler in logging.getLogger().handlers:
+            handler.flush()  # os._exit skips the usual flush
         os._exit(1)
 
 

@@ -37,3 +37,16 @@ def test_mail_is_forwarded_once_and_dropped_for_dead_engines() -> None:
 def test_job_id_names_the_coordinator() -> None:
     assert coordinator_name("job1", "x") == coordinator_name("job1", "y") == \
         "batchgen-coordinator-job1"
+
+
+def test_a_dead_engine_makes_the_actor_exit(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from batchgen_data.connectors import ray_data
+
+    codes: list[int] = []
+    monkeypatch.setattr(ray_data.os, "_exit", codes.append)
+    ray_data.exit_if_engine_dead(SimpleNamespace(dead=None))
+    assert codes == []
+    ray_data.exit_if_engine_dead(SimpleNamespace(dead=RuntimeError("CUDA error")))
+    assert codes == [1]  # Ray Data restarts the actor (max_restarts=-1) and retries its tasks

@@ -51,6 +51,7 @@ class Coordinator:
         self.mail: dict[str, list[Message]] = defaultdict(list)
         self.orders: dict[str, list[tuple[str, tuple[str, ...], bool]]] = defaultdict(list)
         self.busy_until: dict[str, float] = {}
+        self.accepting: dict[str, bool] = {}
         self.num_moves = 0
         self._last_seen = time.monotonic()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
@@ -63,6 +64,9 @@ class Coordinator:
         self._last_seen = now
         load = EngineLoad.from_report(engine_id, report, max_num_seqs, block_size)
         self.reports[engine_id] = (now, load, [RequestSummary(*s) for s in summaries])
+        # an engine with no task in flight may be scaled down any moment: it owns nothing to
+        # give and must take nothing (see MigrationClient.leave_call)
+        self.accepting[engine_id] = bool(report.get("accepting", True))
         live = self._live(now)
         for dst, msg in outbox:
             if dst in live:  # mail to a dead engine is dropped: its sender reclaims the row
@@ -85,7 +89,7 @@ class Coordinator:
     def _plan(self, now: float, live: set[str]) -> None:
         # engines with moves or imports still under way are left out: their reports are stale
         ready = [e for e in live if not self.orders.get(e) and not self.mail.get(e)
-                 and self.busy_until.get(e, 0.0) <= now]
+                 and self.busy_until.get(e, 0.0) <= now and self.accepting.get(e, True)]
         loads = [self.reports[e][1] for e in ready]
         if len(loads) < 2 or not find_receivers(loads, self.cfg):
             return

@@ -109,6 +109,8 @@ class BatchGenPredictor:
         table = to_arrow(batch)
         errors: list[tuple[int, dict[str, Any]]] = []
         pending: dict[Future, tuple[int, str]] = {}
+        if self.migration is not None:
+            self.migration.enter_call()
         try:
             for i, row in enumerate(table.to_pylist()):
                 self._submit(i, row, pending, errors)
@@ -124,6 +126,8 @@ class BatchGenPredictor:
                 yield attach_outputs(table, [i for i, _ in finished], [r for _, r in finished])
         finally:
             self._abort(pending)  # task failed or was cancelled: stop generating its rows
+            if self.migration is not None:
+                self.migration.leave_call()
 
     def _submit(self, index: int, row: dict[str, Any], pending: dict[Future, tuple[int, str]],
                 errors: list[tuple[int, dict[str, Any]]]) -> None:

@@ -71,6 +71,8 @@ class MigrationClient:
         self.outbox: list[tuple[str, Message]] = []
         self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0}
         self.disabled = False
+        self.active_calls = 0  # the predictor's __call__s now running
+        self._guests_done = threading.Condition()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # outbox: engine-thread callbacks append, we drain
         self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
@@ -78,6 +80,24 @@ class MigrationClient:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def enter_call(self) -> None:
+        with self._guests_done:
+            self.active_calls += 1
+
+    def leave_call(self) -> None:
+        """End of a `__call__`: the last one waits for this engine's guests to finish.
+
+        Ray Data scales down actors with no task in flight; one that dies holding guests makes
+        their owners wait `dead_after_s` and redo the work. Engines with no call in flight are
+        therefore never sent work (`accepting` in the report), and the last call stays until
+        the guests are home.
+        """
+        with self._guests_done:
+            if self.active_calls == 1:
+                self._guests_done.wait_for(lambda: not self.guests or self.disabled,
+                                           timeout=self.options.timeout_s)
+            self.active_calls -= 1
 
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -105,6 +125,7 @@ class MigrationClient:
         report, summaries = self.driver.call(self._snapshot).result()
         with self._lock:
             outbox, self.outbox = self.outbox, []
+        report = {**report, "accepting": self.active_calls > 0}
         ref = self.coordinator.exchange.remote(self.engine_id, report, self.max_num_seqs,
                                                self.block_size, summaries, outbox)
         return ray.get(ref, timeout=self.options.rpc_timeout_s)
@@ -163,7 +184,9 @@ class MigrationClient:
                  rid, away.dst)
 
     def _degrade(self, err: BaseException) -> None:
-        self.disabled = True
+        with self._guests_done:
+            self.disabled = True
+            self._guests_done.notify_all()
         log.warning("batchgen migration: stopped (%r); this engine runs its own rows from now "
                     "on", err)
         for rid in list(self.away):
@@ -205,7 +228,9 @@ class MigrationClient:
             self.driver.adopt(rid, fut)
 
         def done(f: Future) -> None:
-            self.guests.pop(rid, None)
+            with self._guests_done:
+                self.guests.pop(rid, None)
+                self._guests_done.notify_all()
             out = None if f.exception() else f.result()
             if out is not None and not self.disabled and out.outputs[0].finish_reason != "abort":
                 self._post(owner, ("deliver", rid, out))

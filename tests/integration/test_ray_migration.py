@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 # workers cannot import this test module: ship `Host` by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ENGINE = {"max_model_len": 512, "max_num_seqs": 2}
+ENGINE = {"max_model_len": 1024, "max_num_seqs": 4}
 PLACEMENT = {"min_running_age": 8, "min_kv_gain_tokens": 16}
 
 
@@ -33,7 +33,20 @@ class Host:
     """A plain threaded actor around one predictor, so a test can pick and kill the importer."""
 
     def __init__(self, **kwargs: Any) -> None:
+        import threading
+
         self.predictor = BatchGenPredictor(**kwargs)
+        self.released = threading.Event()
+
+    def busy(self) -> bool:
+        """Stand in for a task in flight (only such engines take work) until `release`."""
+        self.predictor.migration.enter_call()
+        self.released.wait(120)
+        self.predictor.migration.leave_call()  # returns once the guests are finished
+        return True
+
+    def release(self) -> None:
+        self.released.set()
 
     def run(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         import pyarrow as pa
@@ -52,7 +65,7 @@ def model(tiny_model_dir: Callable[..., Path]) -> str:
 
 @pytest.fixture(scope="module")
 def llm(model: str) -> LLM:
-    return LLM(model, max_model_len=512, max_num_seqs=16)
+    return LLM(model, max_model_len=1024, max_num_seqs=16)
 
 
 def make_rows(n: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -87,6 +100,13 @@ def start_pair(model: str, job: str, **options: Any) -> tuple[Any, Any]:
     return hosts[0], hosts[1]
 
 
+def side_job(host: Any) -> Any:
+    """Keep a call open on the importer: engines with no task in flight take no work."""
+    ref = host.busy.remote()
+    time.sleep(0.3)  # reported as accepting before the owner's rows arrive
+    return ref
+
+
 def wait_for_import(host: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while ray.get(host.counts.remote())["imported"] == 0:
@@ -97,8 +117,11 @@ def wait_for_import(host: Any, timeout: float = 60.0) -> None:
 def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, model: str,
                                                               llm: LLM) -> None:
     owner, other = start_pair(model, f"t1-{uuid.uuid4().hex}")
-    rows = make_rows(8, 300)
+    rows = make_rows(10, 300)
+    side = side_job(other)
     got = ray.get(owner.run.remote(rows))
+    other.release.remote()
+    assert ray.get(side)
     assert_offline_equal(llm, rows, got)
     sent, took = ray.get(owner.counts.remote()), ray.get(other.counts.remote())
     assert sent["exported"] >= 1 and took["imported"] >= 1, (str(sent), str(took))
@@ -109,7 +132,8 @@ def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, m
 
 def test_killing_the_importer_loses_no_row(ray_local: None, model: str, llm: LLM) -> None:
     owner, other = start_pair(model, f"t2-{uuid.uuid4().hex}", dead_after_s=4.0)
-    rows = make_rows(6, 300)
+    rows = make_rows(10, 900)
+    side_job(other)
     ref = owner.run.remote(rows)
     wait_for_import(other)
     ray.kill(other, no_restart=True)
@@ -123,13 +147,16 @@ def test_coordinator_death_degrades_to_no_migration(ray_local: None, model: str,
                                                     llm: LLM) -> None:
     job = f"t3-{uuid.uuid4().hex}"
     owner, other = start_pair(model, job)
-    rows = make_rows(6, 200)
+    rows = make_rows(10, 200)
+    side = side_job(other)
     ref = owner.run.remote(rows)
     wait_for_import(other)
     ray.kill(ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE))
     got = ray.get(ref)
     assert_offline_equal(llm, rows, got)
     assert ray.get(owner.counts.remote())["disabled"]
+    other.release.remote()
+    assert ray.get(side)  # the importer's own call ends too
     for h in (owner, other):
         ray.kill(h)
 

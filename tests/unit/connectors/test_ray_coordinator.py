@@ -50,3 +50,9 @@ def test_a_dead_engine_makes_the_actor_exit(monkeypatch) -> None:  # type: ignor
     assert codes == []
     ray_data.exit_if_engine_dead(SimpleNamespace(dead=RuntimeError("CUDA error")))
     assert codes == [1]  # Ray Data restarts the actor (max_restarts=-1) and retries its tasks
+
+
+def test_an_engine_without_tasks_in_flight_gets_no_work() -> None:
+    c = Coordinator()
+    c.exchange("idle", {**IDLE, "accepting": False}, 2, 16, [], [])
+    assert c.exchange("busy", BUSY, 2, 16, WAITING, [])["orders"] == []

@@ -28,9 +28,9 @@ Presets (bf16; derived from public spec sheets and typical vLLM figures, not mea
   = 0.6 ms, c0 = 2.4 ms (small models are overhead-bound), c_tok = 2 x 0.49 GFLOP at 40% MFU =
   7.9 us, c_kv = 12 KiB at 80% = 7.7 ns, c_seq = 5 us; KV capacity 5.5M tokens. PCIe Gen4
   25 GB/s, network 12.5 GB/s.
-* `cpu-smollm2`: SmolLM2-135M fp32 on this project's 2-core CPU, fitted by
-  `python -m batchgen_data.sim calibrate` (see BENCHMARKS.md); `--out f.json` writes a refit
-  that `--preset f.json` uses.
+* `cpu-smollm2`: SmolLM2-135M fp32 on the 2-core development VM, linear form, measured by
+  `python -m batchgen_data.sim calibrate` (c0 = 71.5 ms is mostly streaming 540 MB of fp32
+  weights; prefill ~520 tok/s); `--out f.json` writes a refit that `--preset f.json` uses.
 """
 from __future__ import annotations
 
@@ -119,12 +119,13 @@ PRESETS: dict[str, CostModel] = {
         bytes_per_token=12288, kv_capacity_tokens=5_500_000,
         pcie_bytes_per_s=25e9, link_bytes_per_s=12.5e9,
         source="derived from the A100-80GB spec sheet (2.0 TB/s, 312 TFLOP/s), Qwen2.5-0.5B bf16"),
-    # fitted by `python -m batchgen_data.sim calibrate` on the 2-core development CPU
+    # fitted by `python -m batchgen_data.sim calibrate` on the 2-core development VM, shared
+    # with other jobs (load 5-10; each step's fastest of 3 runs kept; median error 17%)
     "cpu-smollm2": CostModel(
-        "cpu-smollm2", c0=0.0, c_tok=0.0, c_kv=0.0, c_seq=0.0,
-        bytes_per_token=2 * 30 * 3 * 64 * 4, kv_capacity_tokens=1 << 20,
+        "cpu-smollm2", c0=71.5e-3, c_tok=1.92e-3, c_kv=5.9e-6, c_seq=0.0,
+        bytes_per_token=46080, kv_capacity_tokens=46592,
         pcie_bytes_per_s=10e9, link_bytes_per_s=1.25e9,
-        source="placeholder: replaced by calibrate output"),
+        source="calibrate, 2026-11-29: SmolLM2-135M fp32 on a 2-core Xeon VM, 48 steps"),
 }
 DEFAULT_PRESET = "h200-llama8b"
 

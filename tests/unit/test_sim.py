@@ -13,7 +13,7 @@ from batchgen_data.sim import (PRESETS, Cluster, CostModel, EngineShape, ModeCon
                                make_workload, mode_config, simulate)
 from batchgen_data.sim.__main__ import main
 from batchgen_data.sim.actor import SimActor
-from batchgen_data.sim.calibrate import fit
+from batchgen_data.sim.calibrate import calibrate, fit
 from batchgen_data.sim.workload import Workload
 
 # a cost model where batch size matters (CPU-like): per-sequence work is not hidden
@@ -128,8 +128,15 @@ def test_calibration_fit_recovers_known_constants() -> None:
     for _ in range(200):
         new, kv, seqs = int(rng.integers(1, 2000)), int(rng.integers(0, 50_000)), int(rng.integers(1, 64))
         rows.append((new, kv, seqs, 3e-3 + 2e-5 * new + 1e-7 * kv + 4e-4 * seqs))
-    cm = fit(rows, PRESETS["cpu-smollm2"], "fitted", "synthetic")
+    cm = fit(rows, LINEAR, "fitted", "synthetic")
     assert (cm.c0, cm.c_tok, cm.c_kv, cm.c_seq) == pytest.approx((3e-3, 2e-5, 1e-7, 4e-4), rel=1e-6)
+
+
+def test_calibrate_times_the_real_engine(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    cm, diag = calibrate(str(tiny_model_dir("llama")), repeats=1)
+    assert cm.bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, fp32
+    assert diag["steps"] > 20 and 0.5 < diag["total_time_ratio"] < 2.0
+    assert cm.step_time(512, 512, 1) > cm.step_time(1, 32, 1) > 0
 
 
 def test_command_line_prints_json_and_plots(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_report  # noqa: E402
 
+from batchgen_data.config import EngineConfig  # noqa: E402
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 from batchgen_data.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
@@ -56,6 +57,7 @@ class FakeTokenizer:
 class FakeEngine:
     tokenizer = FakeTokenizer()
     max_model_len = 4096
+    config = EngineConfig()
 
     def check_request(self, prompt_token_ids: list[int], params: Any) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
@@ -153,7 +155,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     rows = workload(args.rows, args.batch_size, args.long_per_batch, args.short_tokens,
                     args.long_tokens, args.seed)
-    kw: dict[str, Any] = dict(model=args.model, stream=(mode != "whole"),
+    # this measures streaming alone: cross-actor migration stays off (benchmarks/ray_migration.py)
+    kw: dict[str, Any] = dict(model=args.model, stream=(mode != "whole"), migration=False,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})
     if args.engine == "fake":
         kw["fake_seconds_per_token"] = args.seconds_per_token

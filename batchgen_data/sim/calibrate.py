@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +38,11 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+Run = tuple[int, int, int]
+
+
 def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
+            runs: Sequence[Run] | None = None,
             **engine_kwargs: Any) -> tuple[list[tuple], int, int]:
     """(new_tokens, kv_tokens, num_seqs, seconds) for every step of the calibration runs, plus
     the engine's KV bytes per token and KV capacity in tokens."""
@@ -61,7 +66,7 @@ def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
     for rep in range(repeats + 1):  # repetition 0 warms up
         rng = random.Random(seed)  # same prompts every repetition: same steps
         engine.scheduler.pool.reset_prefix_cache()
-        for run, (plen, batch, out_len) in enumerate(PREFILL_RUNS + DECODE_RUNS):
+        for run, (plen, batch, out_len) in enumerate(runs or PREFILL_RUNS + DECODE_RUNS):
             params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
             plen = min(plen, engine.max_model_len - out_len - 1)  # tiny test models are short
             for _ in range(batch):
@@ -88,10 +93,10 @@ def fit(rows: list[tuple], base: CostModel, name: str, source: str) -> CostModel
                    c_seq=float(c_seq), source=source)
 
 
-def calibrate(model: str | None = None, repeats: int = 3,
+def calibrate(model: str | None = None, repeats: int = 3, runs: Sequence[Run] | None = None,
               **engine_kwargs: Any) -> tuple[CostModel, dict]:
     """Measure and fit; returns the model and fit diagnostics (steps, relative error)."""
-    rows, bytes_per_token, capacity = measure(model, repeats=repeats, **engine_kwargs)
+    rows, bytes_per_token, capacity = measure(model, repeats=repeats, runs=runs, **engine_kwargs)
     base = CostModel("cpu-calibrated", 0.0, 0.0, 0.0, 0.0, bytes_per_token=bytes_per_token,
                      kv_capacity_tokens=capacity, pcie_bytes_per_s=10e9, link_bytes_per_s=1.25e9)
     when = time.strftime("%Y-%m-%d")

@@ -133,9 +133,16 @@ def test_calibration_fit_recovers_known_constants() -> None:
 
 
 def test_calibrate_times_the_real_engine(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    cm, diag = calibrate(str(tiny_model_dir("llama")), repeats=1)
+    import torch
+
+    runs = [(64, 1, 1), (512, 1, 1), (32, 2, 6), (32, 8, 6), (256, 8, 6)]
+    threads = torch.get_num_threads()
+    try:  # one thread: a tiny model gains nothing from more, and the suite shares the CPU
+        cm, diag = calibrate(str(tiny_model_dir("llama")), repeats=1, runs=runs, num_threads=1)
+    finally:
+        torch.set_num_threads(threads)
     assert cm.bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, fp32
-    assert diag["steps"] > 20 and 0.5 < diag["total_time_ratio"] < 2.0
+    assert diag["steps"] >= 15 and 0.5 < diag["total_time_ratio"] < 2.0
     assert cm.step_time(512, 512, 1) > cm.step_time(1, 32, 1) > 0
 
 

@@ -120,7 +120,7 @@ PRESETS: dict[str, CostModel] = {
         pcie_bytes_per_s=25e9, link_bytes_per_s=12.5e9,
         source="derived from the A100-80GB spec sheet (2.0 TB/s, 312 TFLOP/s), Qwen2.5-0.5B bf16"),
     # fitted by `python -m batchgen_data.sim calibrate` on the 2-core development VM, shared
-    # with other jobs (load 5-10; each step's fastest of 3 runs kept; median error 17%)
+    # with other jobs (load 7-11; each step's fastest of 3 runs kept; median error 17%)
     "cpu-smollm2": CostModel(
         "cpu-smollm2", c0=71.5e-3, c_tok=1.92e-3, c_kv=5.9e-6, c_seq=0.0,
         bytes_per_token=46080, kv_capacity_tokens=46592,

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
                    help="modes simulated at once, in worker processes")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--plot", default=None, help="PNG: running sequences per actor over time")
+    p.add_argument("--plot", default=None,
+                   help="PNG: running sequences per actor over time (with --sweep: the last count)")
     p.add_argument("--out", default=None, help="calibrate: write the fitted preset here")
     return p
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_baselines import _left_pad  # noqa: E402
 from _common import (  # noqa: E402
     OUTPUT_LENGTHS,
     BenchRequest,
@@ -138,7 +139,7 @@ class HFStatic:
         start = time.perf_counter()
         for lo in range(0, len(requests), size):
             batch = requests[lo : lo + size]
-            ids, mask = _left_pad([r.prompt_token_ids for r in batch], EOS_ID)
+            ids, mask = _left_pad([r.prompt_token_ids for r in batch], EOS_ID, torch.device("cpu"))
             new = max(r.max_tokens for r in batch)
             left_s = time_limit_s - (time.perf_counter() - start)
             cfg = GenerationConfig(
@@ -159,16 +160,6 @@ class HFStatic:
         wall = time.perf_counter() - start
         outputs += [[] for _ in requests[len(outputs) :]]  # batches the time limit cut off
         return SystemRun(wall, outputs, {"hf_batch_size": size})
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
 
 
 class HFContinuous:

@@ -13,7 +13,9 @@ stops at the step where the `cut`-th sequence finishes (`EngineShape.finishes_pe
 time is summed exactly as the batch shrinks and the KV grows (`decode_run.py`). A span is cut
 short at the next step boundary when work arrives or must leave (`interrupt`). The one
 approximation: a seat freed by a finish inside a run is refilled when the run ends, at most
-`finishes_per_run - 1` finishes later, instead of at the next step.
+`finishes_per_run - 1` finishes later, instead of at the next step. A finish the cluster must act
+on at once (one that completes a static input batch) always ends the span, also when it comes in
+the real step.
 
 Token ids are never read (prefix caching is off), so sequences hold zero-filled `bytearray`s:
 the real `Sequence` class, one byte per token instead of a list of ints.
@@ -166,7 +168,9 @@ class SimActor:
         """Run one real step and plan the decode run after it; None when there is no work.
 
         `cut(rows)` gets the next rows to finish, in finish order, and returns how many of them
-        the run may include (>= 1): the cluster ends runs where a finish must be acted on.
+        the run may include: the cluster ends runs where a finish must be acted on. Rows that
+        finish in the real step are put in front of the list, so a finish there that must be
+        acted on (it completes a static input batch) ends the span right after the real step.
         """
         sched = self.sched
         out = sched.schedule()
@@ -191,6 +195,12 @@ class SimActor:
         finished = [(q.seq_id, t) for q in done]
         for q in done:
             self._retire(q)
+        if done:
+            pre = [q.seq_id for q in done]
+            outer = cut
+
+            def cut(rows: list[int]) -> int:
+                return outer(pre + rows) - len(pre)
         run = DecodeRun(self, t, cut) if self._steady() else None
         if run is not None and run.k == 0:
             run = None

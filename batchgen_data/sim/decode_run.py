@@ -35,8 +35,9 @@ class DecodeRun:
         self.left = left = [target[q.seq_id] - (len(q.token_ids) - len(q.prompt_token_ids))
                             for q in run]  # steps until each sequence produces its last token
         first = heapq.nsmallest(actor.shape.finishes_per_run, range(len(run)), key=left.__getitem__)
-        j = max(1, min(cut([run[i].seq_id for i in first]), len(first)))
-        self.k = k = self._memory_limit(left[first[j - 1]])
+        j = min(cut([run[i].seq_id for i in first]), len(first))
+        # j < 1: a finish before the run must be acted on first (no run: k = 0)
+        self.k = k = self._memory_limit(left[first[j - 1]]) if j >= 1 else 0
         ctx = [len(q.token_ids) for q in run]
         self.total = sum(ctx)
         self.fin = sorted((left[i], ctx[i], i) for i in range(len(run)) if left[i] <= k)

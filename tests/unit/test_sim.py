@@ -111,6 +111,19 @@ def test_coarse_runs_stay_close_to_exact_admission() -> None:
     assert coarse.bct_s == pytest.approx(exact.bct_s, rel=0.02)
 
 
+def test_static_batches_return_at_the_step_their_last_row_finishes() -> None:
+    # seats to spare and ample memory: nobody ever waits for a seat, so coarse decode runs are
+    # exact as long as a run ends where a batch completes (also in the span's real step)
+    wl = heavy_tail(600, seed=5)
+    cost = replace(LINEAR, kv_capacity_tokens=1_000_000)
+    runs = [simulate(wl, 3, cost, mode_config("static", 512, batch_size=8,
+                                              max_concurrent_batches=4),
+                     EngineShape(512, max_finishes=f)) for f in (1, 8, 32)]
+    assert runs[1].bct_s == pytest.approx(runs[0].bct_s, rel=1e-9)
+    assert runs[2].bct_s == pytest.approx(runs[0].bct_s, rel=1e-9)
+    assert runs[2].spans < runs[0].spans
+
+
 def test_workloads_follow_their_distributions() -> None:
     wl = make_workload("reasoning", 20_000, seed=0)
     assert wl.input_lens.max() <= 8192 and wl.output_lens.max() <= 16384

@@ -25,16 +25,16 @@ from batchgen_data.sim.workload import Workload, make_workload
 
 def simulate(wl: Workload, actors: int, cost: CostModel, mode: ModeConfig,
              shape: EngineShape | None = None) -> SimResult:
-    """Run one mode to completion."""
-    return Cluster(wl, actors, cost, shape or EngineShape(), mode).run()
+    """Run one mode to completion; without `shape`, the preset's vLLM-default engine shape."""
+    return Cluster(wl, actors, cost, shape or EngineShape.for_cost(cost), mode).run()
 
 
 def compare(wl: Workload, actors: int, cost: CostModel, shape: EngineShape | None = None,
             modes: tuple[str, ...] = MODES, jobs: int = 1,
             **mode_kwargs: Any) -> dict[str, SimResult]:
     """Run each mode on the same workload, `jobs` of them at once in worker processes;
-    `mode_kwargs` go to `mode_config`."""
-    shape = shape or EngineShape()
+    `mode_kwargs` go to `mode_config`; without `shape`, the preset's vLLM-default engine shape."""
+    shape = shape or EngineShape.for_cost(cost)
     args = [(wl, actors, cost, mode_config(m, shape.max_num_seqs, **mode_kwargs), shape)
             for m in modes]
     if jobs <= 1 or len(modes) <= 1:

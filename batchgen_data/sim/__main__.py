@@ -33,11 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-concurrent-batches", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine seats (default: vLLM's default on the preset's device, "
+                        "1024 for h200-llama8b, 256 for a100-qwen0.5b and cpu-smollm2)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: the preset's, 16384 for h200-llama8b, "
+                        "8192 for a100-qwen0.5b, 16384 for cpu-smollm2)")
     p.add_argument("--max-finishes", type=int, default=None,
                    help="finishes one extrapolated decode run may span (1 = exact admission; "
-                        "default max_num_seqs // 16)")
+                        "default max_num_seqs // 16, capped)")
     p.add_argument("--tick", type=float, default=0.25, help="coordinator period, seconds")
     p.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
                    help="modes simulated at once, in worker processes")
@@ -53,8 +57,8 @@ def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict
     cost = get_preset(args.preset)
     if args.overlap:
         cost = replace(cost, name=cost.name + "+overlap", overlap=True)
-    shape = EngineShape(args.max_num_seqs, args.max_num_batched_tokens,
-                        max_finishes=args.max_finishes)
+    shape = EngineShape.for_cost(cost, args.max_num_seqs, args.max_num_batched_tokens,
+                                 max_finishes=args.max_finishes)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     results = compare(wl, actors, cost, shape, modes, jobs=args.jobs, batch_size=args.batch_size,
                       max_concurrent_batches=args.max_concurrent_batches, tick_s=args.tick)

@@ -13,9 +13,9 @@ stops at the step where the `cut`-th sequence finishes (`EngineShape.finishes_pe
 time is summed exactly as the batch shrinks and the KV grows (`decode_run.py`). A span is cut
 short at the next step boundary when work arrives or must leave (`interrupt`). The one
 approximation: a seat freed by a finish inside a run is refilled when the run ends, at most
-`finishes_per_run - 1` finishes later, instead of at the next step. A finish the cluster must act
-on at once (one that completes a static input batch) always ends the span, also when it comes in
-the real step.
+`finishes_per_run - 1` finishes later, instead of at the next step (`finishes_per_run` is
+max_num_seqs // 16, at most `MAX_FINISHES_CAP`). A finish the cluster must act on at once (one
+that completes a static input batch) always ends the span, also when it comes in the real step.
 
 Token ids are never read (prefix caching is off), so sequences hold zero-filled `bytearray`s:
 the real `Sequence` class, one byte per token instead of a list of ints.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput
@@ -35,6 +36,11 @@ from batchgen_data.placement import EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.sim.costmodel import CostModel
 from batchgen_data.sim.decode_run import ZEROS, DecodeRun
+
+
+# default finishes_per_run at most this: at 1024 seats, max_num_seqs // 16 = 64 put (c) 1.2%
+# above exact admission on 16 actors x 20k rows; 8 keeps it under 1% (see BENCHMARKS.md)
+MAX_FINISHES_CAP = 8
 
 
 class SimHostTier(HostKVTier):
@@ -49,13 +55,21 @@ class SimHostTier(HostKVTier):
 
 @dataclass(frozen=True, slots=True)
 class EngineShape:
-    """Engine settings shared by every simulated actor."""
+    """Engine settings shared by every simulated actor.
+
+    The class defaults (256 seats, 16384 batched tokens) are the simulator's generic shape; runs
+    on a preset use `EngineShape.for_cost(cost)`, which takes the shape vLLM picks by default on
+    the preset's device (`CostModel.max_num_seqs` / `max_num_batched_tokens`, see costmodel.py:
+    1024 / 16384 on an H200, 256 / 8192 on an A100). The static mode does not depend on it: it
+    keeps ray.data.llm's 32 x 8 = 256 rows in flight per actor whatever `max_num_seqs` is.
+    """
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384  # vLLM v1's offline default on >= 70 GB GPUs
+    max_num_batched_tokens: int = 16384
     block_size: int = 64  # coarser than vLLM's 16: 4x fewer pool operations, same decisions
     host_kv_bytes: int = 4 << 30
-    # finishes one extrapolated decode run may span; None: max_num_seqs // 16 (see BENCHMARKS)
+    # finishes one extrapolated decode run may span; None: max_num_seqs // 16, at most
+    # MAX_FINISHES_CAP (see `finishes_per_run`)
     max_finishes: int | None = None
 
     def __post_init__(self) -> None:
@@ -64,9 +78,20 @@ class EngineShape:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be >= 1")
 
+    @classmethod
+    def for_cost(cls, cost: CostModel, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, **kwargs: Any) -> "EngineShape":
+        """The preset's vLLM-default shape; arguments that are not None override it."""
+        return cls(max_num_seqs if max_num_seqs is not None else cost.max_num_seqs,
+                   max_num_batched_tokens if max_num_batched_tokens is not None
+                   else cost.max_num_batched_tokens, **kwargs)
+
     @property
     def finishes_per_run(self) -> int:
-        return self.max_finishes or max(1, self.max_num_seqs // 16)
+        """Finishes one decode run may span: a freed seat waits at most this many minus one
+        finishes for its refill. The default grows with the seats (max_num_seqs // 16) but is
+        capped at MAX_FINISHES_CAP; see BENCHMARKS.md for the bias this cap keeps small."""
+        return self.max_finishes or max(1, min(self.max_num_seqs // 16, MAX_FINISHES_CAP))
 
 
 @dataclass(slots=True)

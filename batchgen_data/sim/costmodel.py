@@ -23,14 +23,23 @@ Presets (bf16; derived from public spec sheets and typical vLLM figures, not mea
   c_tok = 2 x 8.0 GFLOP at 55% MFU = 29.5 us (prefill ~34k tok/s). c_kv = 128 KiB/token at 80%
   of peak = 34 ns. c_seq = 5 us. KV capacity ~107 GB = 800k tokens. 256 sequences then decode
   at ~11k tok/s at a 1k context and ~6.9k tok/s at 2.6k. PCIe Gen5 50 GB/s, network 25 GB/s
-  per GPU.
+  per GPU. Engine defaults 1024 seats / 16384 batched tokens (see below).
 * `a100-qwen0.5b`: Qwen2.5-0.5B on one A100-80GB (2.0 TB/s, 312 TFLOP/s): c_mem = 1 GB at 80%
   = 0.6 ms, c0 = 2.4 ms (small models are overhead-bound), c_tok = 2 x 0.49 GFLOP at 40% MFU =
   7.9 us, c_kv = 12 KiB at 80% = 7.7 ns, c_seq = 5 us; KV capacity 5.5M tokens. PCIe Gen4
-  25 GB/s, network 12.5 GB/s.
+  25 GB/s, network 12.5 GB/s. Engine defaults 256 seats / 8192 batched tokens.
 * `cpu-smollm2`: SmolLM2-135M fp32 on the 2-core development VM, linear form, measured by
   `python -m batchgen_data.sim calibrate` (c0 = 71.5 ms is mostly streaming 540 MB of fp32
   weights; prefill ~520 tok/s); `--out f.json` writes a refit that `--preset f.json` uses.
+  Engine 256 seats / 16384 batched tokens (the simulator's earlier default, kept).
+
+Each preset also carries the engine shape vLLM would pick by default on its device
+(`max_num_seqs`, `max_num_batched_tokens`; `EngineShape.for_cost` reads them, the command
+line's `--max-num-seqs` / `--max-num-batched-tokens` override them). Source:
+vllm/engine/arg_utils.py, `EngineArgs.get_batch_defaults`: for the offline `LLM` class
+(`UsageContext.LLM_CLASS`), a device with >= 70 GiB whose name does not contain "a100" (H100,
+H200, MI300x) gets max_num_seqs 1024 and max_num_batched_tokens 16384; any other GPU (A100
+included, because a larger token budget cost it throughput, vLLM PR #17885) gets 256 / 8192.
 """
 from __future__ import annotations
 
@@ -56,6 +65,9 @@ class CostModel:
     c_mem: float = 0.0  # seconds to stream the weights once per step
     overlap: bool = False  # GPU: compute hides under memory traffic (or the reverse)
     source: str = ""
+    # the engine shape vLLM defaults to on this device (module docstring); EngineShape.for_cost
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,8 +75,10 @@ class CostModel:
             if f.name not in ("name", "source", "overlap") and (
                     not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"CostModel.{f.name}={v!r}: must be a number >= 0")
-        if self.kv_capacity_tokens < 1 or self.bytes_per_token < 1:
-            raise ValueError("CostModel.kv_capacity_tokens and bytes_per_token must be >= 1")
+        for name in ("kv_capacity_tokens", "bytes_per_token", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CostModel.{name} must be >= 1")
 
     def step_time(self, new_tokens: int, kv_tokens: int, num_seqs: int) -> float:
         comp = self.c_tok * new_tokens
@@ -113,11 +127,13 @@ PRESETS: dict[str, CostModel] = {
         "h200-llama8b", c0=1.5e-3, c_tok=29.5e-6, c_kv=34e-9, c_seq=5e-6, c_mem=4.2e-3,
         bytes_per_token=131072, kv_capacity_tokens=800_000,
         pcie_bytes_per_s=50e9, link_bytes_per_s=25e9,
+        max_num_seqs=1024, max_num_batched_tokens=16384,  # vLLM LLM-class default, >= 70 GiB
         source="derived from the H200 spec sheet (4.8 TB/s, 989 TFLOP/s), Llama-3.1-8B bf16"),
     "a100-qwen0.5b": CostModel(
         "a100-qwen0.5b", c0=2.4e-3, c_tok=7.9e-6, c_kv=7.7e-9, c_seq=5e-6, c_mem=0.6e-3,
         bytes_per_token=12288, kv_capacity_tokens=5_500_000,
         pcie_bytes_per_s=25e9, link_bytes_per_s=12.5e9,
+        max_num_seqs=256, max_num_batched_tokens=8192,  # vLLM LLM-class default on an A100
         source="derived from the A100-80GB spec sheet (2.0 TB/s, 312 TFLOP/s), Qwen2.5-0.5B bf16"),
     # fitted by `python -m batchgen_data.sim calibrate` on the 2-core development VM, shared
     # with other jobs (load 7-11; each step's fastest of 3 runs kept; median error 17%)
@@ -125,6 +141,7 @@ PRESETS: dict[str, CostModel] = {
         "cpu-smollm2", c0=71.5e-3, c_tok=1.92e-3, c_kv=5.9e-6, c_seq=0.0,
         bytes_per_token=46080, kv_capacity_tokens=46592,
         pcie_bytes_per_s=10e9, link_bytes_per_s=1.25e9,
+        max_num_seqs=256, max_num_batched_tokens=16384,
         source="calibrate, 2026-11-29: SmolLM2-135M fp32 on a 2-core Xeon VM, 48 steps"),
 }
 DEFAULT_PRESET = "h200-llama8b"

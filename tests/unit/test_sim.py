@@ -12,7 +12,7 @@ from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.sim import (PRESETS, Cluster, CostModel, EngineShape, ModeConfig, compare,
                                make_workload, mode_config, simulate)
 from batchgen_data.sim.__main__ import main
-from batchgen_data.sim.actor import SimActor
+from batchgen_data.sim.actor import MAX_FINISHES_CAP, SimActor
 from batchgen_data.sim.calibrate import calibrate, fit
 from batchgen_data.sim.workload import Workload
 
@@ -111,6 +111,25 @@ def test_coarse_runs_stay_close_to_exact_admission() -> None:
     assert coarse.bct_s == pytest.approx(exact.bct_s, rel=0.02)
 
 
+def test_engine_shape_follows_the_presets_vllm_defaults() -> None:
+    # vLLM's LLM-class defaults: >= 70 GiB and not an A100 -> 1024 / 16384, else 256 / 8192
+    h200, a100, cpu = (EngineShape.for_cost(PRESETS[p])
+                       for p in ("h200-llama8b", "a100-qwen0.5b", "cpu-smollm2"))
+    assert (h200.max_num_seqs, h200.max_num_batched_tokens) == (1024, 16384)
+    assert (a100.max_num_seqs, a100.max_num_batched_tokens) == (256, 8192)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 16384)
+    assert EngineShape.for_cost(PRESETS["h200-llama8b"], 256).max_num_seqs == 256
+    assert EngineShape.for_cost(LINEAR) == EngineShape()
+    assert h200.finishes_per_run == MAX_FINISHES_CAP and EngineShape(64).finishes_per_run == 4
+    assert EngineShape(1024, max_finishes=1).finishes_per_run == 1
+
+
+def test_static_keeps_ray_data_llm_rows_in_flight_whatever_the_seats() -> None:
+    cost = replace(LINEAR, max_num_seqs=1024)
+    res = simulate(heavy_tail(1200, seed=4), 2, cost, mode_config("static", 1024))
+    assert max(n for tr in res.traces for _, n in tr) <= 32 * 8  # batch_size x batches
+
+
 def test_static_batches_return_at_the_step_their_last_row_finishes() -> None:
     # seats to spare and ample memory: nobody ever waits for a seat, so coarse decode runs are
     # exact as long as a run ends where a batch completes (also in the span's real step)
@@ -168,3 +187,8 @@ def test_command_line_prints_json_and_plots(tmp_path, capsys) -> None:  # type: 
     assert report["modes"]["migrate"]["rows_finished"] == 300
     assert "speedup_migrate_vs_static" in report
     assert png.stat().st_size > 10_000
+    assert report["engine"]["max_num_seqs"] == 1024  # the h200 preset's vLLM default
+    assert main(["--actors", "2", "--rows", "64", "--json", "--jobs", "1", "--modes", "static",
+                 "--preset", "a100-qwen0.5b", "--max-num-seqs", "48"]) == 0
+    engine = json.loads(capsys.readouterr().out)["engine"]
+    assert (engine["max_num_seqs"], engine["max_num_batched_tokens"]) == (48, 8192)

@@ -52,6 +52,7 @@ class Coordinator:
         self.orders: dict[str, list[tuple[str, tuple[str, ...], bool]]] = defaultdict(list)
         self.busy_until: dict[str, float] = {}
         self.accepting: dict[str, bool] = {}
+        self.owned: dict[str, int] = {}  # unfinished rows each engine's tasks wait for
         self.num_moves = 0
         self._last_seen = time.monotonic()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
@@ -67,13 +68,17 @@ class Coordinator:
         # an engine with no task in flight may be scaled down any moment: it owns nothing to
         # give and must take nothing (see MigrationClient.leave_call)
         self.accepting[engine_id] = bool(report.get("accepting", True))
+        self.owned[engine_id] = int(report.get("owned", 0))
         live = self._live(now)
         for dst, msg in outbox:
             if dst in live:  # mail to a dead engine is dropped: its sender reclaims the row
                 self.mail[dst].append(msg)
         self._plan(now, live)
+        # an engine whose own rows are done keeps its last task open while this is True, so
+        # Ray Data keeps it alive as a receiver for the others' tail
+        others_busy = any(self.owned.get(e, 0) > 0 for e in live if e != engine_id)
         return {"orders": self.orders.pop(engine_id, []), "inbox": self.mail.pop(engine_id, []),
-                "live": sorted(live)}
+                "live": sorted(live), "others_busy": others_busy}
 
     def stats(self) -> dict[str, Any]:
         return {"num_moves": self.num_moves, "engines": sorted(self.reports)}
@@ -84,6 +89,7 @@ class Coordinator:
             del self.reports[e]
             self.mail.pop(e, None)
             self.orders.pop(e, None)
+            self.owned.pop(e, None)
         return set(self.reports)
 
     def _plan(self, now: float, live: set[str]) -> None:

@@ -38,6 +38,10 @@ class MigrationOptions:
     dead_after_s: float = 10.0  # an engine silent this long counts as dead
     timeout_s: float = 600.0  # an exported row not back by then is run at home again
     rpc_timeout_s: float = 30.0  # a coordinator call slower than this counts as a failure
+    # keep an engine's last task open while other engines still own unfinished rows, so Ray
+    # Data does not release it as idle (it does so once every input is dispatched) exactly
+    # when the long tail could move to it; False: leave as soon as its own rows are done
+    linger: bool = True
     placement: dict[str, Any] = field(default_factory=dict)  # PlacementConfig fields
 
     def __post_init__(self) -> None:
@@ -71,6 +75,7 @@ class MigrationClient:
         self.outbox: list[tuple[str, Message]] = []
         self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0}
         self.disabled = False
+        self.others_busy = False  # another live engine still owns unfinished rows
         self.active_calls = 0  # the predictor's __call__s now running
         self._guests_done = threading.Condition()
         self._stop = threading.Event()
@@ -80,38 +85,53 @@ class MigrationClient:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._guests_done:
+            self._guests_done.notify_all()
 
     def enter_call(self) -> None:
         with self._guests_done:
             self.active_calls += 1
 
     def leave_call(self) -> None:
-        """End of a `__call__`: the last one waits for this engine's guests to finish.
+        """End of a `__call__`: the last one stays while this engine is still useful.
 
-        Ray Data scales down actors with no task in flight; one that dies holding guests makes
-        their owners wait `dead_after_s` and redo the work. Engines with no call in flight are
-        therefore never sent work (`accepting` in the report), and the last call stays until
-        the guests are home.
+        Ray Data releases an actor with no task in flight as soon as every input has been
+        dispatched, i.e. at the start of the long tail. One that dies holding guests makes
+        their owners wait `dead_after_s` and redo the work, and one that is gone cannot take
+        the tail. Engines with no call in flight are therefore never sent work (`accepting`
+        in the report), and the last call stays until the guests are home and, with
+        `linger`, until no other engine owns unfinished rows (or `timeout_s`).
         """
         with self._guests_done:
             if self.active_calls == 1:
-                self._guests_done.wait_for(lambda: not self.guests or self.disabled,
-                                           timeout=self.options.timeout_s)
+                linger = self.options.linger
+                self._guests_done.wait_for(
+                    lambda: self.disabled or self._stop.is_set() or (
+                        not self.guests and not (linger and self.others_busy)),
+                    timeout=self.options.timeout_s)
             self.active_calls -= 1
 
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.options.interval_s):
-            if self.driver.dead is not None:
-                return
-            try:
-                self._tick()
-            except Exception as e:  # noqa: BLE001 - coordinator lost (or a bug): run alone
-                self._degrade(e)
-                return
+        try:
+            while not self._stop.wait(self.options.interval_s):
+                if self.driver.dead is not None:
+                    return
+                try:
+                    self._tick()
+                except Exception as e:  # noqa: BLE001 - coordinator lost (or a bug): run alone
+                    self._degrade(e)
+                    return
+        finally:  # nobody updates `others_busy` any more: a lingering call must not wait on it
+            with self._guests_done:
+                self.others_busy = False
+                self._guests_done.notify_all()
 
     def _tick(self) -> None:
         reply = self._exchange()
+        with self._guests_done:
+            self.others_busy = bool(reply.get("others_busy", False))
+            self._guests_done.notify_all()
         for msg in reply["inbox"]:
             self._receive(msg)
         for dst, rids, ship in reply["orders"]:
@@ -125,7 +145,8 @@ class MigrationClient:
         report, summaries = self.driver.call(self._snapshot).result()
         with self._lock:
             outbox, self.outbox = self.outbox, []
-        report = {**report, "accepting": self.active_calls > 0}
+        report = {**report, "accepting": self.active_calls > 0,
+                  "owned": report["owned"] + len(self.away)}
         ref = self.coordinator.exchange.remote(self.engine_id, report, self.max_num_seqs,
                                                self.block_size, summaries, outbox)
         return ray.get(ref, timeout=self.options.rpc_timeout_s)
@@ -140,7 +161,8 @@ class MigrationClient:
                     for s in seqs if s.request_id not in self.guests]
 
         running = sorted(sch.running, key=lambda s: -s.num_output_tokens)[:limit]
-        return engine.load(), (rows(sch.waiting, "waiting") + rows(sch.preempted, "held")
+        owned = sum(1 for rid in engine.requests if rid not in self.guests)
+        return {**engine.load(), "owned": owned}, (rows(sch.waiting, "waiting") + rows(sch.preempted, "held")
                                + rows(running, "running"))
 
     # ---- owner side ---------------------------------------------------------------------

@@ -56,3 +56,68 @@ def test_an_engine_without_tasks_in_flight_gets_no_work() -> None:
     c = Coordinator()
     c.exchange("idle", {**IDLE, "accepting": False}, 2, 16, [], [])
     assert c.exchange("busy", BUSY, 2, 16, WAITING, [])["orders"] == []
+
+
+def test_reply_says_whether_other_engines_still_own_rows() -> None:
+    c = Coordinator()
+    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is False
+    c.exchange("b", {**BUSY, "owned": 3}, 2, 16, WAITING, [])
+    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is True
+    # an engine's own rows do not count
+    assert c.exchange("b", {**BUSY, "owned": 3}, 2, 16, WAITING, [])["others_busy"] is False
+    c.exchange("b", {**IDLE, "owned": 0}, 2, 16, [], [])
+    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is False
+
+
+class _FakeDriver:
+    """Just enough of EngineDriver for MigrationClient's constructor and loop."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        sched = SimpleNamespace(max_num_seqs=2)
+        self.engine = SimpleNamespace(config=SimpleNamespace(
+            scheduler=sched, cache=SimpleNamespace(block_size=16)))
+        self.dead = None
+
+
+def _client(linger: bool) -> object:
+    from batchgen_data.connectors.ray_migration import MigrationClient, MigrationOptions
+
+    # a huge interval: the loop never ticks, the test sets what a tick would
+    return MigrationClient(_FakeDriver(), None, "e1",
+                           MigrationOptions(interval_s=3600.0, timeout_s=5.0, linger=linger))
+
+
+def test_last_call_lingers_while_other_engines_own_rows() -> None:
+    import threading
+
+    client = _client(linger=True)
+    client.enter_call()
+    client.others_busy = True
+    left = threading.Event()
+    t = threading.Thread(target=lambda: (client.leave_call(), left.set()))
+    t.start()
+    assert not left.wait(0.3)  # still open: Ray Data keeps the actor as a receiver
+    with client._guests_done:
+        client.others_busy = False
+        client._guests_done.notify_all()
+    assert left.wait(2.0) and client.active_calls == 0
+    client.stop()
+
+
+def test_without_linger_or_when_stopped_the_last_call_leaves_at_once() -> None:
+    client = _client(linger=False)
+    client.enter_call()
+    client.others_busy = True
+    t0 = time.monotonic()
+    client.leave_call()
+    assert time.monotonic() - t0 < 1.0
+    lingering = _client(linger=True)
+    lingering.enter_call()
+    lingering.others_busy = True
+    lingering.stop()  # actor shutting down: nothing to wait for
+    t0 = time.monotonic()
+    lingering.leave_call()
+    assert time.monotonic() - t0 < 1.0
+    client.stop()

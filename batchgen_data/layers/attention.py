@@ -28,8 +28,8 @@ class AttentionMetadata:
     max_decode_len: int
     max_prefill_len: int  # longest prefill chunk (spares the kernel a device sync)
     # torch path only, built once per step and shared by every layer:
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_decode_len] cache slots
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] True = attend
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -97,12 +97,12 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # q [B, H, D]. Gather each sequence's KV rows (one index_select, no per-block copies) and
-    # let SDPA read them strided: this moves KV once instead of three times.
+    # q [B, H, D]. Gather each sequence's KV blocks (one index_select of whole blocks) and let
+    # SDPA read them strided: this moves KV once instead of three times.
     nd, num_kv, head_dim = meta.num_decodes, k_cache.shape[2], k_cache.shape[3]
-    slots = meta.decode_slots.view(-1)
-    keys = k_cache.view(-1, num_kv, head_dim).index_select(0, slots).view(nd, -1, num_kv, head_dim)
-    vals = v_cache.view(-1, num_kv, head_dim).index_select(0, slots).view(nd, -1, num_kv, head_dim)
+    blocks = meta.decode_blocks
+    keys = k_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
+    vals = v_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
                                        attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)  # [B, H, D]

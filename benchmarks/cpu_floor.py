@@ -1,0 +1,143 @@
+"""How fast could any engine run the CPU throughput workloads on this machine? A measured ceiling.
+
+`cpu_throughput.py` compares this engine with HF `generate`; this script asks what the hardware
+allows at all, so a missed goal can be told apart from a slow engine. It measures, with the same
+thread count and the same SmolLM2-135M-shaped fp32 model:
+
+* `gflops`      fp32 matmul rate on the model's own weight shapes, at 32 and 256 rows (the
+                best of a decode batch and of a prefill chunk);
+* `weights_ms`  one pass over every weight (a sum of each tensor): the least a decode step costs,
+                whatever the batch, because every step reads all 540 MB of fp32 weights;
+* `step1_ms`    this engine's measured decode step with a single sequence (the real value of
+                the same bound, with attention, norms and sampling).
+
+Two lower bounds on a workload's wall time follow, each valid for any engine:
+  compute  = (prompt tokens x body FLOPs + output tokens x (body + lm_head) FLOPs) / best gflops
+  latency  = the longest request's output length x weights_ms (its decode steps are sequential)
+The ceiling is useful output tokens / max(compute, latency); with `--hf-static-tok-s` it also
+prints the largest speedup over that HF figure that the ceiling leaves possible.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/cpu_floor.py --hf-static-tok-s 64.4,16.0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUTPUT_LENGTHS, make_workload, print_report  # noqa: E402
+from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE, prepare_model_dir  # noqa: E402
+
+
+def _best_of(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def matmul_gflops(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+
+    def run() -> None:
+        for x, w in zip(xs, weights):
+            torch.mm(x, w.t())
+
+    return flops / _best_of(run, repeats) / 1e9
+
+
+def weights_pass_ms(params: list[torch.Tensor], repeats: int) -> float:
+    def run() -> None:
+        for p in params:
+            p.sum()
+
+    return _best_of(run, repeats) * 1e3
+
+
+def single_decode_step_ms(model_dir: Path, steps: int) -> float:
+    from batchgen_data import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), max_num_seqs=4)
+    eng = llm.engine
+    eng.submit(list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 128)),
+               SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0))
+    for _ in range(4):  # prefill and a few decodes
+        eng.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hf-static-tok-s", default=None,
+                    help="comma list, one per workload (uniform,longtail): HF static tok/s "
+                         "measured by cpu_throughput.py, to print the largest possible speedup")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model_dir = Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{args.seed}"
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    prepare_model_dir(model_dir, args.seed)
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    params = [t.float().contiguous() for t in state.values()]
+    mats = [t for k, t in state.items() if t.dim() == 2 and "embed" not in k]
+    embed = next(t for k, t in state.items() if "embed_tokens" in k)
+    body_flops = 2 * sum(t.numel() for t in mats)  # per token, without attention scores
+    head_flops = 2 * embed.numel()  # tied lm_head, only for tokens that are sampled
+
+    with torch.inference_mode():
+        gflops = max(matmul_gflops(mats, rows, args.repeats) for rows in (32, 256))
+        weights_ms = weights_pass_ms(params, args.repeats)
+    step1_ms = single_decode_step_ms(model_dir, 48)
+    print(f"threads={args.threads}  matmul {gflops:.1f} GFLOP/s  weights pass {weights_ms:.1f} ms "
+          f"({sum(p.numel() for p in params) * 4 / weights_ms / 1e6:.1f} GB/s)  "
+          f"single-sequence decode step {step1_ms:.1f} ms", flush=True)
+
+    hf = [float(x) for x in args.hf_static_tok_s.split(",")] if args.hf_static_tok_s else []
+    records = []
+    for i, name in enumerate(OUTPUT_LENGTHS):
+        reqs = make_workload(name, args.num_requests, args.seed, VOCAB_SIZE, FIRST_PLAIN_ID)
+        prompt = sum(len(r.prompt_token_ids) for r in reqs)
+        out = sum(r.max_tokens for r in reqs)
+        compute_s = (prompt * body_flops + out * (body_flops + head_flops)) / (gflops * 1e9)
+        latency_s = max(r.max_tokens for r in reqs) * weights_ms / 1e3
+        ceiling = out / max(compute_s, latency_s)
+        rec = {"workload": name, "output_tokens": out, "prompt_tokens": prompt,
+               "compute_floor_s": round(compute_s, 1), "latency_floor_s": round(latency_s, 1),
+               "ceiling_tok_s": round(ceiling, 1),
+               "latency_floor_measured_step_s": round(
+                   max(r.max_tokens for r in reqs) * step1_ms / 1e3, 1)}
+        if i < len(hf):
+            rec["hf_static_tok_s"] = hf[i]
+            rec["max_speedup_vs_hf_static"] = round(ceiling / hf[i], 2)
+        records.append(rec)
+    print_report(records, list(records[0]))
+    print(json.dumps({"threads": args.threads, "gflops": round(gflops, 1),
+                      "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -129,6 +129,11 @@ class PlacementConfig:
     # an engine with less than this share of KV blocks free counts all its waiting as surplus
     memory_tight_fraction: float = 0.02
     max_requests_per_receiver: int = 64  # per planning round
+    # queued work (waiting, held) may also go to an engine that is not short of work but has
+    # no queue, a free seat and KV memory that is not tight: a queued row gains nothing from
+    # waiting where it is while a seat elsewhere is empty. Running sequences still move only
+    # to engines short of work (a move costs a recompute or a KV transfer).
+    seat_receivers: bool = False
     transfer: TransferCost | None = field(default=None)  # None: never ship KV, recompute
 
     def __post_init__(self) -> None:
@@ -159,9 +164,17 @@ def _surplus_waiting(load: EngineLoad, cfg: PlacementConfig) -> int:
     return max(0, load.waiting - max(0, load.max_num_seqs - load.running))
 
 
+def has_free_seat(load: EngineLoad, cfg: PlacementConfig) -> bool:
+    """Nothing queued, a seat free and KV memory to start a row in."""
+    return (load.waiting == 0 and load.held == 0 and load.running < load.max_num_seqs
+            and load.free_blocks >= cfg.memory_tight_fraction * load.total_blocks)
+
+
 def find_receivers(loads: Sequence[EngineLoad], cfg: PlacementConfig) -> list[EngineLoad]:
-    """Engines short of work, emptiest first."""
-    short = [ld for ld in loads if is_short_of_work(ld, cfg)]
+    """Engines that can take work now (short of work, or with `seat_receivers` a free seat),
+    emptiest first."""
+    short = [ld for ld in loads if is_short_of_work(ld, cfg)
+             or (cfg.seat_receivers and has_free_seat(ld, cfg))]
     return sorted(short, key=lambda ld: (ld.num_active, str(ld.engine_id)))
 
 
@@ -176,10 +189,12 @@ def pick_donors(loads: Sequence[EngineLoad], cfg: PlacementConfig) -> list[Engin
     receivers = find_receivers(loads, cfg)
     if not receivers:
         return []
-    floor = min(r.kv_tokens for r in receivers)
+    starving = [r.kv_tokens for r in receivers if is_short_of_work(r, cfg)]
+    floor = min(starving) if starving else None  # running sequences go to these only
     donors = [ld for ld in loads
               if _surplus_waiting(ld, cfg) > 0 or ld.held > 0
-              or (ld.running > 0 and ld.kv_tokens - floor >= 2 * cfg.min_kv_gain_tokens)]
+              or (floor is not None and ld.running > 0
+                  and ld.kv_tokens - floor >= 2 * cfg.min_kv_gain_tokens)]
     return sorted(donors, key=lambda ld: (-ld.kv_tokens, -ld.num_active, str(ld.engine_id)))
 
 
@@ -229,7 +244,8 @@ def plan_moves(loads: Sequence[EngineLoad],
                 while budget[dst] > 0 and pools[src][kind] and src not in took and dst not in gave:
                     claim(src, dst, kind, pools[src][kind][0])
     while True:
-        dsts = [r.engine_id for r in receivers if budget[r.engine_id] > 0 and r.engine_id not in gave]
+        dsts = [r.engine_id for r in receivers if budget[r.engine_id] > 0 and r.engine_id not in gave
+                and is_short_of_work(r, cfg)]
         srcs = [e for e in pools if pools[e]["running"] and e not in took]
         if not dsts or not srcs:
             break

@@ -1,16 +1,20 @@
 """Batch completion time (BCT) of a Ray Data job with and without cross-actor migration.
 
-Local Ray, a pool of 2 `BatchGenPredictor` actors, each on one core (torch threads = 1,
-`num_cpus` fractional so Ray Data's own tasks still run). Rows draw their output length from a
-lognormal ("reasoning"-shaped, scaled down) capped at `--cap` tokens, generated exactly
-(`ignore_eos`, per-row `max_tokens`), in random order: no hand-placed long rows. `max_num_seqs`
-is small, so seats are the bottleneck the long tail clogs, as KV memory is on a real GPU.
+Local Ray, `build_processor` with a pool of 2 actors, each on one core (torch threads = 1,
+`num_cpus` fractional so Ray Data's own tasks still run), the embedded default model by
+default. Rows draw their output length from a lognormal ("reasoning"-shaped, scaled down:
+median 48, sigma 1.2, capped at 400) and are generated exactly (`ignore_eos`, per-row
+`max_tokens`), in random order: no hand-placed long rows. `max_num_seqs` is small, so seats are
+the bottleneck the long tail clogs, as KV memory is on a real GPU.
 
-The two modes run interleaved (the box is shared and noisy) and the report takes medians. Both
-modes must return every row exactly once with identical tokens; the script fails otherwise.
+The switch under test is the processor's `migration` flag, which also turns late binding off
+(Ray's default queue of 2 x max_concurrent_batches input batches per actor). Each repeat draws a
+new shuffle and runs both modes back to back, alternating which goes first (the box is shared
+and noisy); the report gives each repeat's ratio and the medians. Both modes must return every
+row exactly once with identical tokens; the script fails otherwise.
 
-    python benchmarks/ray_migration.py                      # tiny random model, ~1-3 min/run
-    python benchmarks/ray_migration.py --model default --rows 48 --cap 256
+    python benchmarks/ray_migration.py                  # default model, ~4 min per repeat
+    python benchmarks/ray_migration.py --model tiny     # tiny random model (startup-dominated)
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import print_report  # noqa: E402
 
-COLUMNS = ["mode", "rows", "out_tokens", "bct_s", "bct_s_all", "moves", "vs_off"]
+COLUMNS = ["rep", "seed", "out_tokens", "max_len", "bct_off_s", "bct_on_s", "moves", "on_vs_off"]
 
 
 def tiny_model() -> str:
@@ -61,22 +65,20 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
     import ray
 
     from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
-    from batchgen_data.connectors.ray_data import BatchGenPredictor
 
-    job = f"bench-{uuid.uuid4().hex[:12]}"
-    opts = {"job_id": job, "interval_s": 0.1,
-            "placement": {"min_running_age": args.min_age, "min_kv_gain_tokens": args.min_gain}}
-    engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": 1024, "num_threads": 1,
-              "device": "cpu"}
-    ds = ray.data.from_items(rows).repartition(target_num_rows_per_block=args.batch_size)
-    ds = ds.map_batches(
-        BatchGenPredictor, batch_size=args.batch_size, batch_format="pyarrow",
-        fn_constructor_kwargs=dict(model=model, migration=migration, migration_options=opts,
-                                   **engine),
-        compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=2,
-                                           max_tasks_in_flight_per_actor=2,
-                                           enable_true_multi_threading=True),
-        num_cpus=0.5)
+    from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig, build_processor
+
+    placement = {"min_running_age": args.min_age, "min_kv_gain_tokens": args.min_gain}
+    config = BatchGenProcessorConfig(
+        model_source=model, concurrency=2, batch_size=args.batch_size,
+        max_concurrent_batches=args.concurrent_batches, num_cpus=0.5,
+        engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_model_len": 1024,
+                       "num_threads": 1, "device": "cpu"},
+        # the switch under test: False also turns late binding off (Ray's default queue depth)
+        migration=migration, migration_options={"interval_s": 0.1, "placement": placement})
+    processor = build_processor(config)
+    job = processor.job_id
+    ds = processor(ray.data.from_items(rows))
     t0 = time.perf_counter()
     out = ds.take_all()
     bct = time.perf_counter() - t0
@@ -95,55 +97,60 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="tiny | default | a model path")
-    ap.add_argument("--rows", type=int, default=96)
+    ap.add_argument("--model", default="default", help="tiny | default | a model path")
+    ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--median", type=int, default=48, help="lognormal median output length")
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--cap", type=int, default=768)
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--sigma", type=float, default=1.2)
+    ap.add_argument("--cap", type=int, default=400)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--concurrent-batches", type=int, default=2,
+                    help="max_concurrent_batches (input batches one actor serves at once)")
     ap.add_argument("--min-age", type=int, default=16, help="placement.min_running_age")
     ap.add_argument("--min-gain", type=int, default=32, help="placement.min_kv_gain_tokens")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     import ray
 
     model = {"tiny": tiny_model(), "default": None}.get(args.model, args.model)
-    rows = workload(args.rows, args.median, args.sigma, args.cap, args.seed)
-    lengths = sorted(r["sampling_params"]["max_tokens"] for r in rows)
-    print(f"output lengths: n={len(lengths)} sum={sum(lengths)} median={lengths[len(lengths)//2]}"
-          f" p90={lengths[int(0.9 * len(lengths))]} max={lengths[-1]}", flush=True)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    moves: list[int] = []
-    reference: dict[int, list[int]] | None = None
-    for rep in range(args.repeats):
-        order = ("off", "on") if rep % 2 == 0 else ("on", "off")  # interleaved, alternating
-        for mode in order:
-            bct, tokens, n_moves = run_once(rows, model, args, migration=mode == "on")
-            reference = reference or tokens
-            assert tokens == reference, f"{mode}: tokens differ from the first run"
-            times[mode].append(bct)
-            if mode == "on":
-                moves.append(n_moves)
-            print(f"rep {rep} {mode}: bct {bct:.1f}s", flush=True)
-    off = statistics.median(times["off"])
     records = []
-    for mode in ("off", "on"):
-        med = statistics.median(times[mode])
-        records.append({"mode": mode, "rows": len(rows), "out_tokens": sum(lengths),
-                        "bct_s": round(med, 2), "bct_s_all": [round(t, 1) for t in times[mode]],
-                        "moves": moves if mode == "on" else None,
-                        "vs_off": round(med / off, 3)})
+    for rep in range(args.repeats):
+        # a new random shuffle (and draw) per repeat: the ratio is not one lucky order
+        rows = workload(args.rows, args.median, args.sigma, args.cap, args.seed + rep)
+        lengths = sorted(r["sampling_params"]["max_tokens"] for r in rows)
+        print(f"rep {rep}: output lengths n={len(lengths)} sum={sum(lengths)} "
+              f"median={lengths[len(lengths) // 2]} p90={lengths[int(0.9 * len(lengths))]} "
+              f"max={lengths[-1]}", flush=True)
+        bct: dict[str, float] = {}
+        reference: dict[int, list[int]] | None = None
+        n_moves = 0
+        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternating order
+            bct[mode], tokens, moved = run_once(rows, model, args, migration=mode == "on")
+            reference = reference or tokens
+            assert tokens == reference, f"{mode}: tokens differ between the two modes"
+            n_moves = moved if mode == "on" else n_moves
+            print(f"rep {rep} {mode}: bct {bct[mode]:.1f}s", flush=True)
+        records.append({"rep": rep, "seed": args.seed + rep, "out_tokens": sum(lengths),
+                        "max_len": lengths[-1], "bct_off_s": round(bct["off"], 1),
+                        "bct_on_s": round(bct["on"], 1), "moves": n_moves,
+                        "on_vs_off": round(bct["on"] / bct["off"], 3)})
+    ratios = [r["on_vs_off"] for r in records]
+    records.append({"rep": "median", "bct_off_s": round(statistics.median(r["bct_off_s"] for r in records), 1),
+                    "bct_on_s": round(statistics.median(r["bct_on_s"] for r in records), 1),
+                    "on_vs_off": round(statistics.median(ratios), 3)})
     print_report(records, COLUMNS)
     print(json.dumps({"distribution": {"kind": "lognormal", "median": args.median,
                                        "sigma": args.sigma, "cap": args.cap},
-                      "max_num_seqs": args.max_num_seqs, "batch_size": args.batch_size}))
+                      "rows": args.rows, "model": args.model, "max_num_seqs": args.max_num_seqs,
+                      "batch_size": args.batch_size,
+                      "concurrent_batches": args.concurrent_batches,
+                      "median_on_vs_off": round(statistics.median(ratios), 3)}))
     ray.shutdown()
 
 

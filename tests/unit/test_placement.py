@@ -141,3 +141,20 @@ def test_bad_inputs_name_the_field() -> None:
         RequestSummary("r", "sleeping", 1, 0)
     with pytest.raises(ValueError, match="link_bytes_per_s"):
         TransferCost(1, 0.0, 1.0, 1.0)
+
+
+def test_seat_receivers_take_queued_rows_but_not_running_ones() -> None:
+    # "b" is busy (not short of work) but has a free seat and no queue
+    loads = [load("a", running=SEATS, waiting=6, used_blocks=500),
+             load("b", running=SEATS - 2, used_blocks=400)]
+    reqs = waiting_reqs("w", 6) + [running_req("old", 8000, 7000)]
+    assert plan_moves(loads, {"a": reqs}, PlacementConfig()) == []  # default: starving only
+    cfg = PlacementConfig(seat_receivers=True)
+    assert [r.engine_id for r in find_receivers(loads, cfg)] == ["b"]
+    moves = plan_moves(loads, {"a": reqs}, cfg)
+    assert moved(moves, "waiting") == {"a->b": ["w5", "w4"]}  # its two free seats
+    assert moved(moves, "running") == {}
+    # no seat, or KV memory tight: not a receiver
+    full = load("b", running=SEATS)
+    tight = load("b", running=SEATS - 2, used_blocks=999)
+    assert find_receivers([loads[0], full], cfg) == find_receivers([loads[0], tight], cfg) == []

@@ -13,8 +13,10 @@ engine has reported for `idle_exit_s`, so a finished job leaves nothing behind.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -22,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchgen_data.placement import (
-    EngineLoad, PlacementConfig, RequestSummary, find_receivers, pick_donors, plan_moves)
+    EngineLoad, PlacementConfig, RequestSummary, TransferCost, find_receivers, pick_donors,
+    plan_moves)
 
 NAMESPACE = "batchgen_data"
 Message = tuple[Any, ...]  # ("import", owner_id, state) | ("deliver", rid, output) | ("failed", rid)
@@ -42,8 +45,16 @@ class Coordinator:
     """Holds the latest report of each engine, plans moves, and forwards messages."""
 
     def __init__(self, placement: Mapping[str, Any] | None = None, dead_after_s: float = 10.0,
-                 cooldown_s: float = 1.0, idle_exit_s: float = 300.0) -> None:
+                 cooldown_s: float = 1.0, idle_exit_s: float = 300.0, ship_kv: bool = True,
+                 link_bytes_per_s: float = 1.25e9, pcie_bytes_per_s: float = 16e9) -> None:
         self.cfg = PlacementConfig(**dict(placement or {}))
+        # ship a moved sequence's KV or let the receiver recompute it: decided per sequence by
+        # `TransferCost` from the engines' measured prefill rate, their KV bytes per token and
+        # these bandwidths (10 GbE between nodes by default; PCIe for device <-> host)
+        self.ship_kv = ship_kv
+        self.link_bytes_per_s = link_bytes_per_s
+        self.pcie_bytes_per_s = pcie_bytes_per_s
+        self.kv_costs: dict[str, tuple[int, int]] = {}  # engine -> (KV bytes/token, prefill tok/s)
         self.dead_after_s = dead_after_s
         self.cooldown_s = cooldown_s  # a moved pair reports its new load before moving again
         self.idle_exit_s = idle_exit_s
@@ -69,6 +80,8 @@ class Coordinator:
         # give and must take nothing (see MigrationClient.leave_call)
         self.accepting[engine_id] = bool(report.get("accepting", True))
         self.owned[engine_id] = int(report.get("owned", 0))
+        self.kv_costs[engine_id] = (int(report.get("kv_bytes_per_token", 0)),
+                                    int(report.get("prefill_tokens_per_s", 0)))
         live = self._live(now)
         for dst, msg in outbox:
             if dst in live:  # mail to a dead engine is dropped: its sender reclaims the row
@@ -90,6 +103,7 @@ class Coordinator:
             self.mail.pop(e, None)
             self.orders.pop(e, None)
             self.owned.pop(e, None)
+            self.kv_costs.pop(e, None)
         return set(self.reports)
 
     def _plan(self, now: float, live: set[str]) -> None:
@@ -99,11 +113,24 @@ class Coordinator:
         loads = [self.reports[e][1] for e in ready]
         if len(loads) < 2 or not find_receivers(loads, self.cfg):
             return
-        summaries = {d.engine_id: self.reports[d.engine_id][2] for d in pick_donors(loads, self.cfg)}
-        for mv in plan_moves(loads, summaries, self.cfg):
+        cfg = self._with_transfer_cost(ready)
+        summaries = {d.engine_id: self.reports[d.engine_id][2] for d in pick_donors(loads, cfg)}
+        for mv in plan_moves(loads, summaries, cfg):
             self.orders[mv.src].append((mv.dst, mv.request_ids, mv.ship_kv))
             self.busy_until[mv.src] = self.busy_until[mv.dst] = now + self.cooldown_s
             self.num_moves += len(mv.request_ids)
+
+    def _with_transfer_cost(self, engines: list[str]) -> PlacementConfig:
+        """The placement config with a ship-or-recompute cost model from measured rates."""
+        if not self.ship_kv or self.cfg.transfer is not None:
+            return self.cfg
+        costs = [self.kv_costs[e] for e in engines if e in self.kv_costs]
+        rates = [r for _, r in costs if r > 0]
+        per_token = max((b for b, _ in costs), default=0)
+        if not rates or per_token <= 0:
+            return self.cfg  # nothing measured yet: recompute
+        return dataclasses.replace(self.cfg, transfer=TransferCost(
+            per_token, self.link_bytes_per_s, self.pcie_bytes_per_s, statistics.median(rates)))
 
     def _exit_when_idle(self) -> None:
         while True:

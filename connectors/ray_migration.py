@@ -42,12 +42,17 @@ class MigrationOptions:
     # Data does not release it as idle (it does so once every input is dispatched) exactly
     # when the long tail could move to it; False: leave as soon as its own rows are done
     linger: bool = True
+    # a moved running/held sequence takes its KV along when that is cheaper than recomputing
+    # it (measured prefill rate vs bytes over `link_bytes_per_s`); False: always recompute
+    ship_kv: bool = True
+    link_bytes_per_s: float = 1.25e9
     # PlacementConfig fields; `seat_receivers` defaults to True here: an actor's free seat is
     # worth filling from another actor's queue (measured by benchmarks/ray_migration.py)
     placement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s"):
+        for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
+                     "link_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"migration {name}={getattr(self, name)!r}: must be > 0")
 
@@ -280,6 +285,8 @@ def start_migration(driver: Any, fingerprint: str,
         coordinator = get_coordinator(name, placement={"seat_receivers": True,
                                                        **options.placement},
                                       dead_after_s=options.dead_after_s,
+                                      ship_kv=options.ship_kv,
+                                      link_bytes_per_s=options.link_bytes_per_s,
                                       cooldown_s=4 * options.interval_s)
     except Exception as e:  # noqa: BLE001 - no Ray, no cluster: the job runs unmigrated
         log.warning("batchgen migration: no coordinator (%r); running without migration", e)

@@ -246,6 +246,7 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         sch = self.scheduler
+        spt = self.stats.prefill_s_per_token
         return {
             "waiting": len(sch.waiting),
             "running": len(sch.running),
@@ -254,4 +255,7 @@ class Engine:
                 s.remaining_tokens_estimate() for r in self.requests.values() for s in r.unfinished()),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,
+            "kv_bytes_per_token": self.host.bytes_per_token,
+            # measured prompt throughput (0: not measured yet): the price of recomputing KV
+            "prefill_tokens_per_s": int(1.0 / spt) if spt else 0,
         }

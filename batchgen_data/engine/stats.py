@@ -15,8 +15,15 @@ class EngineStats:
     num_preemptions: int = 0
     num_finished: int = 0
     step_time_s: float = 0.0
+    # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
+    # recomputing a moved sequence's KV would cost here (0.0 until such a step ran)
+    prefill_s_per_token: float = 0.0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
+        if num_tokens >= 4 * num_seqs and num_tokens >= 32:
+            rate = dt / num_tokens
+            self.prefill_s_per_token = rate if not self.prefill_s_per_token else (
+                0.8 * self.prefill_s_per_token + 0.2 * rate)
         self.num_steps += 1
         self.max_batch_seqs = max(self.max_batch_seqs, num_seqs)
         self.batch_seqs_hist[num_seqs] += 1

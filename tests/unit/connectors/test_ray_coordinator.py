@@ -121,3 +121,26 @@ def test_without_linger_or_when_stopped_the_last_call_leaves_at_once() -> None:
     lingering.leave_call()
     assert time.monotonic() - t0 < 1.0
     client.stop()
+
+
+def test_running_moves_ship_kv_when_the_measured_prefill_is_slower() -> None:
+    placement = {"min_running_age": 8, "min_kv_gain_tokens": 16}
+    kv = {"kv_bytes_per_token": 46080}  # SmolLM2-135M fp32
+    a = {**IDLE, "running": 3, "free_blocks": 40, **kv}
+    b = {**IDLE, **kv}
+    running = [(f"r{i}", "running", 320, 300, 319) for i in range(3)]
+
+    def orders(ship_kv: bool, prefill_tok_s: int) -> list[tuple[str, tuple[str, ...], bool]]:
+        c = Coordinator(placement, ship_kv=ship_kv)
+        c.exchange("b", {**b, "prefill_tokens_per_s": prefill_tok_s}, 4, 16, [], [])
+        return c.exchange("a", {**a, "prefill_tokens_per_s": prefill_tok_s}, 4, 16, running,
+                          [])["orders"]
+
+    [(dst, rids, ship)] = orders(True, 300)  # a CPU core: recomputing 320 tokens takes ~1 s
+    assert dst == "b" and rids and ship
+    [(_, _, ship)] = orders(True, 10_000_000)  # absurdly fast prefill: recompute wins
+    assert not ship
+    [(_, _, ship)] = orders(False, 300)  # shipping switched off
+    assert not ship
+    [(_, _, ship)] = orders(True, 0)  # nothing measured yet: recompute
+    assert not ship

@@ -9,7 +9,9 @@ thread count and the same SmolLM2-135M-shaped fp32 model:
 * `weights_ms`  one pass over every weight (a sum of each tensor): the least a decode step costs,
                 whatever the batch, because every step reads all 540 MB of fp32 weights;
 * `step1_ms`    this engine's measured decode step with a single sequence (the real value of
-                the same bound, with attention, norms and sampling).
+                the same bound, with attention, norms and sampling);
+* `rows_ms`     one pass of all the model's matmuls at 1, 4, 8, 16 and 32 rows (a decode batch
+                of that size): how far small batches stay from the weights-pass bound.
 
 Two lower bounds on a workload's wall time follow, each valid for any engine:
   compute  = (prompt tokens x body FLOPs + output tokens x (body + lm_head) FLOPs) / best gflops
@@ -55,6 +57,16 @@ def matmul_gflops(weights: list[torch.Tensor], rows: int, repeats: int) -> float
             torch.mm(x, w.t())
 
     return flops / _best_of(run, repeats) / 1e9
+
+
+def matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+    def run() -> None:
+        for x, w in zip(xs, weights):
+            torch.nn.functional.linear(x, w)
+
+    return _best_of(run, repeats) * 1e3
 
 
 def weights_pass_ms(params: list[torch.Tensor], repeats: int) -> float:
@@ -111,10 +123,14 @@ def main() -> None:
     with torch.inference_mode():
         gflops = max(matmul_gflops(mats, rows, args.repeats) for rows in (32, 256))
         weights_ms = weights_pass_ms(params, args.repeats)
+        rows_ms = {rows: round(matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
+                   for rows in (1, 4, 8, 16, 32)}
     step1_ms = single_decode_step_ms(model_dir, 48)
     print(f"threads={args.threads}  matmul {gflops:.1f} GFLOP/s  weights pass {weights_ms:.1f} ms "
           f"({sum(p.numel() for p in params) * 4 / weights_ms / 1e6:.1f} GB/s)  "
           f"single-sequence decode step {step1_ms:.1f} ms", flush=True)
+    print("all matmuls (body + lm_head) per decode step, by batch rows: "
+          + ", ".join(f"{r}: {ms} ms" for r, ms in rows_ms.items()), flush=True)
 
     hf = [float(x) for x in args.hf_static_tok_s.split(",")] if args.hf_static_tok_s else []
     records = []
@@ -136,7 +152,8 @@ def main() -> None:
         records.append(rec)
     print_report(records, list(records[0]))
     print(json.dumps({"threads": args.threads, "gflops": round(gflops, 1),
-                      "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1)}))
+                      "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1),
+                      "matmul_ms_by_rows": rows_ms}))
 
 
 if __name__ == "__main__":

@@ -243,9 +243,9 @@ def plan_moves(loads: Sequence[EngineLoad],
             for src in queued:
                 while budget[dst] > 0 and pools[src][kind] and src not in took and dst not in gave:
                     claim(src, dst, kind, pools[src][kind][0])
+    starving = [r.engine_id for r in receivers if is_short_of_work(r, cfg)]  # running goes here
     while True:
-        dsts = [r.engine_id for r in receivers if budget[r.engine_id] > 0 and r.engine_id not in gave
-                and is_short_of_work(r, cfg)]
+        dsts = [e for e in starving if budget[e] > 0 and e not in gave]
         srcs = [e for e in pools if pools[e]["running"] and e not in took]
         if not dsts or not srcs:
             break

@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OUTPUT_LENGTHS, make_workload, print_report  # noqa: E402
-from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE, prepare_model_dir  # noqa: E402
+from cpu_throughput import (  # noqa: E402
+    FIRST_PLAIN_ID, VOCAB_SIZE, default_model_dir, prepare_model_dir)
 
 
 def _best_of(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -48,18 +48,8 @@ def _best_of(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
-def matmul_gflops(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
-    xs = [torch.randn(rows, w.shape[1]) for w in weights]
-    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
-
-    def run() -> None:
-        for x, w in zip(xs, weights):
-            torch.mm(x, w.t())
-
-    return flops / _best_of(run, repeats) / 1e9
-
-
 def matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    """Best time of one pass of `rows`-row inputs through every weight matrix."""
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
 
     def run() -> None:
@@ -67,6 +57,11 @@ def matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> floa
             torch.nn.functional.linear(x, w)
 
     return _best_of(run, repeats) * 1e3
+
+
+def matmul_gflops(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+    return flops / matmul_pass_ms(weights, rows, repeats) / 1e6
 
 
 def weights_pass_ms(params: list[torch.Tensor], repeats: int) -> float:
@@ -106,9 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model_dir = Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{args.seed}"
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    prepare_model_dir(model_dir, args.seed)
+    model_dir = prepare_model_dir(default_model_dir(args.seed), args.seed)
     from safetensors.torch import load_file
 
     state = {}

@@ -98,10 +98,15 @@ def _save_smollm2_tokenizer(dest: Path) -> bool:
     return True
 
 
+def default_model_dir(seed: int) -> Path:
+    return Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{seed}"
+
+
 def prepare_model_dir(path: Path, seed: int) -> Path:
     """Random-initialises the model once per seed; later runs reuse the saved directory."""
     if (path / "config.json").exists():
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -360,9 +365,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path) -> list:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = args.model_dir or Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{args.seed}"
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    prepare_model_dir(model_dir, args.seed)
+    model_dir = prepare_model_dir(args.model_dir or default_model_dir(args.seed), args.seed)
     omp_policy = os.environ.get("OMP_WAIT_POLICY", "")
     print(f"model: {model_dir}  threads: {torch.get_num_threads()}  OMP_WAIT_POLICY={omp_policy!r}  "
           f"torch {torch.__version__}", file=sys.stderr)

@@ -39,3 +39,19 @@ def cache_dir() -> Path:
 def cuda_visible_devices() -> str | None:
     """``$CUDA_VISIBLE_DEVICES`` as set (None when unset); "" means no GPU is visible."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def cpu_packed_linear() -> bool:
+    """``$BATCHGEN_CPU_PACKED_LINEAR``: pre-pack CPU matmul weights for oneDNN (default on).
+
+    ``0``, ``false``, ``no`` or ``off`` keep the plain ``F.linear`` layers.
+    """
+    value = _get_str("BATCHGEN_CPU_PACKED_LINEAR")
+    if value is None:
+        return True
+    lowered = value.lower()
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"BATCHGEN_CPU_PACKED_LINEAR={value!r}: expected 0/1, true/false, yes/no or on/off")

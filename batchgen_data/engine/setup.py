@@ -14,6 +14,7 @@ from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
 from batchgen_data.models import loader
+from batchgen_data.layers.cpu_linear import pack_model_linears
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget in host RAM when running on the CPU
 
@@ -61,6 +62,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = loader.pick_dtype(config.dtype, device, hf_config)
     model = loader.build_model(hf_config, dtype, device)
     loader.load_weights(model, path)
+    pack_model_linears(model, device, dtype)
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:

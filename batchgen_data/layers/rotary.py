@@ -77,6 +77,22 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv)  # [max_pos, D/2]
         cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_pos, D]
+        # Every layer of one forward rotates at the same positions: the torch path looks the
+        # cos/sin rows up once per positions tensor, not once per layer.
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memo = self._memo
+        if memo is not None and memo[0] is positions:
+            return memo[1], memo[2]
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        self._memo = (positions, cos, sin)
+        return cos, sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Torch path: x [T, heads, D] (q and k heads may share one tensor) rotated by position."""
+        cos, sin = self._cos_sin(positions)
+        return _rotate(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +100,7 @@ class RotaryEmbedding(nn.Module):
         if backend.use_triton(q):
             from batchgen_data.kernels import apply_rotary
             return apply_rotary(q, k, positions, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        cos, sin = self._cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

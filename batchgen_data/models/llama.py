@@ -14,6 +14,7 @@ from torch import nn
 
 from batchgen_data.layers import backend
 from batchgen_data.layers.attention import AttentionMetadata, attention
+from batchgen_data.layers.cpu_linear import packed_linear
 from batchgen_data.layers.norm import RMSNorm
 from batchgen_data.layers.rotary import RotaryEmbedding
 
@@ -54,13 +55,19 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         s = self.shape
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is None and not backend.use_triton(qkv):
+            # torch path: q and k heads are adjacent in qkv, so one rotation covers both
+            qk = qkv[:, :self.q_size + self.kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+            q, k = self.rotary.rotate(positions, qk).split([s.num_heads, s.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size:].view(-1, s.num_kv_heads, s.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, s.num_heads, s.head_dim)
+            k = k.view(-1, s.num_kv_heads, s.head_dim)
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         o = attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -134,8 +141,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()  # [N, vocab]
+        packed = getattr(self, "packed_lm_head", None)  # tied weights, packed for the CPU
+        if packed is not None:
+            return packed_linear(hidden, packed, None, self.embed_tokens.weight).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -46,12 +46,27 @@ def cpu_packed_linear() -> bool:
 
     ``0``, ``false``, ``no`` or ``off`` keep the plain ``F.linear`` layers.
     """
-    value = _get_str("BATCHGEN_CPU_PACKED_LINEAR")
+    return _get_flag("BATCHGEN_CPU_PACKED_LINEAR", default=True)
+
+
+def _get_flag(name: str, default: bool) -> bool:
+    value = _get_str(name)
     if value is None:
-        return True
+        return default
     lowered = value.lower()
     if lowered in ("0", "false", "no", "off"):
         return False
     if lowered in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"BATCHGEN_CPU_PACKED_LINEAR={value!r}: expected 0/1, true/false, yes/no or on/off")
+    raise ValueError(f"{name}={value!r}: expected 0/1, true/false, yes/no or on/off")
+
+
+def cpu_attention_kernel() -> bool:
+    """``$BATCHGEN_CPU_ATTENTION_KERNEL``: run CPU decode attention in the compiled C kernel
+    (default on; it falls back to torch by itself when no compiler is found)."""
+    return _get_flag("BATCHGEN_CPU_ATTENTION_KERNEL", default=True)
+
+
+def c_compiler() -> str | None:
+    """``$CC``: the C compiler that builds the CPU attention kernel (default ``cc``)."""
+    return _get_str("CC")

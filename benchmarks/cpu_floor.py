@@ -11,7 +11,11 @@ thread count and the same SmolLM2-135M-shaped fp32 model:
 * `step1_ms`    this engine's measured decode step with a single sequence (the real value of
                 the same bound, with attention, norms and sampling);
 * `rows_ms`     one pass of all the model's matmuls at 1, 4, 8, 16 and 32 rows (a decode batch
-                of that size): how far small batches stay from the weights-pass bound.
+                of that size): how far small batches stay from the weights-pass bound; printed
+                for plain `F.linear` and for the oneDNN-packed weights the engine uses on the CPU;
+* `attn_ms`     one layer's decode attention over the paged cache (the model's head shape, a
+                random block layout) at 5 and 32 sequences: the torch path (gather + SDPA)
+                against the compiled C kernel the engine uses for fp32 caches.
 
 Two lower bounds on a workload's wall time follow, each valid for any engine:
   compute  = (prompt tokens x body FLOPs + output tokens x (body + lm_head) FLOPs) / best gflops
@@ -57,6 +61,51 @@ def matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> floa
             torch.nn.functional.linear(x, w)
 
     return _best_of(run, repeats) * 1e3
+
+
+def packed_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    """`matmul_pass_ms` with each weight pre-packed for oneDNN (`layers.cpu_linear`)."""
+    from batchgen_data.layers.cpu_linear import pack_weight, packed_linear
+
+    packed = [pack_weight(w) for w in weights]
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+    def run() -> None:
+        for x, p in zip(xs, packed):
+            packed_linear(x, p, None)
+
+    return _best_of(run, repeats) * 1e3
+
+
+def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                        repeats: int) -> dict[str, float]:
+    """One layer's decode attention, torch path vs C kernel, with the same random block layout."""
+    import torch.nn.functional as F
+
+    from batchgen_data.layers import cpu_attention
+
+    bs = 16
+    nblk = -(-context // bs)
+    k_cache = torch.randn(seqs * nblk * 2, bs, kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(k_cache.shape[0])[:seqs * nblk].view(seqs, nblk).int()
+    lens = torch.full((seqs,), context, dtype=torch.int32)
+    q = torch.randn(seqs, heads, head_dim)
+    blocks = tables.reshape(-1).long()
+    mask = (torch.arange(nblk * bs)[None] < lens[:, None])[:, None, None, :]
+    group = heads // kv_heads
+
+    def torch_path() -> None:
+        k = k_cache.index_select(0, blocks).view(seqs, -1, kv_heads, head_dim)
+        v = v_cache.index_select(0, blocks).view(seqs, -1, kv_heads, head_dim)
+        F.scaled_dot_product_attention(q.view(seqs, kv_heads, group, head_dim), k.transpose(1, 2),
+                                       v.transpose(1, 2), attn_mask=mask, scale=head_dim ** -0.5)
+
+    out = {"torch": round(_best_of(torch_path, repeats * 4) * 1e3, 3)}
+    if cpu_attention.available(k_cache):
+        out["c_kernel"] = round(_best_of(lambda: cpu_attention.paged_decode(
+            q, k_cache, v_cache, tables, lens, head_dim ** -0.5), repeats * 4) * 1e3, 3)
+    return out
 
 
 def matmul_gflops(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
@@ -118,12 +167,24 @@ def main() -> None:
         weights_ms = weights_pass_ms(params, args.repeats)
         rows_ms = {rows: round(matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
                    for rows in (1, 4, 8, 16, 32)}
+        packed_ms = {rows: round(packed_matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
+                     for rows in (1, 4, 8, 16, 32)}
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        attn_ms = {f"{b}x{ctx}": decode_attention_ms(b, ctx, cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, head_dim, args.repeats)
+                   for b, ctx in ((5, 700), (32, 256))}
     step1_ms = single_decode_step_ms(model_dir, 48)
     print(f"threads={args.threads}  matmul {gflops:.1f} GFLOP/s  weights pass {weights_ms:.1f} ms "
           f"({sum(p.numel() for p in params) * 4 / weights_ms / 1e6:.1f} GB/s)  "
           f"single-sequence decode step {step1_ms:.1f} ms", flush=True)
     print("all matmuls (body + lm_head) per decode step, by batch rows: "
           + ", ".join(f"{r}: {ms} ms" for r, ms in rows_ms.items()), flush=True)
+    print("the same with oneDNN-packed weights: "
+          + ", ".join(f"{r}: {ms} ms" for r, ms in packed_ms.items()), flush=True)
+    print("one layer's decode attention (seqs x context): "
+          + ", ".join(f"{k}: {v}" for k, v in attn_ms.items()), flush=True)
 
     hf = [float(x) for x in args.hf_static_tok_s.split(",")] if args.hf_static_tok_s else []
     records = []
@@ -146,7 +207,8 @@ def main() -> None:
     print_report(records, list(records[0]))
     print(json.dumps({"threads": args.threads, "gflops": round(gflops, 1),
                       "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1),
-                      "matmul_ms_by_rows": rows_ms}))
+                      "matmul_ms_by_rows": rows_ms, "packed_matmul_ms_by_rows": packed_ms,
+                      "decode_attention_ms": attn_ms}))
 
 
 if __name__ == "__main__":

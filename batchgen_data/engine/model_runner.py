@@ -15,7 +15,7 @@ from batchgen_data.engine.cuda_graphs import DecodeGraphs
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
-from batchgen_data.layers import backend
+from batchgen_data.layers import backend, cpu_attention
 from batchgen_data.layers.attention import AttentionMetadata
 
 
@@ -43,6 +43,9 @@ class ModelRunner:
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.graphs: DecodeGraphs | None = None
+        # CPU fp32: decode attention runs in the compiled C kernel, which reads the paged cache
+        # directly; the torch path's gather index is then not needed
+        self._cpu_kernel = cpu_attention.available(self.kv)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture pure-decode forwards; a no-op off CUDA or without the Triton kernels."""
@@ -98,8 +101,11 @@ class ModelRunner:
             max_decode_len=max(seq_lens[:num_decodes], default=0),
             max_prefill_len=max(prefill_q, default=0),
         )
-        if num_decodes and not backend.use_triton(self.kv):  # the torch path's gather index
-            self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
+        if num_decodes and not backend.use_triton(self.kv):
+            if self._cpu_kernel:
+                meta.cpu_decode_kernel = True
+            else:  # the torch path's gather index
+                self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),

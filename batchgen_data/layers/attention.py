@@ -2,8 +2,9 @@
 
 The batch is flattened: the first `num_decodes` tokens are single-token decodes (one per
 sequence), the rest are prefill/extend chunks of varying length whose cached prefix sits in the
-paged cache. On CUDA the Triton kernels run; elsewhere a torch reference that gathers each
-sequence's blocks and runs dense attention.
+paged cache. On CUDA the Triton kernels run. On the CPU, decodes of an fp32 cache run in a small
+compiled C kernel (`cpu_attention`) when the runner found one, else (and for prefill chunks) a
+torch reference that gathers each sequence's blocks and runs dense attention.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen_data.layers import backend
+from batchgen_data.layers import backend, cpu_attention
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AttentionMetadata:
     # torch path only, built once per step and shared by every layer:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
+    cpu_decode_kernel: bool = False  # decodes run in the compiled C kernel (fp32 CPU cache)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -63,7 +65,10 @@ def _attention_torch(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no
     v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
     nd = meta.num_decodes
     outs = []
-    if nd:
+    if nd and meta.cpu_decode_kernel:
+        outs.append(cpu_attention.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                               meta.seq_lens[:nd], scale))
+    elif nd:
         outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale))
     start = nd
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_host[nd:], meta.seq_lens_host[nd:])):

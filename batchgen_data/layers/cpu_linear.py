@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows by every weight matrix. MKL's `F.linear` on the plain
 [out, in] layout reaches a fraction of the machine's peak at those shapes; oneDNN's linear with a
-weight reordered once at load time is 10-30% faster at 4-32 rows on this project's CPU machines
+weight reordered once at load time was up to ~25% faster at 4-32 rows in our runs
 (`benchmarks/cpu_floor.py` prints both). Packing changes only the memory layout, not the math:
 the result differs from `F.linear` by float rounding (summation order), which the pack-time
 self-check bounds.

@@ -1,6 +1,8 @@
 """The CPU fast paths of the layers: packed oneDNN linears, fused RMSNorm, joint q/k rotation."""
 from __future__ import annotations
 
+import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -98,3 +100,63 @@ def test_joint_qk_rotation_equals_separate() -> None:
     pos2 = torch.tensor([1, 1, 1, 1, 1])
     q2, _ = rot(pos2, q, k)
     assert not torch.equal(q2, q_want)
+
+
+# ---- the compiled C decode-attention kernel ------------------------------------------------
+from batchgen_data.layers import cpu_attention  # noqa: E402
+
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                              reason="no C compiler")
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+    outs = []
+    bs = k_cache.shape[1]
+    for i, n in enumerate(lens.tolist()):
+        blocks = tables[i, :-(-n // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n]  # [n, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:n]
+        o = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1),
+                                           scale=scale, enable_gqa=True)
+        outs.append(o[:, 0])
+    return torch.stack(outs)
+
+
+@needs_cc
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (32, 4, 4), (64, 9, 3), (128, 8, 1)])
+def test_c_decode_kernel_matches_dense_attention(head_dim: int, heads: int, kv_heads: int) -> None:
+    torch.manual_seed(head_dim)
+    bs, num_blocks = 16, 96
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim)
+    lens = torch.tensor([1, 15, 16, 17, 100, 200], dtype=torch.int32)  # block edges included
+    width = 13
+    tables = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).int()
+    q = torch.randn(len(lens), heads, head_dim)
+    assert cpu_attention.available(k_cache)
+    got = cpu_attention.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    want = _reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a non-contiguous q (the engine's q is a view of the rotated q|k heads) gives the same
+    wide = torch.cat([q, torch.randn(len(lens), 2, head_dim)], dim=1)
+    got2 = cpu_attention.paged_decode(wide[:, :heads], k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    assert torch.equal(got2, got)
+
+
+@needs_cc
+def test_c_decode_kernel_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION_KERNEL", raising=False)
+    assert cpu_attention.available(torch.zeros(2, 16, 2, 64))
+    assert not cpu_attention.available(torch.zeros(2, 16, 2, 48))  # no such head size built
+    assert not cpu_attention.available(torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16))
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "0")
+    assert not cpu_attention.available(torch.zeros(2, 16, 2, 64))
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    cpu_attention._library.cache_clear()
+    try:
+        assert not cpu_attention.available(torch.zeros(2, 16, 2, 64))
+    finally:
+        cpu_attention._library.cache_clear()

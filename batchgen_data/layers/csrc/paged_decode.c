@@ -1,10 +1,13 @@
 /* Decode attention over the paged KV cache, for the CPU (fp32).
  *
- * One query token per sequence. For each (sequence, KV head) pair, the query heads of that KV
- * group score every cached key, read straight out of its block (no gather into a dense copy),
- * then a softmax and the weighted sum of the values. Work is spread over OpenMP threads by pair.
- * The head size is a compile-time constant (one function per supported size), so a query row and
- * an output accumulator stay in vector registers while a block of keys or values streams by.
+ * One query token per sequence. Each sequence's cached tokens are cut into chunks of whole
+ * blocks; a task takes one chunk of one sequence and, for every query head, scores the chunk's
+ * keys, takes a local softmax (max and sum) and the weighted sum of its values. A block is one
+ * contiguous run of memory (block_size tokens x all KV heads), so a task streams it from memory
+ * once and then reuses it from L1 for every head; tasks are spread over OpenMP threads, which
+ * keeps both cores busy even for one long sequence. A final pass merges each sequence's chunk
+ * results (the "split-K" of flash decoding). The head size is a compile-time constant (one
+ * function per supported size) so query rows and accumulators live in vector registers.
  *
  * Layouts (all C-contiguous):
  *   q        [num_seqs, num_heads, head_dim]
@@ -12,7 +15,7 @@
  *   tables   [num_seqs, table_width]  int32 block ids
  *   seq_lens [num_seqs]               int32 tokens to attend to (the new one included)
  *   out      [num_seqs, num_heads, head_dim]
- * Returns 0, -1 when a score buffer could not be allocated, -2 for an unsupported head size.
+ * Returns 0, -1 when a buffer could not be allocated, -2 for an unsupported head size.
  * Built and loaded by batchgen_data/layers/cpu_attention.py (plain C: no torch headers, so the
  * build takes well under a second).
  */
@@ -21,59 +24,69 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One (sequence, KV head) pair; the query rows are pre-scaled by `scale`. */
-#define DEFINE_PAIR(D)                                                                          \
-static void pair_##D(const float *qs, float *os, const float *k_cache, const float *v_cache,   \
-                     const int32_t *table, int64_t len, int64_t group, int64_t row,            \
-                     int64_t block_size, int64_t block_stride, int64_t head_off, float scale,  \
-                     float *scores) {                                                           \
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                          \
-        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + head_off;  \
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                        \
-        for (int64_t g = 0; g < group; ++g) {                                                   \
-            float qg[D];                                                                        \
-            for (int64_t d = 0; d < D; ++d) qg[d] = qs[g * D + d] * scale;                      \
-            float *sg = scores + g * len + t0;                                                  \
-            for (int64_t i = 0; i < n; ++i) {                                                   \
-                const float *k = kb + i * row;                                                  \
+#define CHUNK_TOKENS 256 /* tokens per task, rounded down to whole blocks (at least one) */
+
+/* One task: tokens [t0, t1) of one sequence. `qs` holds the sequence's query rows, pre-scaled.
+ * Writes, per query head, the chunk's max score, its sum of exp(score - max), and
+ * acc = sum of exp(score - max) * v, to part_m / part_l / part_acc. `scores` has room for
+ * num_heads * CHUNK_TOKENS floats. */
+#define DEFINE_CHUNK(D)                                                                          \
+static void chunk_##D(const float *qs, const float *k_cache, const float *v_cache,              \
+                      const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
+                      int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
+                      float *scores, float *part_m, float *part_l, float *part_acc) {          \
+    const int64_t n = t1 - t0;                                                                  \
+    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
+        const float *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+        for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
+            const float *k_head = kb + (hq / group) * D;                                        \
+            float qv[D];                                                                        \
+            for (int64_t d = 0; d < D; ++d) qv[d] = qs[hq * D + d];                             \
+            float *sh = scores + hq * CHUNK_TOKENS + (b0 - t0);                                 \
+            for (int64_t i = 0; i < m; ++i) {                                                   \
+                const float *k = k_head + i * row;                                              \
                 float acc = 0.0f;                                                               \
                 _Pragma("omp simd reduction(+:acc)")                                            \
-                for (int64_t d = 0; d < D; ++d) acc += qg[d] * k[d];                            \
-                sg[i] = acc;                                                                    \
+                for (int64_t d = 0; d < D; ++d) acc += qv[d] * k[d];                            \
+                sh[i] = acc;                                                                    \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
-    for (int64_t g = 0; g < group; ++g) {                                                       \
-        float *sg = scores + g * len;                                                           \
+    for (int64_t hq = 0; hq < num_heads; ++hq) {                                                \
+        float *sh = scores + hq * CHUNK_TOKENS;                                                 \
         float mx = -INFINITY;                                                                   \
-        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;                         \
+        for (int64_t t = 0; t < n; ++t) mx = sh[t] > mx ? sh[t] : mx;                           \
         float sum = 0.0f;                                                                       \
-        for (int64_t t = 0; t < len; ++t) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }          \
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                       \
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;                                         \
+        for (int64_t t = 0; t < n; ++t) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }            \
+        part_m[hq] = mx;                                                                        \
+        part_l[hq] = sum;                                                                       \
+        memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
     }                                                                                           \
-    for (int64_t g = 0; g < group; ++g) {                                                       \
-        float acc[D];                                                                           \
-        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;                                          \
-        const float *sg = scores + g * len;                                                     \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                      \
-            const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + head_off; \
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                    \
-            for (int64_t i = 0; i < n; ++i) {                                                   \
-                const float p = sg[t0 + i];                                                     \
-                const float *v = vb + i * row;                                                  \
+    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
+        const float *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+        for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
+            const float *v_head = vb + (hq / group) * D;                                        \
+            const float *ph = scores + hq * CHUNK_TOKENS + (b0 - t0);                           \
+            float acc[D];                                                                       \
+            float *dst = part_acc + hq * D;                                                     \
+            for (int64_t d = 0; d < D; ++d) acc[d] = dst[d];                                    \
+            for (int64_t i = 0; i < m; ++i) {                                                   \
+                const float p = ph[i];                                                          \
+                const float *v = v_head + i * row;                                              \
                 _Pragma("omp simd")                                                             \
                 for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];                             \
             }                                                                                   \
+            for (int64_t d = 0; d < D; ++d) dst[d] = acc[d];                                    \
         }                                                                                       \
-        for (int64_t d = 0; d < D; ++d) os[g * D + d] = acc[d];                                 \
     }                                                                                           \
 }
-DEFINE_PAIR(16)
-DEFINE_PAIR(32)
-DEFINE_PAIR(64)
-DEFINE_PAIR(128)
-DEFINE_PAIR(256)
+DEFINE_CHUNK(16)
+DEFINE_CHUNK(32)
+DEFINE_CHUNK(64)
+DEFINE_CHUNK(128)
+DEFINE_CHUNK(256)
 
 int bg_paged_decode_supports(int64_t head_dim) {
     return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
@@ -86,34 +99,97 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
                         float scale, int num_threads) {
     if (!bg_paged_decode_supports(head_dim)) return -2;
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t pairs = num_seqs * num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * row;
+    int64_t chunk = (CHUNK_TOKENS / block_size) * block_size;
+    if (chunk < block_size) chunk = block_size;
+    if (chunk > CHUNK_TOKENS) return -2; /* block_size > CHUNK_TOKENS: not supported */
+
+    /* task list: first_task[s] .. first_task[s + 1] - 1 are sequence s's chunks */
+    int64_t *first_task = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    float *qscaled = (float *)malloc(sizeof(float) * (size_t)(num_seqs * num_heads * head_dim));
+    if (first_task == NULL || qscaled == NULL) {
+        free(first_task);
+        free(qscaled);
+        return -1;
+    }
+    first_task[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0;
+        first_task[s + 1] = first_task[s] + (len + chunk - 1) / chunk;
+    }
+    for (int64_t i = 0; i < num_seqs * num_heads * head_dim; ++i) qscaled[i] = q[i] * scale;
+    const int64_t tasks = first_task[num_seqs];
+    float *part = (float *)malloc(sizeof(float) * (size_t)((tasks > 0 ? tasks : 1) * num_heads * (head_dim + 2)));
+    if (part == NULL) {
+        free(first_task);
+        free(qscaled);
+        return -1;
+    }
+    float *part_m = part;
+    float *part_l = part + tasks * num_heads;
+    float *part_acc = part + 2 * tasks * num_heads;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-        const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
-        const int64_t len = seq_lens[s];
-        const int32_t *table = tables + s * table_width;
-        const float *qs = q + (s * num_heads + h * group) * head_dim;
-        float *os = out + (s * num_heads + h * group) * head_dim;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * CHUNK_TOKENS));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-#define RUN_PAIR(D) pair_##D(qs, os, k_cache, v_cache, table, len, group, row, block_size, \
-                            block_stride, h * (D), scale, scores)
-        switch (head_dim) {
-            case 16: RUN_PAIR(16); break;
-            case 32: RUN_PAIR(32); break;
-            case 64: RUN_PAIR(64); break;
-            case 128: RUN_PAIR(128); break;
-            default: RUN_PAIR(256); break;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            if (scores == NULL) continue;
+            int64_t s = 0; /* the sequence of this task: binary search in first_task */
+            int64_t lo = 0, hi = num_seqs - 1;
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (first_task[mid] <= task) lo = mid; else hi = mid - 1;
+            }
+            s = lo;
+            const int64_t t0 = (task - first_task[s]) * chunk;
+            const int64_t len = seq_lens[s];
+            const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+            const float *qs = qscaled + s * num_heads * head_dim;
+            const int32_t *table = tables + s * table_width;
+            float *pm = part_m + task * num_heads, *pl = part_l + task * num_heads;
+            float *pa = part_acc + task * num_heads * head_dim;
+#define RUN_CHUNK(D) chunk_##D(qs, k_cache, v_cache, table, t0, t1, num_heads, group, row, \
+                               block_size, block_stride, scores, pm, pl, pa)
+            switch (head_dim) {
+                case 16: RUN_CHUNK(16); break;
+                case 32: RUN_CHUNK(32); break;
+                case 64: RUN_CHUNK(64); break;
+                case 128: RUN_CHUNK(128); break;
+                default: RUN_CHUNK(256); break;
+            }
+#undef RUN_CHUNK
         }
-#undef RUN_PAIR
         free(scores);
     }
+
+    /* merge: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c */
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+            float *o = out + (s * num_heads + hq) * head_dim;
+            memset(o, 0, sizeof(float) * (size_t)head_dim);
+            float mx = -INFINITY;
+            for (int64_t c = first_task[s]; c < first_task[s + 1]; ++c)
+                mx = part_m[c * num_heads + hq] > mx ? part_m[c * num_heads + hq] : mx;
+            float denom = 0.0f;
+            for (int64_t c = first_task[s]; c < first_task[s + 1]; ++c) {
+                const float w = expf(part_m[c * num_heads + hq] - mx);
+                denom += w * part_l[c * num_heads + hq];
+                const float *a = part_acc + (c * num_heads + hq) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
+            }
+            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+        }
+    }
+    free(part);
+    free(qscaled);
+    free(first_task);
     return failed ? -1 : 0;
 }

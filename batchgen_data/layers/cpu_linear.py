@@ -68,15 +68,23 @@ def _self_check(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return True
 
 
-class PackedLinear(nn.Module):
-    """Stands in for an `nn.Linear` whose weight is packed; `weight` stays readable."""
+# Keeping the plain weights next to the packed ones (for the 1-3-row path, and the tied output
+# projection's packed copy) costs a second copy of those weights in host memory; it is kept only
+# while that copy stays under this many bytes. Larger models run packed weights alone.
+PLAIN_COPY_BUDGET_BYTES = 2 << 30
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
+
+class PackedLinear(nn.Module):
+    """Stands in for an `nn.Linear` whose weight is packed.
+
+    With `keep_plain`, `weight` stays readable and serves inputs of at most `PLAIN_MAX_ROWS`
+    rows; without it, `weight` is None and the plain copy is freed.
+    """
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # The plain weight is kept (tests and KV/weight tools read it); the packed copy is what
-        # runs. For fp32 this doubles the linear layers' host memory.
-        self.weight = linear.weight
+        self.weight = linear.weight if keep_plain else None
         self.bias = linear.bias
         self.register_buffer("packed_weight", packed, persistent=False)
 
@@ -84,10 +92,13 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed_weight, self.bias, self.weight)
 
 
-def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                       plain_copy_budget: int = PLAIN_COPY_BUDGET_BYTES) -> int:
     """Swaps every `nn.Linear` of `model` for a `PackedLinear` (CPU, fp32/bf16 only).
 
-    Also packs the output projection of a tied-embedding model under `model.packed_lm_head`.
+    While the plain copies fit `plain_copy_budget` bytes they are kept, and the output projection
+    of a tied-embedding model is packed too (`model.packed_lm_head`). Layers are swapped one at
+    a time, so peak memory grows by one layer's weight at most when the plain copies are dropped.
     Returns how many weights were packed (0 when packing is off or not possible here).
     """
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -96,23 +107,30 @@ def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtyp
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    packed_layers = []
+    if not targets:
+        return 0
+    tied = getattr(model, "lm_head", True) is None and hasattr(model, "embed_tokens")
+    copy_bytes = sum(c.weight.numel() * c.weight.element_size() for _, _, c in targets)
+    if tied:
+        embed = model.embed_tokens.weight
+        copy_bytes += embed.numel() * embed.element_size()
+    keep_plain = copy_bytes <= plain_copy_budget
+    done = 0
     try:
-        for parent, name, child in targets:
-            packed = pack_weight(child.weight)
-            packed_layers.append((parent, name, child, packed))
-        if packed_layers and not _self_check(packed_layers[0][2].weight, packed_layers[0][3],
-                                             packed_layers[0][2].bias):
+        first = targets[0][2]
+        packed = pack_weight(first.weight)
+        if not _self_check(first.weight, packed, first.bias):
             log.warning("packed CPU linear disagrees with F.linear; using plain layers")
             return 0
-        lm_head = None
-        if getattr(model, "lm_head", True) is None and hasattr(model, "embed_tokens"):
-            lm_head = pack_weight(model.embed_tokens.weight)
+        for i, (parent, name, child) in enumerate(targets):
+            if i:
+                packed = pack_weight(child.weight)
+            setattr(parent, name, PackedLinear(child, packed, keep_plain))
+            done += 1
+        if tied and keep_plain:
+            model.packed_lm_head = pack_weight(model.embed_tokens.weight)
+            done += 1
     except (RuntimeError, NotImplementedError) as exc:  # op missing or unsupported here
-        log.warning("packed CPU linear unavailable (%s); using plain layers", exc)
-        return 0
-    for parent, name, child, packed in packed_layers:
-        setattr(parent, name, PackedLinear(child, packed))
-    if lm_head is not None:
-        model.packed_lm_head = lm_head
-    return len(packed_layers) + (lm_head is not None)
+        # layers swapped so far stay swapped: each PackedLinear computes the same function
+        log.warning("packed CPU linear unavailable (%s); %d weights packed", exc, done)
+    return done

@@ -160,3 +160,15 @@ def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not cpu_attention.available(torch.zeros(2, 16, 2, 64))
     finally:
         cpu_attention._library.cache_clear()
+
+
+@needs_packing
+def test_big_models_drop_the_plain_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_PACKED_LINEAR", raising=False)
+    model = _Tied()
+    ref = {n: F.linear(torch.ones(2, m.in_features), m.weight, m.bias)
+           for n, m in (("proj", model.proj), ("inner", model.inner[0]))}
+    assert pack_model_linears(model, torch.device("cpu"), torch.float32, plain_copy_budget=100) == 2
+    assert model.proj.weight is None and not hasattr(model, "packed_lm_head")
+    torch.testing.assert_close(model.proj(torch.ones(2, 16)), ref["proj"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.inner[0](torch.ones(2, 24)), ref["inner"], rtol=1e-5, atol=1e-5)

@@ -56,6 +56,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*shape[:-1], out.shape[-1])
 
 
+@torch.no_grad()
 def _self_check(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 5, 33):

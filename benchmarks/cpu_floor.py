@@ -79,10 +79,12 @@ def packed_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) 
 
 def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head_dim: int,
                         repeats: int) -> dict[str, float]:
-    """One layer's decode attention, torch path vs C kernel, with the same random block layout."""
-    import torch.nn.functional as F
+    """One layer's decode attention, the engine's torch path vs its C kernel, on the same random
+    block layout."""
+    from types import SimpleNamespace
 
     from batchgen_data.layers import cpu_attention
+    from batchgen_data.layers.attention import _decode_torch
 
     bs = 16
     nblk = -(-context // bs)
@@ -91,20 +93,15 @@ def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head
     tables = torch.randperm(k_cache.shape[0])[:seqs * nblk].view(seqs, nblk).int()
     lens = torch.full((seqs,), context, dtype=torch.int32)
     q = torch.randn(seqs, heads, head_dim)
-    blocks = tables.reshape(-1).long()
-    mask = (torch.arange(nblk * bs)[None] < lens[:, None])[:, None, None, :]
-    group = heads // kv_heads
-
-    def torch_path() -> None:
-        k = k_cache.index_select(0, blocks).view(seqs, -1, kv_heads, head_dim)
-        v = v_cache.index_select(0, blocks).view(seqs, -1, kv_heads, head_dim)
-        F.scaled_dot_product_attention(q.view(seqs, kv_heads, group, head_dim), k.transpose(1, 2),
-                                       v.transpose(1, 2), attn_mask=mask, scale=head_dim ** -0.5)
-
-    out = {"torch": round(_best_of(torch_path, repeats * 4) * 1e3, 3)}
+    # the fields of AttentionMetadata that the torch decode path reads
+    meta = SimpleNamespace(num_decodes=seqs, decode_blocks=tables.reshape(-1).long(),
+                           decode_mask=(torch.arange(nblk * bs)[None] < lens[:, None])[:, None, None, :])
+    scale = head_dim ** -0.5
+    out = {"torch": round(_best_of(lambda: _decode_torch(q, k_cache, v_cache, meta, scale),
+                                   repeats * 4) * 1e3, 3)}
     if cpu_attention.available(k_cache):
         out["c_kernel"] = round(_best_of(lambda: cpu_attention.paged_decode(
-            q, k_cache, v_cache, tables, lens, head_dim ** -0.5), repeats * 4) * 1e3, 3)
+            q, k_cache, v_cache, tables, lens, scale), repeats * 4) * 1e3, 3)
     return out
 
 

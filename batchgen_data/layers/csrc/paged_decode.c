@@ -141,13 +141,12 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             if (scores == NULL) continue;
-            int64_t s = 0; /* the sequence of this task: binary search in first_task */
-            int64_t lo = 0, hi = num_seqs - 1;
+            int64_t lo = 0, hi = num_seqs - 1; /* this task's sequence: search first_task */
             while (lo < hi) {
                 const int64_t mid = (lo + hi + 1) / 2;
                 if (first_task[mid] <= task) lo = mid; else hi = mid - 1;
             }
-            s = lo;
+            const int64_t s = lo;
             const int64_t t0 = (task - first_task[s]) * chunk;
             const int64_t len = seq_lens[s];
             const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;

@@ -124,7 +124,9 @@ def wait_for_import(host: Any, timeout: float = 60.0) -> None:
 def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, model: str,
                                                               llm: LLM) -> None:
     owner, other = start_pair(model, f"t1-{uuid.uuid4().hex}")
-    rows = make_rows(10, 300)
+    # long enough that the 0.1 s load reports see rows queued on the owner for many rounds
+    # (10 x 300 tokens finished in ~1.2-2 s and once in CI before any move was planned)
+    rows = make_rows(12, 600)
     side = side_job(other)
     got = ray.get(owner.run.remote(rows))
     other.release.remote()

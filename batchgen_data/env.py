@@ -49,6 +49,14 @@ def cpu_packed_linear() -> bool:
     return _get_flag("BATCHGEN_CPU_PACKED_LINEAR", default=True)
 
 
+def cpu_small_gemm() -> bool:
+    """``$BATCHGEN_CPU_SMALL_GEMM``: decode-step matmuls (few rows) in the C kernel (default on).
+
+    ``0``, ``false``, ``no`` or ``off`` keep the library matmuls for them.
+    """
+    return _get_flag("BATCHGEN_CPU_SMALL_GEMM", default=True)
+
+
 def _get_flag(name: str, default: bool) -> bool:
     value = _get_str(name)
     if value is None:

@@ -10,9 +10,10 @@ thread count and the same SmolLM2-135M-shaped fp32 model:
                 whatever the batch, because every step reads all 540 MB of fp32 weights;
 * `step1_ms`    this engine's measured decode step with a single sequence (the real value of
                 the same bound, with attention, norms and sampling);
-* `rows_ms`     one pass of all the model's matmuls at 1, 4, 8, 16 and 32 rows (a decode batch
+* `rows_ms`     one pass of all the model's matmuls at 1 to 32 rows (a decode batch
                 of that size): how far small batches stay from the weights-pass bound; printed
-                for plain `F.linear` and for the oneDNN-packed weights the engine uses on the CPU;
+                for plain `F.linear`, for the oneDNN-packed weights and for the C small-row
+                kernel (`layers/csrc/small_gemm.c`) the engine uses on the CPU;
 * `attn_ms`     one layer's decode attention over the paged cache (the model's head shape, a
                 random block layout) at 5 and 32 sequences: the torch path (gather + SDPA)
                 against the compiled C kernel the engine uses for fp32 caches.
@@ -73,6 +74,22 @@ def packed_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) 
     def run() -> None:
         for x, p in zip(xs, packed):
             packed_linear(x, p, None)
+
+    return _best_of(run, repeats) * 1e3
+
+
+def small_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float | None:
+    """`matmul_pass_ms` through the C small-row kernel (`cpu_linear.small_linear`); None when
+    it is not available here."""
+    from batchgen_data.layers.cpu_linear import small_gemm_available, small_linear
+
+    if not small_gemm_available():
+        return None
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+    def run() -> None:
+        for x, w in zip(xs, weights):
+            small_linear(x, w, None)
 
     return _best_of(run, repeats) * 1e3
 
@@ -162,10 +179,14 @@ def main() -> None:
     with torch.inference_mode():
         gflops = max(matmul_gflops(mats, rows, args.repeats) for rows in (32, 256))
         weights_ms = weights_pass_ms(params, args.repeats)
+        row_counts = (1, 2, 4, 5, 8, 12, 16, 24, 32)
         rows_ms = {rows: round(matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
-                   for rows in (1, 4, 8, 16, 32)}
+                   for rows in row_counts}
         packed_ms = {rows: round(packed_matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
-                     for rows in (1, 4, 8, 16, 32)}
+                     for rows in row_counts}
+        small_ms = {rows: small_matmul_pass_ms(mats + [embed], rows, args.repeats)
+                    for rows in row_counts}
+        small_ms = {r: round(ms, 1) for r, ms in small_ms.items() if ms is not None}
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(model_dir))
         head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -180,6 +201,9 @@ def main() -> None:
           + ", ".join(f"{r}: {ms} ms" for r, ms in rows_ms.items()), flush=True)
     print("the same with oneDNN-packed weights: "
           + ", ".join(f"{r}: {ms} ms" for r, ms in packed_ms.items()), flush=True)
+    print("the same with the C small-row kernel: "
+          + (", ".join(f"{r}: {ms} ms" for r, ms in small_ms.items()) or "not available here"),
+          flush=True)
     print("one layer's decode attention (seqs x context): "
           + ", ".join(f"{k}: {v}" for k, v in attn_ms.items()), flush=True)
 
@@ -205,6 +229,7 @@ def main() -> None:
     print(json.dumps({"threads": args.threads, "gflops": round(gflops, 1),
                       "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1),
                       "matmul_ms_by_rows": rows_ms, "packed_matmul_ms_by_rows": packed_ms,
+                      "small_kernel_matmul_ms_by_rows": small_ms,
                       "decode_attention_ms": attn_ms}))
 
 

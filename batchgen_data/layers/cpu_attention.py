@@ -6,91 +6,23 @@ runs SDPA over it, so each layer moves the KV three times (read, write, read). T
 between the query heads of its KV group. At 5-32 sequences this made decode attention
 1.2-1.7x faster in our runs (`benchmarks/cpu_floor.py` times both).
 
-The shared library is built with the system C compiler (``$CC``, else ``cc``) into
-``<cache_dir>/cpu_kernels/``, keyed by the source, the flags and this CPU's feature flags, so a
-cache shared between different machines never loads a binary built for another CPU. Builds are
-atomic (temp file + rename), so concurrent Ray/Spark workers are safe. No compiler, a failed
-build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0``, or a non-fp32 cache: the torch path runs instead.
+The kernel is built on first use by `cpu_kernels` (the system C compiler, cached per CPU). No
+compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0``, or a non-fp32 cache: the torch
+path runs instead.
 """
 from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from batchgen_data import env
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | None:
-    compiler = env.c_compiler() or "cc"
-    if shutil.which(compiler) is None:
-        log.info("no C compiler (%s) for the CPU attention kernel; using the torch path", compiler)
-        return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    path = env.cache_dir() / "cpu_kernels" / f"paged_decode-{key}.so"
-    try:
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("CPU attention kernel unavailable (%s); using the torch path", detail)
-        return None
-    fn = lib.bg_paged_decode_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
-    lib.bg_paged_decode_supports.argtypes = [i64]
-    lib.bg_paged_decode_supports.restype = ctypes.c_int
-    return lib
+from batchgen_data.layers import cpu_kernels
 
 
 def available(kv: torch.Tensor) -> bool:
     """Whether decode attention over this KV cache ([..., Hkv, head_dim]) runs in the C kernel."""
     if kv.device.type != "cpu" or kv.dtype != torch.float32 or not env.cpu_attention_kernel():
         return False
-    lib = _library()
+    lib = cpu_kernels.library()
     return lib is not None and bool(lib.bg_paged_decode_supports(kv.shape[-1]))
 
 
@@ -98,7 +30,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] fp32; caches [num_blocks, block_size, Hkv, D]; tables [B, W] and lens [B]
     int32. Returns [B, H, D]. Call only when `available(k_cache)`."""
-    lib = _library()
+    lib = cpu_kernels.library()
     assert lib is not None
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()

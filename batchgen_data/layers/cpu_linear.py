@@ -10,9 +10,16 @@ self-check bounds.
 Packing is on by default on the CPU for fp32 and bf16; ``BATCHGEN_CPU_PACKED_LINEAR=0`` turns it
 off. Any failure (no oneDNN, an op missing in this torch build, a self-check miss) leaves the
 plain layers in place.
+
+Inputs of at most `SMALL_GEMM_MAX_ROWS` rows (decode steps) go to neither library when the C
+kernel in `csrc/small_gemm.c` is available (fp32, AVX-512, a C compiler): it streams the plain
+weight once and was ~1.2-1.5x faster than the packed kernel and ~1.3-2x faster than MKL at
+4-16 rows here (`benchmarks/cpu_floor.py` prints all three). ``BATCHGEN_CPU_SMALL_GEMM=0`` turns
+it off.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -20,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen_data import env
+from batchgen_data.layers import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +48,73 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 PLAIN_MAX_ROWS = 3
 
 
+# Up to this many rows the C small-row kernel beats both libraries (measured, fp32, 2 threads).
+SMALL_GEMM_MAX_ROWS = 16
+
+
+def small_gemm_available() -> bool:
+    """Whether `small_linear` can run here (a C compiler, AVX-512, not switched off, and the
+    kernel agrees with `F.linear` on a self-check)."""
+    return env.cpu_small_gemm() and _small_gemm_checked()
+
+
+@functools.lru_cache(maxsize=None)
+@torch.no_grad()
+def _small_gemm_checked() -> bool:
+    lib = cpu_kernels.library()
+    if lib is None or not lib.bg_small_gemm_supported():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    # odd sizes on purpose: a weight-row tail (N % 8) and a masked K tail (K % 16)
+    weight = torch.randn(37, 53, generator=gen)
+    bias = torch.randn(37, generator=gen)
+    for rows in (1, 3, 5, SMALL_GEMM_MAX_ROWS):
+        x = torch.randn(rows, 53, generator=gen)
+        for b in (None, bias):
+            if not torch.allclose(small_linear(x, weight, b), F.linear(x, weight, b),
+                                  rtol=1e-4, atol=1e-4):
+                log.warning("the C small-row matmul disagrees with F.linear; not using it")
+                return False
+    return True
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through the C small-row kernel: fp32 CPU tensors, `weight`
+    [out, in] contiguous. Call only when `small_gemm_available()`."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows, (out_f, in_f) = x2.shape[0], weight.shape
+    if x2.shape[1] != in_f or not weight.is_contiguous() or weight.dtype != torch.float32 \
+            or x2.dtype != torch.float32 or (bias is not None and not bias.is_contiguous()):
+        raise ValueError(f"small_linear: x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    out = torch.empty(rows, out_f, dtype=torch.float32)
+    lib.bg_small_gemm_f32(x2.data_ptr(), weight.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(),
+                          rows, out_f, in_f, torch.get_num_threads())
+    return out.view(*shape[:-1], out_f)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  weight: torch.Tensor | None = None) -> torch.Tensor:
+                  weight: torch.Tensor | None = None, small_gemm: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., in] and a weight packed by `pack_weight`.
 
-    With the plain `weight` given, inputs of at most `PLAIN_MAX_ROWS` rows use it instead.
+    With the plain `weight` given, inputs of at most `SMALL_GEMM_MAX_ROWS` rows use the C
+    small-row kernel when `small_gemm` (the caller checked `small_gemm_available()` and that the
+    weight is fp32), and inputs of at most `PLAIN_MAX_ROWS` rows otherwise use `F.linear`.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if weight is not None and x2.shape[0] <= PLAIN_MAX_ROWS:
-        return F.linear(x, weight, bias)
+    if weight is not None:
+        rows = x2.shape[0]
+        if small_gemm and rows <= SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32:
+            return small_linear(x2, weight, bias).view(*shape[:-1], weight.shape[0])
+        if rows <= PLAIN_MAX_ROWS:
+            return F.linear(x, weight, bias)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
@@ -88,9 +153,11 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if keep_plain else None
         self.bias = linear.bias
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.small_gemm = (keep_plain and linear.weight.dtype == torch.float32
+                           and linear.weight.is_contiguous() and small_gemm_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.weight)
+        return packed_linear(x, self.packed_weight, self.bias, self.weight, self.small_gemm)
 
 
 def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -129,7 +196,10 @@ def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtyp
             setattr(parent, name, PackedLinear(child, packed, keep_plain))
             done += 1
         if tied and keep_plain:
-            model.packed_lm_head = pack_weight(model.embed_tokens.weight)
+            embed = model.embed_tokens.weight
+            model.packed_lm_head = pack_weight(embed)
+            model.lm_head_small_gemm = (embed.dtype == torch.float32 and embed.is_contiguous()
+                                        and small_gemm_available())
             done += 1
     except (RuntimeError, NotImplementedError) as exc:  # op missing or unsupported here
         # layers swapped so far stay swapped: each PackedLinear computes the same function

@@ -145,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()  # [N, vocab]
         packed = getattr(self, "packed_lm_head", None)  # tied weights, packed for the CPU
         if packed is not None:
-            return packed_linear(hidden, packed, None, self.embed_tokens.weight).float()
+            return packed_linear(hidden, packed, None, self.embed_tokens.weight,
+                                 getattr(self, "lm_head_small_gemm", False)).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
 
 

@@ -103,7 +103,7 @@ def test_joint_qk_rotation_equals_separate() -> None:
 
 
 # ---- the compiled C decode-attention kernel ------------------------------------------------
-from batchgen_data.layers import cpu_attention  # noqa: E402
+from batchgen_data.layers import cpu_attention, cpu_kernels  # noqa: E402
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                               reason="no C compiler")
@@ -155,11 +155,11 @@ def test_c_decode_kernel_availability(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
-    cpu_attention._library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
         assert not cpu_attention.available(torch.zeros(2, 16, 2, 64))
     finally:
-        cpu_attention._library.cache_clear()
+        cpu_kernels.library.cache_clear()
 
 
 @needs_packing
@@ -172,3 +172,79 @@ def test_big_models_drop_the_plain_copy(monkeypatch: pytest.MonkeyPatch) -> None
     assert model.proj.weight is None and not hasattr(model, "packed_lm_head")
     torch.testing.assert_close(model.proj(torch.ones(2, 16)), ref["proj"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.inner[0](torch.ones(2, 24)), ref["inner"], rtol=1e-5, atol=1e-5)
+
+
+# ---- the compiled C small-row matmul -------------------------------------------------------
+needs_small_gemm = pytest.mark.skipif(not cpu_linear.small_gemm_available(),
+                                      reason="no C compiler or no AVX-512 here")
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
+@pytest.mark.parametrize("shape", [(160, 96), (37, 53), (6, 16), (5, 15), (576, 1536)])
+def test_small_linear_matches_f_linear(rows: int, bias: bool, shape: tuple[int, int]) -> None:
+    # weight-row tails (N % 6), masked K tails (K % 16), a single weight block, K below 16
+    torch.manual_seed(rows)
+    out_f, in_f = shape
+    weight = torch.randn(out_f, in_f)
+    b = torch.randn(out_f) if bias else None
+    x = torch.randn(rows, in_f)
+    torch.testing.assert_close(cpu_linear.small_linear(x, weight, b), F.linear(x, weight, b),
+                               rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, rows, in_f)[:, :, :]  # leading dims flattened and restored
+    torch.testing.assert_close(cpu_linear.small_linear(x3, weight, b), F.linear(x3, weight, b),
+                               rtol=1e-5, atol=1e-4)
+    xt = torch.randn(in_f, rows).t()  # a non-contiguous input is copied first
+    torch.testing.assert_close(cpu_linear.small_linear(xt, weight, b), F.linear(xt, weight, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_small_gemm
+def test_small_linear_rejects_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="small_linear"):
+        cpu_linear.small_linear(torch.randn(2, 8), torch.randn(16, 4).t(), None)  # strided W
+    with pytest.raises(ValueError, match="small_linear"):
+        cpu_linear.small_linear(torch.randn(2, 8), torch.randn(4, 9), None)  # K mismatch
+
+
+@needs_small_gemm
+@needs_packing
+def test_packed_layers_route_few_rows_to_the_small_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_PACKED_LINEAR", raising=False)
+    monkeypatch.delenv("BATCHGEN_CPU_SMALL_GEMM", raising=False)
+    calls: list[int] = []
+    real = cpu_linear.small_linear
+
+    def spy(x, weight, bias):  # type: ignore[no-untyped-def]
+        calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "small_linear", spy)
+    model = _Tied()
+    pack_model_linears(model, torch.device("cpu"), torch.float32)
+    assert model.proj.small_gemm and model.lm_head_small_gemm
+    for rows in (1, cpu_linear.SMALL_GEMM_MAX_ROWS, cpu_linear.SMALL_GEMM_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(model.proj(x), F.linear(x, model.proj.weight, model.proj.bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert calls == [1, cpu_linear.SMALL_GEMM_MAX_ROWS]  # more rows go to oneDNN
+    # switched off: the layers never call it
+    monkeypatch.setenv("BATCHGEN_CPU_SMALL_GEMM", "0")
+    model = _Tied()
+    pack_model_linears(model, torch.device("cpu"), torch.float32)
+    assert not model.proj.small_gemm and not model.lm_head_small_gemm
+    calls.clear()
+    model.proj(torch.randn(4, 16))
+    assert calls == []
+
+
+def test_small_kernel_needs_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    cpu_kernels.library.cache_clear()
+    cpu_linear._small_gemm_checked.cache_clear()
+    try:
+        assert not cpu_linear.small_gemm_available()
+    finally:
+        cpu_kernels.library.cache_clear()
+        cpu_linear._small_gemm_checked.cache_clear()

@@ -1,0 +1,91 @@
+"""Builds and loads this package's C kernels for the CPU (`layers/csrc/*.c`).
+
+The kernels are plain C (no torch headers) and build in about a second with the system C
+compiler (``$CC``, else ``cc``) into one shared library under ``<cache_dir>/cpu_kernels/``. The
+file name is keyed by the sources, the flags and this CPU's feature flags, so a cache shared
+between different machines never loads a binary built for another CPU (``-march=native``).
+Builds are atomic (temp file + rename), so concurrent Ray/Spark workers are safe. With no
+compiler or a failed build, `library()` returns None and every caller keeps its torch path.
+
+The library's OpenMP calls resolve to the ``libgomp.so.1`` that torch has already loaded, so
+the kernels and torch share one thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from batchgen_data import env
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.bg_paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                        i64, ctypes.c_float, c_int]
+    lib.bg_paged_decode_f32.restype = c_int
+    lib.bg_paged_decode_supports.argtypes = [i64]
+    lib.bg_paged_decode_supports.restype = c_int
+    lib.bg_small_gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, c_int]
+    lib.bg_small_gemm_f32.restype = c_int
+    lib.bg_small_gemm_supported.argtypes = []
+    lib.bg_small_gemm_supported.restype = c_int
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first use; None when it cannot be built here."""
+    compiler = env.c_compiler() or "cc"
+    if shutil.which(compiler) is None:
+        log.info("no C compiler (%s) for the CPU kernels; using the torch paths", compiler)
+        return None
+    parts = [p.read_text() for p in SOURCES]
+    key = hashlib.sha256("\0".join([*parts, compiler, *FLAGS, platform.machine(),
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    path = env.cache_dir() / "cpu_kernels" / f"batchgen_cpu-{key}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("CPU kernels unavailable (%s); using the torch paths", detail)
+        return None
+    return lib

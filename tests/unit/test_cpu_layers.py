@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen_data import env
 from batchgen_data.layers import cpu_linear
 from batchgen_data.layers.cpu_linear import PackedLinear, pack_model_linears
 from batchgen_data.layers.norm import RMSNorm
@@ -123,14 +124,17 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):  # type: ignore
 
 
 @needs_cc
+@pytest.mark.parametrize("bs", [8, 16, 32])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (32, 4, 4), (64, 9, 3), (128, 8, 1)])
-def test_c_decode_kernel_matches_dense_attention(head_dim: int, heads: int, kv_heads: int) -> None:
+def test_c_decode_kernel_matches_dense_attention(head_dim: int, heads: int, kv_heads: int,
+                                                 bs: int) -> None:
     torch.manual_seed(head_dim)
-    bs, num_blocks = 16, 96
+    width = -(-700 // bs)
+    num_blocks = 8 * width
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim)
-    lens = torch.tensor([1, 15, 16, 17, 100, 200], dtype=torch.int32)  # block edges included
-    width = 13
+    # block edges, 16-token groups and their tails, and several 256-token chunks (merged)
+    lens = torch.tensor([1, 15, 16, 17, 100, 200, 257, 700], dtype=torch.int32)
     tables = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).int()
     q = torch.randn(len(lens), heads, head_dim)
     assert cpu_attention.available(k_cache)
@@ -245,6 +249,34 @@ def test_small_kernel_needs_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_linear._small_gemm_checked.cache_clear()
     try:
         assert not cpu_linear.small_gemm_available()
+    finally:
+        cpu_kernels.library.cache_clear()
+        cpu_linear._small_gemm_checked.cache_clear()
+
+
+@needs_cc
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 flags")
+def test_kernels_built_without_avx512_keep_working(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A CPU without AVX-512 (the build sees no __AVX512F__): the small-row matmul says it is not
+    # supported, so the layers keep the library matmuls, and decode attention takes the
+    # portable C path, which must still match dense attention.
+    monkeypatch.setenv(env.CACHE_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
+                                               for f in cpu_kernels.FLAGS])
+    cpu_kernels.library.cache_clear()
+    cpu_linear._small_gemm_checked.cache_clear()
+    try:
+        lib = cpu_kernels.library()
+        assert lib is not None and lib.bg_small_gemm_supported() == 0
+        assert not cpu_linear.small_gemm_available()
+        torch.manual_seed(0)
+        k_cache, v_cache = torch.randn(60, 16, 3, 64), torch.randn(60, 16, 3, 64)
+        lens = torch.tensor([1, 17, 300], dtype=torch.int32)
+        tables = torch.randperm(60)[:57].view(3, 19).int()
+        q = torch.randn(3, 9, 64)
+        got = cpu_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+        want = _reference_decode(q, k_cache, v_cache, tables, lens, 0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         cpu_kernels.library.cache_clear()
         cpu_linear._small_gemm_checked.cache_clear()

@@ -30,6 +30,147 @@
  * Writes, per query head, the chunk's max score, its sum of exp(score - max), and
  * acc = sum of exp(score - max) * v, to part_m / part_l / part_acc. `scores` has room for
  * num_heads * CHUNK_TOKENS floats. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Asks for the next block (n floats from p) into L2 while the current one is worked on. */
+static inline void prefetch_l2(const float *p, int64_t n) {
+    for (int64_t off = 0; off < n; off += 16) _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
+}
+
+/* exp(x) for the x <= 0 of a softmax (scores minus their max), 16 lanes: x = n ln2 + r with
+ * |r| <= ln2/2, exp(r) = 1 + r + r^2 P(r) (a degree-5 minimax P, Cephes' expf), times 2^n.
+ * Within 2 ulp of expf; below -87.3 it returns ~1e-38 instead of a denormal or 0. */
+static inline __m512 exp_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The 16 lane sums of v[0..15], as one vector (lane t = sum of v[t]): a transpose-and-add
+ * tree, ~45 shuffles/adds instead of 16 separate horizontal sums. */
+static inline __m512 lane_sums16(const __m512 *v) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: [a, b, a', b'] partial sums */
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { /* per 128-bit lane: [a, b, c, d] */
+        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i) /* fold the four 128-bit lanes pairwise */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* Vector form: scores 16 tokens at a time (a tree of lane sums), a vector exp, and value rows
+ * accumulated into two register sets (even/odd tokens) so the FMAs do not wait on each other. */
+#define DEFINE_CHUNK(D)                                                                          \
+static void chunk_##D(const float *qs, const float *k_cache, const float *v_cache,              \
+                      const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
+                      int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
+                      float *scores, float *part_m, float *part_l, float *part_acc) {          \
+    enum { NV = D / 16 };                                                                       \
+    const int64_t n = t1 - t0;                                                                  \
+    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
+        const float *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+        if (b0 + block_size < t1)                                                               \
+            prefetch_l2(k_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride); \
+        for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
+            const float *k_head = kb + (hq / group) * D;                                        \
+            __m512 qv[NV];                                                                      \
+            for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qs + hq * D + 16 * c);         \
+            float *sh = scores + hq * CHUNK_TOKENS + (b0 - t0);                                 \
+            int64_t i = 0;                                                                      \
+            for (; i + 16 <= m; i += 16) {                                                      \
+                __m512 acc[16];                                                                 \
+                for (int u = 0; u < 16; ++u) {                                                  \
+                    const float *k = k_head + (i + u) * row;                                    \
+                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                        \
+                    for (int c = 1; c < NV; ++c)                                                \
+                        a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);             \
+                    acc[u] = a;                                                                 \
+                }                                                                               \
+                _mm512_storeu_ps(sh + i, lane_sums16(acc));                                     \
+            }                                                                                   \
+            for (; i < m; ++i) {                                                                \
+                const float *k = k_head + i * row;                                              \
+                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                            \
+                for (int c = 1; c < NV; ++c)                                                    \
+                    a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);                 \
+                sh[i] = _mm512_reduce_add_ps(a);                                                \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int64_t hq = 0; hq < num_heads; ++hq) {                                                \
+        float *sh = scores + hq * CHUNK_TOKENS;                                                 \
+        __m512 vmx = _mm512_set1_ps(-INFINITY);                                                 \
+        for (int64_t t = 0; t < n; t += 16) {                                                   \
+            const __mmask16 k = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u); \
+            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sh + t));            \
+        }                                                                                       \
+        const float mx = _mm512_reduce_max_ps(vmx);                                             \
+        __m512 vsum = _mm512_setzero_ps();                                                      \
+        for (int64_t t = 0; t < n; t += 16) {                                                   \
+            const __mmask16 k = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u); \
+            const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),         \
+                                                      _mm512_set1_ps(mx)));                     \
+            _mm512_mask_storeu_ps(sh + t, k, e);                                                \
+            vsum = _mm512_mask_add_ps(vsum, k, vsum, e);                                        \
+        }                                                                                       \
+        part_m[hq] = mx;                                                                        \
+        part_l[hq] = _mm512_reduce_add_ps(vsum);                                                \
+        memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
+    }                                                                                           \
+    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
+        const float *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+        if (b0 + block_size < t1)                                                               \
+            prefetch_l2(v_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride); \
+        for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
+            const float *v_head = vb + (hq / group) * D;                                        \
+            const float *ph = scores + hq * CHUNK_TOKENS + (b0 - t0);                           \
+            float *dst = part_acc + hq * D;                                                     \
+            __m512 a0[NV], a1[NV];                                                              \
+            for (int c = 0; c < NV; ++c) {                                                      \
+                a0[c] = _mm512_loadu_ps(dst + 16 * c);                                          \
+                a1[c] = _mm512_setzero_ps();                                                    \
+            }                                                                                   \
+            int64_t i = 0;                                                                      \
+            for (; i + 2 <= m; i += 2) {                                                        \
+                const __m512 p0 = _mm512_set1_ps(ph[i]), p1 = _mm512_set1_ps(ph[i + 1]);        \
+                const float *v0 = v_head + i * row, *v1 = v0 + row;                             \
+                for (int c = 0; c < NV; ++c) {                                                  \
+                    a0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);           \
+                    a1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), a1[c]);           \
+                }                                                                               \
+            }                                                                                   \
+            if (i < m) {                                                                        \
+                const __m512 p0 = _mm512_set1_ps(ph[i]);                                        \
+                const float *v0 = v_head + i * row;                                             \
+                for (int c = 0; c < NV; ++c)                                                    \
+                    a0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);           \
+            }                                                                                   \
+            for (int c = 0; c < NV; ++c)                                                        \
+                _mm512_storeu_ps(dst + 16 * c, _mm512_add_ps(a0[c], a1[c]));                    \
+        }                                                                                       \
+    }                                                                                           \
+}
+#else /* portable C: the compiler vectorises the inner loops */
 #define DEFINE_CHUNK(D)                                                                          \
 static void chunk_##D(const float *qs, const float *k_cache, const float *v_cache,              \
                       const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
@@ -82,6 +223,7 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
         }                                                                                       \
     }                                                                                           \
 }
+#endif
 DEFINE_CHUNK(16)
 DEFINE_CHUNK(32)
 DEFINE_CHUNK(64)

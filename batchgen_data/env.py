@@ -57,6 +57,12 @@ def cpu_small_gemm() -> bool:
     return _get_flag("BATCHGEN_CPU_SMALL_GEMM", default=True)
 
 
+def cpu_fused_ops() -> bool:
+    """``$BATCHGEN_CPU_FUSED_OPS``: residual add + RMSNorm and the rotary embedding in C on the
+    CPU for fp32 (default on). ``0``, ``false``, ``no`` or ``off`` keep the torch ops."""
+    return _get_flag("BATCHGEN_CPU_FUSED_OPS", default=True)
+
+
 def _get_flag(name: str, default: bool) -> bool:
     value = _get_str(name)
     if value is None:

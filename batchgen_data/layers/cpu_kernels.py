@@ -28,7 +28,9 @@ from batchgen_data import env
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# -ffp-contract=off: no multiply-adds fused behind the code's back (norm_rope.c relies on it to
+# match torch bit for bit; the vector kernels spell their FMAs out).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off"]
 
 
 def _cpu_signature() -> str:
@@ -66,6 +68,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_small_gemm_f32.restype = c_int
     lib.bg_small_gemm_supported.argtypes = []
     lib.bg_small_gemm_supported.restype = c_int
+    lib.bg_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, c_int]
+    lib.bg_add_rms_norm_f32.restype = None
+    lib.bg_rotate_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.bg_rotate_f32.restype = None
 
 
 @functools.lru_cache(maxsize=None)

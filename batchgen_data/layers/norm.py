@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen_data.layers import backend
+from batchgen_data.layers import backend, cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
                 return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
             # in place: residual += x; x = norm(residual)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu_ops.usable(x):  # fp32 on the CPU: one C loop, no per-op dispatch
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

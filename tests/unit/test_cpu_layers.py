@@ -77,7 +77,8 @@ def test_packing_skips_other_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_fused_rms_norm_is_bitwise_the_reference(rows: int) -> None:
+def test_fused_rms_norm_is_bitwise_the_reference(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "0")  # the torch path (the C one: below)
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.randn(64)
@@ -280,3 +281,57 @@ def test_kernels_built_without_avx512_keep_working(monkeypatch: pytest.MonkeyPat
     finally:
         cpu_kernels.library.cache_clear()
         cpu_linear._small_gemm_checked.cache_clear()
+
+
+# ---- the C residual add + RMSNorm and rotary kernels --------------------------------------
+from batchgen_data.layers import cpu_ops  # noqa: E402
+
+needs_fused_ops = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
+
+
+@needs_fused_ops
+@pytest.mark.parametrize("rows", [1, 3, 64, 130])  # 64+: the rows are split over threads
+@pytest.mark.parametrize("n", [64, 576, 37])
+def test_c_rms_norm_matches_torch(rows: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+    torch.manual_seed(rows + n)
+    norm = RMSNorm(n, 1e-5)
+    norm.weight.data = torch.randn(n)
+    x, res = torch.randn(rows, n) * 3, torch.randn(rows, n)
+    out, new_res = norm(x, res)
+    assert torch.equal(new_res, x + res)  # the residual sum is exact
+    want = F.rms_norm(x + res, (n,), norm.weight, 1e-5)
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (n,), norm.weight, 1e-5), rtol=2e-6, atol=2e-6)
+    # q/k norms see [T, H, D] views of a wider tensor
+    wide = torch.randn(rows, 3, n + 5)[:, :, :n]
+    torch.testing.assert_close(norm(wide), F.rms_norm(wide, (n,), norm.weight, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_fused_ops
+def test_c_rotation_is_bitwise_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+    cfg = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=512,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 128})
+    rot = RotaryEmbedding(cfg, 64, 512)
+    torch.manual_seed(0)
+    heads, kv_heads, t = 9, 3, 7
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * 64)
+    pos = torch.tensor([0, 5, 511, 100, 100, 3, 64])
+    want = rot.rotate(pos, qkv[:, :(heads + kv_heads) * 64].view(t, heads + kv_heads, 64))
+    v_before = qkv[:, (heads + kv_heads) * 64:].clone()
+    cpu_ops.rotate_(qkv, heads + kv_heads, 64, pos, rot.cos_sin_cache)
+    assert torch.equal(qkv[:, :(heads + kv_heads) * 64].view(t, heads + kv_heads, 64), want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64:], v_before)  # v untouched
+    with pytest.raises(ValueError, match="beyond"):
+        cpu_ops.rotate_(qkv, 2, 64, torch.full((t,), 512), rot.cos_sin_cache)
+
+
+def test_fused_ops_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "off")
+    assert not cpu_ops.usable(torch.zeros(1))
+    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS")
+    assert not cpu_ops.usable(torch.zeros(1, dtype=torch.bfloat16))

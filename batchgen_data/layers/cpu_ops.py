@@ -5,7 +5,8 @@ than the arithmetic: in the engine's steps an RMSNorm call took ~60 us and the r
 tens more, 61 + 30 times a step, i.e. ~10% of a one-sequence step. The kernels are in
 `csrc/norm_rope.c`, built by `cpu_kernels`. The rotation is bitwise equal to the torch path;
 the RMSNorm sums its mean of squares in another order, so it agrees to float rounding. A
-first-use self-check compares both with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off.
+first-use self-check compares both with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off
+(read once per process).
 """
 from __future__ import annotations
 
@@ -22,9 +23,22 @@ log = logging.getLogger(__name__)
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether `add_rms_norm` / `rotate_` run for this activation (CPU, fp32, kernels built)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and env.cpu_fused_ops()
-            and _checked())
+    """Whether `add_rms_norm` / `rotate_` run for this activation (CPU, fp32, kernels built).
+
+    ``BATCHGEN_CPU_FUSED_OPS`` is read once per process (this runs ~90 times a step); call
+    `refresh()` after changing it."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _enabled()
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled() -> bool:
+    return env.cpu_fused_ops() and _checked()
+
+
+def refresh() -> None:
+    """Forget the cached switch and self-check (tests, or after changing the environment)."""
+    _enabled.cache_clear()
+    _checked.cache_clear()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -11,10 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen_data import env
-from batchgen_data.layers import cpu_linear
+from batchgen_data.layers import cpu_linear, cpu_ops
 from batchgen_data.layers.cpu_linear import PackedLinear, pack_model_linears
 from batchgen_data.layers.norm import RMSNorm
 from batchgen_data.layers.rotary import RotaryEmbedding
+
+@pytest.fixture
+def fused_ops(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Sets BATCHGEN_CPU_FUSED_OPS (None: unset) and drops cpu_ops' cached reading of it."""
+    def set_(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+        else:
+            monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", value)
+        cpu_ops.refresh()
+    yield set_
+    cpu_ops.refresh()  # lazily re-read once monkeypatch has restored the environment
+
 
 needs_packing = pytest.mark.skipif(not cpu_linear._packed_ops_ok(), reason="no oneDNN linear ops")
 
@@ -77,8 +90,8 @@ def test_packing_skips_other_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_fused_rms_norm_is_bitwise_the_reference(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "0")  # the torch path (the C one: below)
+def test_fused_rms_norm_is_bitwise_the_reference(rows: int, fused_ops) -> None:  # type: ignore[no-untyped-def]
+    fused_ops("0")  # the torch path (the C one: below)
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.randn(64)
@@ -284,16 +297,14 @@ def test_kernels_built_without_avx512_keep_working(monkeypatch: pytest.MonkeyPat
 
 
 # ---- the C residual add + RMSNorm and rotary kernels --------------------------------------
-from batchgen_data.layers import cpu_ops  # noqa: E402
-
 needs_fused_ops = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler")
 
 
 @needs_fused_ops
 @pytest.mark.parametrize("rows", [1, 3, 64, 130])  # 64+: the rows are split over threads
 @pytest.mark.parametrize("n", [64, 576, 37])
-def test_c_rms_norm_matches_torch(rows: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+def test_c_rms_norm_matches_torch(rows: int, n: int, fused_ops) -> None:  # type: ignore[no-untyped-def]
+    fused_ops(None)
     torch.manual_seed(rows + n)
     norm = RMSNorm(n, 1e-5)
     norm.weight.data = torch.randn(n)
@@ -310,8 +321,8 @@ def test_c_rms_norm_matches_torch(rows: int, n: int, monkeypatch: pytest.MonkeyP
 
 
 @needs_fused_ops
-def test_c_rotation_is_bitwise_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+def test_c_rotation_is_bitwise_the_torch_path(fused_ops) -> None:  # type: ignore[no-untyped-def]
+    fused_ops(None)
     cfg = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=512,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0,
@@ -330,8 +341,8 @@ def test_c_rotation_is_bitwise_the_torch_path(monkeypatch: pytest.MonkeyPatch) -
         cpu_ops.rotate_(qkv, 2, 64, torch.full((t,), 512), rot.cos_sin_cache)
 
 
-def test_fused_ops_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "off")
+def test_fused_ops_can_be_turned_off(fused_ops) -> None:  # type: ignore[no-untyped-def]
+    fused_ops("off")
     assert not cpu_ops.usable(torch.zeros(1))
-    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS")
+    fused_ops(None)
     assert not cpu_ops.usable(torch.zeros(1, dtype=torch.bfloat16))

@@ -10,10 +10,10 @@ thread count and the same SmolLM2-135M-shaped fp32 model:
                 whatever the batch, because every step reads all 540 MB of fp32 weights;
 * `step1_ms`    this engine's measured decode step with a single sequence (the real value of
                 the same bound, with attention, norms and sampling);
-* `rows_ms`     one pass of all the model's matmuls at 1 to 32 rows (a decode batch
+* `rows_ms`     one pass of all the model's matmuls at 1 to 64 rows (a decode batch
                 of that size): how far small batches stay from the weights-pass bound; printed
-                for plain `F.linear`, for the oneDNN-packed weights and for the C small-row
-                kernel (`layers/csrc/small_gemm.c`) the engine uses on the CPU;
+                for plain `F.linear`, for the oneDNN-packed weights and for the two C kernels
+                the engine uses on the CPU (`layers/csrc/small_gemm.c`, `panel_gemm.c`);
 * `attn_ms`     one layer's decode attention over the paged cache (the model's head shape, a
                 random block layout) at 5 and 32 sequences: the torch path (gather + SDPA)
                 against the compiled C kernel the engine uses for fp32 caches.
@@ -90,6 +90,23 @@ def small_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -
     def run() -> None:
         for x, w in zip(xs, weights):
             small_linear(x, w, None)
+
+    return _best_of(run, repeats) * 1e3
+
+
+def panel_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float | None:
+    """`matmul_pass_ms` through the C panel kernel (`cpu_linear.panel_linear`); None when it is
+    not available here."""
+    from batchgen_data.layers.cpu_linear import pack_panels, panel_gemm_available, panel_linear
+
+    if not panel_gemm_available():
+        return None
+    panels = [pack_panels(w) for w in weights]
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+    def run() -> None:
+        for x, p, w in zip(xs, panels, weights):
+            panel_linear(x, p, None, w.shape[0])
 
     return _best_of(run, repeats) * 1e3
 
@@ -179,7 +196,7 @@ def main() -> None:
     with torch.inference_mode():
         gflops = max(matmul_gflops(mats, rows, args.repeats) for rows in (32, 256))
         weights_ms = weights_pass_ms(params, args.repeats)
-        row_counts = (1, 2, 4, 5, 8, 12, 16, 24, 32)
+        row_counts = (1, 2, 4, 5, 8, 12, 16, 24, 32, 64)
         rows_ms = {rows: round(matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
                    for rows in row_counts}
         packed_ms = {rows: round(packed_matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
@@ -187,6 +204,9 @@ def main() -> None:
         small_ms = {rows: small_matmul_pass_ms(mats + [embed], rows, args.repeats)
                     for rows in row_counts}
         small_ms = {r: round(ms, 1) for r, ms in small_ms.items() if ms is not None}
+        panel_ms = {rows: panel_matmul_pass_ms(mats + [embed], rows, args.repeats)
+                    for rows in row_counts}
+        panel_ms = {r: round(ms, 1) for r, ms in panel_ms.items() if ms is not None}
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(model_dir))
         head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -203,6 +223,9 @@ def main() -> None:
           + ", ".join(f"{r}: {ms} ms" for r, ms in packed_ms.items()), flush=True)
     print("the same with the C small-row kernel: "
           + (", ".join(f"{r}: {ms} ms" for r, ms in small_ms.items()) or "not available here"),
+          flush=True)
+    print("the same with the C panel kernel: "
+          + (", ".join(f"{r}: {ms} ms" for r, ms in panel_ms.items()) or "not available here"),
           flush=True)
     print("one layer's decode attention (seqs x context): "
           + ", ".join(f"{k}: {v}" for k, v in attn_ms.items()), flush=True)
@@ -230,6 +253,7 @@ def main() -> None:
                       "weights_pass_ms": round(weights_ms, 1), "single_decode_step_ms": round(step1_ms, 1),
                       "matmul_ms_by_rows": rows_ms, "packed_matmul_ms_by_rows": packed_ms,
                       "small_kernel_matmul_ms_by_rows": small_ms,
+                      "panel_kernel_matmul_ms_by_rows": panel_ms,
                       "decode_attention_ms": attn_ms}))
 
 

@@ -68,6 +68,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_small_gemm_f32.restype = c_int
     lib.bg_small_gemm_supported.argtypes = []
     lib.bg_small_gemm_supported.restype = c_int
+    lib.bg_panel_gemm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, c_int]
+    lib.bg_panel_gemm_f32.restype = c_int
+    lib.bg_panel_gemm_supported.argtypes = []
+    lib.bg_panel_gemm_supported.restype = c_int
+    lib.bg_panel_pack_f32.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.bg_panel_pack_f32.restype = None
+    lib.bg_panel_packed_floats.argtypes = [i64, i64]
+    lib.bg_panel_packed_floats.restype = i64
     lib.bg_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, c_int]
     lib.bg_add_rms_norm_f32.restype = None
     lib.bg_rotate_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]

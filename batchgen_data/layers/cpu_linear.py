@@ -11,11 +11,13 @@ Packing is on by default on the CPU for fp32 and bf16; ``BATCHGEN_CPU_PACKED_LIN
 off. Any failure (no oneDNN, an op missing in this torch build, a self-check miss) leaves the
 plain layers in place.
 
-Inputs of at most `SMALL_GEMM_MAX_ROWS` rows (decode steps) go to neither library when the C
-kernel in `csrc/small_gemm.c` is available (fp32, AVX-512, a C compiler): it streams the plain
-weight once and was ~1.2-1.5x faster than the packed kernel and ~1.3-2x faster than MKL at
-4-16 rows here (`benchmarks/cpu_floor.py` prints all three). ``BATCHGEN_CPU_SMALL_GEMM=0`` turns
-it off.
+Decode steps (few rows) go to neither library when the C kernels are available (fp32, AVX-512,
+a C compiler): up to `SMALL_GEMM_MAX_ROWS` rows, `csrc/small_gemm.c` streams the plain weight
+once; up to `PANEL_MAX_ROWS` rows, `csrc/panel_gemm.c` multiplies a third copy of the weight,
+repacked into 48-column panels, with an outer-product micro-kernel. At 4-64 rows they were
+1.2-2x faster than MKL and the packed oneDNN kernel here (`benchmarks/cpu_floor.py` prints all
+of them). ``BATCHGEN_CPU_SMALL_GEMM=0`` turns both off. The panel copy is made only while all
+the extra copies fit the same 2 GiB budget as the plain ones.
 """
 from __future__ import annotations
 
@@ -48,8 +50,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 PLAIN_MAX_ROWS = 3
 
 
-# Up to this many rows the C small-row kernel beats both libraries (measured, fp32, 2 threads).
-SMALL_GEMM_MAX_ROWS = 16
+# Up to this many rows the C small-row kernel beats both libraries, and up to PANEL_MAX_ROWS the
+# panel kernel does (measured, fp32, 2 threads, SmolLM2-135M shapes: at 8 rows the two C
+# kernels tie; at 128 the panel kernel and MKL tie).
+SMALL_GEMM_MAX_ROWS = 8
+PANEL_MAX_ROWS = 64
 
 
 def small_gemm_available() -> bool:
@@ -99,20 +104,84 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*shape[:-1], out_f)
 
 
+def panel_gemm_available() -> bool:
+    """Whether `panel_linear` can run here (as `small_gemm_available`, for the panel kernel)."""
+    return env.cpu_small_gemm() and _panel_gemm_checked()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] fp32 repacked for `panel_linear` (a flat tensor)."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    weight = weight.detach().contiguous()
+    out_f, in_f = weight.shape
+    panels = torch.empty(lib.bg_panel_packed_floats(out_f, in_f), dtype=torch.float32)
+    lib.bg_panel_pack_f32(weight.data_ptr(), panels.data_ptr(), out_f, in_f,
+                          torch.get_num_threads())
+    return panels
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for fp32 CPU tensors, with `panels = pack_panels(weight)`.
+    Call only when `panel_gemm_available()`."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows, in_f = x2.shape
+    if (panels.numel() != lib.bg_panel_packed_floats(out_features, in_f)
+            or x2.dtype != torch.float32 or (bias is not None and not bias.is_contiguous())):
+        raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} against {panels.numel()} "
+                         f"packed floats for {out_features} outputs")
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    lib.bg_panel_gemm_f32(x2.data_ptr(), panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(),
+                          rows, out_features, in_f, torch.get_num_threads())
+    return out.view(*shape[:-1], out_features)
+
+
+@functools.lru_cache(maxsize=None)
+@torch.no_grad()
+def _panel_gemm_checked() -> bool:
+    lib = cpu_kernels.library()
+    if lib is None or not lib.bg_panel_gemm_supported():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(53, 37, generator=gen)  # a partial last panel, an odd K
+    bias = torch.randn(53, generator=gen)
+    panels = pack_panels(weight)
+    for rows in (1, 7, 9, PANEL_MAX_ROWS):
+        x = torch.randn(rows, 37, generator=gen)
+        for b in (None, bias):
+            if not torch.allclose(panel_linear(x, panels, b, 53), F.linear(x, weight, b),
+                                  rtol=1e-4, atol=1e-4):
+                log.warning("the C panel matmul disagrees with F.linear; not using it")
+                return False
+    return True
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  weight: torch.Tensor | None = None, small_gemm: bool = False) -> torch.Tensor:
+                  weight: torch.Tensor | None = None, small_gemm: bool = False,
+                  panels: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., in] and a weight packed by `pack_weight`.
 
-    With the plain `weight` given, inputs of at most `SMALL_GEMM_MAX_ROWS` rows use the C
-    small-row kernel when `small_gemm` (the caller checked `small_gemm_available()` and that the
-    weight is fp32), and inputs of at most `PLAIN_MAX_ROWS` rows otherwise use `F.linear`.
+    Fewer rows take faster paths when their inputs are given: up to `SMALL_GEMM_MAX_ROWS` rows
+    the C small-row kernel on the plain `weight` (when `small_gemm`: the caller checked
+    `small_gemm_available()` and that the weight is fp32), up to `PANEL_MAX_ROWS` rows the C
+    panel kernel on `panels` (from `pack_panels`), and otherwise up to `PLAIN_MAX_ROWS` rows
+    `F.linear` on the plain `weight`.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    rows = x2.shape[0]
     if weight is not None:
-        rows = x2.shape[0]
         if small_gemm and rows <= SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32:
             return small_linear(x2, weight, bias).view(*shape[:-1], weight.shape[0])
+        if panels is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32:
+            return panel_linear(x2, panels, bias, weight.shape[0]).view(*shape[:-1], weight.shape[0])
         if rows <= PLAIN_MAX_ROWS:
             return F.linear(x, weight, bias)
     if not x2.is_contiguous():
@@ -147,17 +216,22 @@ class PackedLinear(nn.Module):
     rows; without it, `weight` is None and the plain copy is freed.
     """
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = True,
+                 panels: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight if keep_plain else None
         self.bias = linear.bias
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.small_gemm = (keep_plain and linear.weight.dtype == torch.float32
-                           and linear.weight.is_contiguous() and small_gemm_available())
+        fp32 = keep_plain and linear.weight.dtype == torch.float32 and linear.weight.is_contiguous()
+        self.small_gemm = fp32 and small_gemm_available()
+        self.register_buffer("panel_weight", pack_panels(linear.weight)
+                             if panels and fp32 and panel_gemm_available() else None,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.weight, self.small_gemm)
+        return packed_linear(x, self.packed_weight, self.bias, self.weight, self.small_gemm,
+                             self.panel_weight)
 
 
 def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -183,6 +257,8 @@ def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtyp
         embed = model.embed_tokens.weight
         copy_bytes += embed.numel() * embed.element_size()
     keep_plain = copy_bytes <= plain_copy_budget
+    # the panel copies (fp32 only) cost as much again
+    panels = dtype == torch.float32 and 2 * copy_bytes <= plain_copy_budget
     done = 0
     try:
         first = targets[0][2]
@@ -193,13 +269,15 @@ def pack_model_linears(model: nn.Module, device: torch.device, dtype: torch.dtyp
         for i, (parent, name, child) in enumerate(targets):
             if i:
                 packed = pack_weight(child.weight)
-            setattr(parent, name, PackedLinear(child, packed, keep_plain))
+            setattr(parent, name, PackedLinear(child, packed, keep_plain, panels))
             done += 1
         if tied and keep_plain:
             embed = model.embed_tokens.weight
             model.packed_lm_head = pack_weight(embed)
-            model.lm_head_small_gemm = (embed.dtype == torch.float32 and embed.is_contiguous()
-                                        and small_gemm_available())
+            fp32 = embed.dtype == torch.float32 and embed.is_contiguous()
+            model.lm_head_small_gemm = fp32 and small_gemm_available()
+            model.panel_lm_head = (pack_panels(embed) if panels and fp32 and panel_gemm_available()
+                                   else None)
             done += 1
     except (RuntimeError, NotImplementedError) as exc:  # op missing or unsupported here
         # layers swapped so far stay swapped: each PackedLinear computes the same function

@@ -154,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         packed = getattr(self, "packed_lm_head", None)  # tied weights, packed for the CPU
         if packed is not None:
             return packed_linear(hidden, packed, None, self.embed_tokens.weight,
-                                 getattr(self, "lm_head_small_gemm", False)).float()
+                                 getattr(self, "lm_head_small_gemm", False),
+                                 getattr(self, "panel_lm_head", None)).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
 
 

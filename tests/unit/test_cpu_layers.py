@@ -205,17 +205,18 @@ def test_small_linear_matches_f_linear(rows: int, bias: bool, shape: tuple[int, 
     # weight-row tails (N % 6), masked K tails (K % 16), a single weight block, K below 16
     torch.manual_seed(rows)
     out_f, in_f = shape
+    tol = 1e-4 * max(1.0, in_f / 256)  # sums of in_f products of N(0, 1) values
     weight = torch.randn(out_f, in_f)
     b = torch.randn(out_f) if bias else None
     x = torch.randn(rows, in_f)
     torch.testing.assert_close(cpu_linear.small_linear(x, weight, b), F.linear(x, weight, b),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=tol)
     x3 = torch.randn(2, rows, in_f)[:, :, :]  # leading dims flattened and restored
     torch.testing.assert_close(cpu_linear.small_linear(x3, weight, b), F.linear(x3, weight, b),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=tol)
     xt = torch.randn(in_f, rows).t()  # a non-contiguous input is copied first
     torch.testing.assert_close(cpu_linear.small_linear(xt, weight, b), F.linear(xt, weight, b),
-                               rtol=1e-5, atol=1e-4)
+                               rtol=1e-5, atol=tol)
 
 
 @needs_small_gemm
@@ -232,21 +233,33 @@ def test_packed_layers_route_few_rows_to_the_small_kernel(monkeypatch: pytest.Mo
     monkeypatch.delenv("BATCHGEN_CPU_PACKED_LINEAR", raising=False)
     monkeypatch.delenv("BATCHGEN_CPU_SMALL_GEMM", raising=False)
     calls: list[int] = []
-    real = cpu_linear.small_linear
+    panel_calls: list[int] = []
+    real, real_panel = cpu_linear.small_linear, cpu_linear.panel_linear
 
     def spy(x, weight, bias):  # type: ignore[no-untyped-def]
         calls.append(x.reshape(-1, x.shape[-1]).shape[0])
         return real(x, weight, bias)
 
+    def panel_spy(x, panels, bias, out_features):  # type: ignore[no-untyped-def]
+        panel_calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real_panel(x, panels, bias, out_features)
+
     monkeypatch.setattr(cpu_linear, "small_linear", spy)
+    monkeypatch.setattr(cpu_linear, "panel_linear", panel_spy)
     model = _Tied()
     pack_model_linears(model, torch.device("cpu"), torch.float32)
     assert model.proj.small_gemm and model.lm_head_small_gemm
-    for rows in (1, cpu_linear.SMALL_GEMM_MAX_ROWS, cpu_linear.SMALL_GEMM_MAX_ROWS + 1, 40):
+    has_panels = cpu_linear.panel_gemm_available()
+    assert (model.proj.panel_weight is not None) == has_panels
+    assert (model.panel_lm_head is not None) == has_panels
+    small, panel = cpu_linear.SMALL_GEMM_MAX_ROWS, cpu_linear.PANEL_MAX_ROWS
+    for rows in (1, small, small + 1, panel, panel + 1, 100):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(model.proj(x), F.linear(x, model.proj.weight, model.proj.bias),
                                    rtol=1e-5, atol=1e-5)
-    assert calls == [1, cpu_linear.SMALL_GEMM_MAX_ROWS]  # more rows go to oneDNN
+    assert calls == [1, small]
+    # the panel kernel takes the middle; more rows go to oneDNN
+    assert panel_calls == ([small + 1, panel] if has_panels else [])
     # switched off: the layers never call it
     monkeypatch.setenv("BATCHGEN_CPU_SMALL_GEMM", "0")
     model = _Tied()
@@ -346,3 +359,37 @@ def test_fused_ops_can_be_turned_off(fused_ops) -> None:  # type: ignore[no-unty
     assert not cpu_ops.usable(torch.zeros(1))
     fused_ops(None)
     assert not cpu_ops.usable(torch.zeros(1, dtype=torch.bfloat16))
+
+
+@needs_small_gemm
+@pytest.mark.skipif(not cpu_linear.panel_gemm_available(), reason="no C compiler or no AVX-512")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("shape", [(160, 96), (53, 37), (48, 16), (5, 3), (576, 1536)])
+def test_panel_linear_matches_f_linear(rows: int, bias: bool, shape: tuple[int, int]) -> None:
+    # partial last panels (N % 48), a single panel, K below 16, row tiles of 8 and their tails
+    torch.manual_seed(rows)
+    out_f, in_f = shape
+    tol = 1e-4 * max(1.0, in_f / 256)  # sums of in_f products of N(0, 1) values
+    weight = torch.randn(out_f, in_f)
+    b = torch.randn(out_f) if bias else None
+    panels = cpu_linear.pack_panels(weight)
+    assert panels.numel() == -(-out_f // 48) * 48 * in_f
+    x = torch.randn(rows, in_f)
+    torch.testing.assert_close(cpu_linear.panel_linear(x, panels, b, out_f), F.linear(x, weight, b),
+                               rtol=1e-5, atol=tol)
+    xt = torch.randn(in_f, rows).t()  # a non-contiguous input is copied first
+    torch.testing.assert_close(cpu_linear.panel_linear(xt, panels, b, out_f),
+                               F.linear(xt, weight, b), rtol=1e-5, atol=tol)
+    with pytest.raises(ValueError, match="panel_linear"):
+        cpu_linear.panel_linear(torch.randn(rows, in_f + 1), panels, b, out_f)
+
+
+@needs_packing
+def test_panel_copies_need_twice_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHGEN_CPU_PACKED_LINEAR", raising=False)
+    model = _Tied()
+    copy_bytes = 4 * (16 * 24 + 24 * 16 + 50 * 16)  # proj, inner, tied embedding
+    pack_model_linears(model, torch.device("cpu"), torch.float32, plain_copy_budget=copy_bytes)
+    assert model.proj.weight is not None and model.proj.panel_weight is None  # plain kept only
+    assert model.panel_lm_head is None

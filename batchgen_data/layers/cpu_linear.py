@@ -70,7 +70,7 @@ def _small_gemm_checked() -> bool:
     if lib is None or not lib.bg_small_gemm_supported():
         return False
     gen = torch.Generator().manual_seed(0)
-    # odd sizes on purpose: a weight-row tail (N % 8) and a masked K tail (K % 16)
+    # odd sizes on purpose: a weight-row tail (N % 6) and a masked K tail (K % 16)
     weight = torch.randn(37, 53, generator=gen)
     bias = torch.randn(37, generator=gen)
     for rows in (1, 3, 5, SMALL_GEMM_MAX_ROWS):

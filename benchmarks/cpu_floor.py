@@ -78,35 +78,32 @@ def packed_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) 
     return _best_of(run, repeats) * 1e3
 
 
-def small_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float | None:
-    """`matmul_pass_ms` through the C small-row kernel (`cpu_linear.small_linear`); None when
-    it is not available here."""
-    from batchgen_data.layers.cpu_linear import small_gemm_available, small_linear
+def c_kernel_pass_ms(kind: str, weights: list[torch.Tensor], rows: int,
+                     repeats: int) -> float | None:
+    """`matmul_pass_ms` through one of the engine's C matmul kernels (`layers.cpu_linear`):
+    kind "small" (`small_linear` on the plain weights) or "panel" (`panel_linear` on weights
+    repacked by `pack_panels`). None when that kernel is not available here."""
+    from batchgen_data.layers import cpu_linear as cl
 
-    if not small_gemm_available():
-        return None
+    if kind == "small":
+        if not cl.small_gemm_available():
+            return None
+        prepared = weights
+
+        def call(x, p, w):  # type: ignore[no-untyped-def]
+            return cl.small_linear(x, p, None)
+    else:
+        if not cl.panel_gemm_available():
+            return None
+        prepared = [cl.pack_panels(w) for w in weights]
+
+        def call(x, p, w):  # type: ignore[no-untyped-def]
+            return cl.panel_linear(x, p, None, w.shape[0])
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
 
     def run() -> None:
-        for x, w in zip(xs, weights):
-            small_linear(x, w, None)
-
-    return _best_of(run, repeats) * 1e3
-
-
-def panel_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float | None:
-    """`matmul_pass_ms` through the C panel kernel (`cpu_linear.panel_linear`); None when it is
-    not available here."""
-    from batchgen_data.layers.cpu_linear import pack_panels, panel_gemm_available, panel_linear
-
-    if not panel_gemm_available():
-        return None
-    panels = [pack_panels(w) for w in weights]
-    xs = [torch.randn(rows, w.shape[1]) for w in weights]
-
-    def run() -> None:
-        for x, p, w in zip(xs, panels, weights):
-            panel_linear(x, p, None, w.shape[0])
+        for x, p, w in zip(xs, prepared, weights):
+            call(x, p, w)
 
     return _best_of(run, repeats) * 1e3
 
@@ -201,12 +198,13 @@ def main() -> None:
                    for rows in row_counts}
         packed_ms = {rows: round(packed_matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
                      for rows in row_counts}
-        small_ms = {rows: small_matmul_pass_ms(mats + [embed], rows, args.repeats)
-                    for rows in row_counts}
-        small_ms = {r: round(ms, 1) for r, ms in small_ms.items() if ms is not None}
-        panel_ms = {rows: panel_matmul_pass_ms(mats + [embed], rows, args.repeats)
-                    for rows in row_counts}
-        panel_ms = {r: round(ms, 1) for r, ms in panel_ms.items() if ms is not None}
+        small_ms: dict[int, float] = {}
+        panel_ms: dict[int, float] = {}
+        for kind, table in (("small", small_ms), ("panel", panel_ms)):
+            for rows in row_counts:
+                ms = c_kernel_pass_ms(kind, mats + [embed], rows, args.repeats)
+                if ms is not None:
+                    table[rows] = round(ms, 1)
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(model_dir))
         head_dim = cfg.hidden_size // cfg.num_attention_heads

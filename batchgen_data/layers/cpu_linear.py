@@ -63,24 +63,32 @@ def small_gemm_available() -> bool:
     return env.cpu_small_gemm() and _small_gemm_checked()
 
 
+def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...],
+                          prepare, linear) -> bool:  # type: ignore[no-untyped-def]
+    """Self-check of a C matmul: `linear(x, prepare(weight), bias)` against F.linear."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_f, in_f, generator=gen)
+    bias = torch.randn(out_f, generator=gen)
+    prepared = prepare(weight)
+    for n in rows:
+        x = torch.randn(n, in_f, generator=gen)
+        for b in (None, bias):
+            if not torch.allclose(linear(x, prepared, b), F.linear(x, weight, b),
+                                  rtol=1e-4, atol=1e-4):
+                log.warning("the C %s matmul disagrees with F.linear; not using it", name)
+                return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 @torch.no_grad()
 def _small_gemm_checked() -> bool:
     lib = cpu_kernels.library()
     if lib is None or not lib.bg_small_gemm_supported():
         return False
-    gen = torch.Generator().manual_seed(0)
     # odd sizes on purpose: a weight-row tail (N % 6) and a masked K tail (K % 16)
-    weight = torch.randn(37, 53, generator=gen)
-    bias = torch.randn(37, generator=gen)
-    for rows in (1, 3, 5, SMALL_GEMM_MAX_ROWS):
-        x = torch.randn(rows, 53, generator=gen)
-        for b in (None, bias):
-            if not torch.allclose(small_linear(x, weight, b), F.linear(x, weight, b),
-                                  rtol=1e-4, atol=1e-4):
-                log.warning("the C small-row matmul disagrees with F.linear; not using it")
-                return False
-    return True
+    return _agrees_with_f_linear("small-row", 37, 53, (1, 3, 5, SMALL_GEMM_MAX_ROWS),
+                                 lambda w: w, small_linear)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -149,18 +157,9 @@ def _panel_gemm_checked() -> bool:
     lib = cpu_kernels.library()
     if lib is None or not lib.bg_panel_gemm_supported():
         return False
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(53, 37, generator=gen)  # a partial last panel, an odd K
-    bias = torch.randn(53, generator=gen)
-    panels = pack_panels(weight)
-    for rows in (1, 7, 9, PANEL_MAX_ROWS):
-        x = torch.randn(rows, 37, generator=gen)
-        for b in (None, bias):
-            if not torch.allclose(panel_linear(x, panels, b, 53), F.linear(x, weight, b),
-                                  rtol=1e-4, atol=1e-4):
-                log.warning("the C panel matmul disagrees with F.linear; not using it")
-                return False
-    return True
+    # a partial last panel and an odd K
+    return _agrees_with_f_linear("panel", 53, 37, (1, 7, 9, PANEL_MAX_ROWS),
+                                 pack_panels, lambda x, p, b: panel_linear(x, p, b, 53))
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

@@ -79,13 +79,28 @@ def rotate_(x2d: torch.Tensor, heads: int, head_dim: int, positions: torch.Tenso
                          f"{heads} heads of {head_dim}")
     if not cos_sin.is_contiguous() or cos_sin.dtype != torch.float32 or cos_sin.shape[1] != head_dim:
         raise ValueError(f"rotate_: cos/sin cache {tuple(cos_sin.shape)} {cos_sin.dtype}")
-    pos = positions.to(torch.int64).contiguous()
+    pos = _checked_positions(positions, cos_sin.shape[0])
     if pos.numel() != x2d.shape[0]:
         raise ValueError(f"rotate_: {pos.numel()} positions for {x2d.shape[0]} rows")
-    if pos.numel() and int(pos.max()) >= cos_sin.shape[0]:
-        raise ValueError(f"rotate_: position {int(pos.max())} beyond the cache's {cos_sin.shape[0]}")
     lib.bg_rotate_f32(x2d.data_ptr(), x2d.shape[0], heads, head_dim, x2d.stride(0),
                       cos_sin.data_ptr(), pos.data_ptr())
+
+
+# Every layer of a forward rotates at the same positions tensor (a new one each step): convert
+# and bound-check it once, not once per layer (as RotaryEmbedding's cos/sin memo does).
+_last_positions: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+
+def _checked_positions(positions: torch.Tensor, num_rows: int) -> torch.Tensor:
+    global _last_positions
+    memo = _last_positions
+    if memo is not None and memo[0] is positions and memo[1] == num_rows:
+        return memo[2]
+    pos = positions.to(torch.int64).contiguous()
+    if pos.numel() and int(pos.max()) >= num_rows:
+        raise ValueError(f"rotate_: position {int(pos.max())} beyond the cache's {num_rows}")
+    _last_positions = (positions, num_rows, pos)
+    return pos
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,15 +55,13 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         s = self.shape
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        if self.q_norm is None and cpu_ops.usable(qkv) and self.rotary.cos_sin_cache.dtype == torch.float32:
-            # fp32 on the CPU: q and k heads are adjacent in qkv; rotate them in place, in C
+        # fp32 on the CPU: q and k heads are adjacent in qkv; rotate them in place, in C
+        rotated = (self.q_norm is None and cpu_ops.usable(qkv)
+                   and self.rotary.cos_sin_cache.dtype == torch.float32)
+        if rotated:
             cpu_ops.rotate_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions,
                             self.rotary.cos_sin_cache)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, s.num_heads, s.head_dim)
-            k = k.view(-1, s.num_kv_heads, s.head_dim)
-            v = v.view(-1, s.num_kv_heads, s.head_dim)
-        elif self.q_norm is None and not backend.use_triton(qkv):
+        if self.q_norm is None and not rotated and not backend.use_triton(qkv):
             # torch path: q and k heads are adjacent in qkv, so one rotation covers both
             qk = qkv[:, :self.q_size + self.kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             q, k = self.rotary.rotate(positions, qk).split([s.num_heads, s.num_kv_heads], dim=1)
@@ -75,7 +73,8 @@ class Attention(nn.Module):
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+            if not rotated:
+                q, k = self.rotary(positions, q, k)
         o = attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -63,6 +63,13 @@ def cpu_fused_ops() -> bool:
     return _get_flag("BATCHGEN_CPU_FUSED_OPS", default=True)
 
 
+def cpu_decode_stack() -> bool:
+    """``$BATCHGEN_CPU_DECODE_STACK``: run each pure-decode step of a Llama-family fp32 model on
+    the CPU as one C call over all layers (default on). ``0``, ``false``, ``no`` or ``off`` keep
+    the per-layer path."""
+    return _get_flag("BATCHGEN_CPU_DECODE_STACK", default=True)
+
+
 def _get_flag(name: str, default: bool) -> bool:
     value = _get_str(name)
     if value is None:

@@ -17,6 +17,7 @@ from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
 from batchgen_data.layers import backend, cpu_attention
 from batchgen_data.layers.attention import AttentionMetadata
+from batchgen_data.layers.cpu_decode_stack import CpuDecodeStack
 
 
 @dataclass
@@ -46,6 +47,8 @@ class ModelRunner:
         # CPU fp32: decode attention runs in the compiled C kernel, which reads the paged cache
         # directly; the torch path's gather index is then not needed
         self._cpu_kernel = cpu_attention.available(self.kv)
+        # CPU fp32: pure-decode steps run all layers in one C call (None: not for this model)
+        self.cpu_stack = CpuDecodeStack.build(model, self.kv_caches) if device.type == "cpu" else None
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture pure-decode forwards; a no-op off CUDA or without the Triton kernels."""
@@ -129,7 +132,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] float32 for the sequences in `inp.sample_seqs`."""
-        hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta) if self.graphs else None
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        elif self.cpu_stack is not None:
+            hidden = self.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sample_seqs:

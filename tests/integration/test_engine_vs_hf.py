@@ -51,6 +51,22 @@ def test_greedy_matches_hf(arch: str, case: str, tiny_model_dir, hf_model) -> No
     assert got == want
     if case.startswith("preempt"):
         assert llm.engine.stats.num_preemptions > 0
+    stack = llm.engine.runner.cpu_stack  # CPU fp32 with the C kernels: decode steps in one call
+    assert stack is None or stack.steps > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_hf_with_per_layer_decode(arch: str, tiny_model_dir, hf_model,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    # the layer-by-layer decode path, which the one-call CPU decode stack otherwise replaces
+    monkeypatch.setenv("BATCHGEN_CPU_DECODE_STACK", "0")
+    path = tiny_model_dir(arch)
+    hf = hf_model(path)
+    llm = LLM(str(path), block_size=4)
+    assert llm.engine.runner.cpu_stack is None
+    prompts = random_prompts(5, hf.config.vocab_size, 1, 30, seed=11)
+    max_tokens = [random.Random(i).randint(5, 24) for i in range(len(prompts))]
+    assert run(llm, prompts, max_tokens) == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
 
 
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]

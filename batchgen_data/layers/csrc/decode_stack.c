@@ -1,0 +1,131 @@
+/* A whole decode step of a Llama-family decoder stack in one call, for the CPU (fp32).
+ *
+ * In a decode step each layer does a few milliseconds of memory-bound work (its weights and its
+ * KV), but driven from Python it also pays for ~40 torch ops and module calls: about a fifth of
+ * a 4-sequence step on SmolLM2-135M here. This function runs every layer of a pure-decode step
+ * (one new token per sequence) with the same C kernels the per-op path calls, in the same order
+ * and on the same buffers, so the only numerical difference from that path is SiLU (libm expf
+ * here, torch's vectorised exp there): float rounding.
+ *
+ * Per layer: h = RMSNorm(x + res); qkv = h Wqkv^T (+ b); optional per-head q/k RMSNorm (Qwen3);
+ * rotate q and k ("rotate half"); write k, v into the paged cache; o = attention(q, cache);
+ * x = o Wo^T (+ b); h = RMSNorm(x + res); gu = h Wgu^T (+ b); x = (silu(g) * u) Wd^T (+ b).
+ * After the last layer x = RMSNorm(x + res) with the final norm.
+ *
+ * The matmuls are the small-row kernel (small_gemm.c) or, when `use_panels`, the panel kernel
+ * (panel_gemm.c) on the panel copies; attention is paged_decode.c; norms and the rotation are
+ * norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
+ * Built and loaded by batchgen_data/layers/cpu_kernels.py; driven by cpu_decode_stack.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+int bg_small_gemm_f32(const float *X, const float *W, const float *bias, float *Y, int64_t M,
+                      int64_t N, int64_t K, int num_threads);
+int bg_panel_gemm_f32(const float *X, const float *packed, const float *bias, float *Y,
+                      int64_t M, int64_t N, int64_t K, int num_threads);
+void bg_add_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
+                         float *out, float *res_out, int64_t rows, int64_t n, int num_threads);
+void bg_rotate_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim,
+                   int64_t token_stride, const float *cos_sin, const int64_t *positions);
+int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, const int32_t *seq_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t table_width,
+                        float scale, int num_threads);
+
+/* Addresses per layer, in this order (0 = absent: a bias, or the q/k norms of non-Qwen3). */
+enum {
+    S_IN_NORM, S_QKV_W, S_QKV_PANEL, S_QKV_B, S_Q_NORM, S_K_NORM, S_O_W, S_O_PANEL, S_O_B,
+    S_POST_NORM, S_GU_W, S_GU_PANEL, S_GU_B, S_DOWN_W, S_DOWN_PANEL, S_DOWN_B, S_K_CACHE,
+    S_V_CACHE, LAYER_SLOTS
+};
+
+int64_t bg_decode_stack_layer_slots(void) { return LAYER_SLOTS; }
+
+/* Floats of scratch space `bg_decode_stack_f32` needs for M rows. */
+int64_t bg_decode_stack_workspace(int64_t M, int64_t H, int64_t nH, int64_t nKV, int64_t D,
+                                  int64_t I) {
+    const int64_t qkv = (nH + 2 * nKV) * D;
+    /* res, h, o: [M, H]; qkv; q and attention out: [M, nH D]; gate|up [M, 2I]; act [M, I] */
+    return M * (3 * H + qkv + 2 * nH * D + 3 * I);
+}
+
+#define F(slot) ((const float *)(uintptr_t)L[slot])
+
+static int linear(const float *X, const float *W, const float *panel, const float *bias,
+                  float *Y, int64_t M, int64_t N, int64_t K, int use_panels, int nt) {
+    return use_panels ? bg_panel_gemm_f32(X, panel, bias, Y, M, N, K, nt)
+                      : bg_small_gemm_f32(X, W, bias, Y, M, N, K, nt);
+}
+
+/* x: [M, H], the token embeddings on entry, the final-normed hidden states on return.
+ * positions, slots: [M] int64 (slot = block * block_size + offset in the paged cache);
+ * tables [M, table_width], seq_lens [M] int32 (KV length after this step, this token included);
+ * cos_sin [max_positions, D]; work: bg_decode_stack_workspace(...) floats.
+ * Returns 0; -1 when a kernel failed (allocation), -2 unsupported shape, -3 a position or slot
+ * out of range (nothing written then). */
+int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *final_norm,
+                        float *x, int64_t M, const int64_t *positions, const int64_t *slots,
+                        const int32_t *tables, const int32_t *seq_lens, int64_t table_width,
+                        const float *cos_sin, int64_t max_positions, int64_t num_slots,
+                        float *work, int64_t H, int64_t nH, int64_t nKV, int64_t D, int64_t I,
+                        int64_t block_size, float eps, float scale, int use_panels,
+                        int num_threads) {
+    if (M <= 0 || D % 2 || nKV <= 0 || nH % nKV) return -2;
+    for (int64_t t = 0; t < M; ++t) {
+        if (positions[t] < 0 || positions[t] >= max_positions) return -3;
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+        if (seq_lens[t] != positions[t] + 1) return -3; /* a decode attends to itself last */
+    }
+    const int64_t QKV = (nH + 2 * nKV) * D, QD = nH * D, KVD = nKV * D;
+    float *res = work, *h = res + M * H, *o = h + M * H, *qkv = o + M * H;
+    float *q = qkv + M * QKV, *attn = q + M * QD, *gu = attn + M * QD, *act = gu + M * 2 * I;
+    const int nt = num_threads;
+
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t *L = layers + l * LAYER_SLOTS;
+        if (l == 0) {
+            memcpy(res, x, sizeof(float) * (size_t)(M * H));
+            bg_add_rms_norm_f32(x, 0, F(S_IN_NORM), eps, h, 0, M, H, nt);
+        } else {
+            bg_add_rms_norm_f32(o, res, F(S_IN_NORM), eps, h, res, M, H, nt);
+        }
+        if (linear(h, F(S_QKV_W), F(S_QKV_PANEL), F(S_QKV_B), qkv, M, QKV, H, use_panels, nt))
+            return -1;
+        if (L[S_Q_NORM]) { /* Qwen3: RMSNorm over each q and k head, before the rotation */
+            for (int64_t t = 0; t < M; ++t) {
+                float *row = qkv + t * QKV;
+                bg_add_rms_norm_f32(row, 0, F(S_Q_NORM), eps, row, 0, nH, D, 1);
+                bg_add_rms_norm_f32(row + QD, 0, F(S_K_NORM), eps, row + QD, 0, nKV, D, 1);
+            }
+        }
+        bg_rotate_f32(qkv, M, nH + nKV, D, QKV, cos_sin, positions);
+        float *k_cache = (float *)(uintptr_t)L[S_K_CACHE];
+        float *v_cache = (float *)(uintptr_t)L[S_V_CACHE];
+        for (int64_t t = 0; t < M; ++t) {
+            const float *row = qkv + t * QKV;
+            memcpy(q + t * QD, row, sizeof(float) * (size_t)QD);
+            memcpy(k_cache + slots[t] * KVD, row + QD, sizeof(float) * (size_t)KVD);
+            memcpy(v_cache + slots[t] * KVD, row + QD + KVD, sizeof(float) * (size_t)KVD);
+        }
+        const int rc = bg_paged_decode_f32(q, k_cache, v_cache, tables, seq_lens, attn, M, nH,
+                                           nKV, D, block_size, table_width, scale, nt);
+        if (rc) return rc;
+        if (linear(attn, F(S_O_W), F(S_O_PANEL), F(S_O_B), o, M, H, QD, use_panels, nt))
+            return -1;
+        bg_add_rms_norm_f32(o, res, F(S_POST_NORM), eps, h, res, M, H, nt);
+        if (linear(h, F(S_GU_W), F(S_GU_PANEL), F(S_GU_B), gu, M, 2 * I, H, use_panels, nt))
+            return -1;
+        for (int64_t t = 0; t < M; ++t) {
+            const float *g = gu + t * 2 * I, *u = g + I;
+            float *a = act + t * I;
+            for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        if (linear(act, F(S_DOWN_W), F(S_DOWN_PANEL), F(S_DOWN_B), o, M, H, I, use_panels, nt))
+            return -1;
+    }
+    bg_add_rms_norm_f32(o, res, final_norm, eps, x, res, M, H, nt);
+    return 0;
+}

@@ -1,0 +1,107 @@
+"""The one-call CPU decode step (`layers/cpu_decode_stack.py`, `csrc/decode_stack.c`) against
+the per-layer path it stands in for, on tiny Llama / Qwen2 / Qwen3 models."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchgen_data import LLM, SamplingParams
+from batchgen_data.layers import cpu_linear
+from batchgen_data.layers.cpu_decode_stack import CpuDecodeStack
+
+pytestmark = pytest.mark.skipif(not cpu_linear.small_gemm_available(),
+                                reason="no C kernels with AVX-512 here")
+
+
+def _engine_at_decode(path, rows: int, **kw):  # type: ignore[no-untyped-def]
+    """An engine whose next step is a pure decode of `rows` sequences of different lengths."""
+    llm = LLM(str(path), max_num_seqs=max(rows, 1), **kw)
+    eng = llm.engine
+    rng = random.Random(rows)
+    vocab = eng.vocab_size
+    for i in range(rows):
+        prompt = [rng.randrange(3, vocab) for _ in range(3 + 7 * i)]
+        eng.submit(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    while not eng.scheduler.running or any(
+            s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running):
+        eng.step()
+    eng.step()  # one decode step more
+    return eng
+
+
+def _both_paths(eng):  # type: ignore[no-untyped-def]
+    runner = eng.runner
+    inp = runner.prepare(eng.scheduler.schedule())
+    kv0 = runner.kv.clone()
+    with torch.inference_mode():
+        got = runner.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
+        kv_got = runner.kv.clone()
+        runner.kv.copy_(kv0)
+        want = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+    return inp, got, want, kv_got, runner.kv
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 14])  # 9 and 14: the panel matmuls
+def test_stack_matches_the_per_layer_path(arch: str, rows: int, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine_at_decode(tiny_model_dir(arch), rows, block_size=4)
+    stack = eng.runner.cpu_stack
+    assert stack is not None and stack.max_rows == cpu_linear.PANEL_MAX_ROWS
+    served = stack.steps
+    assert served > 0  # the engine's own decode steps went through it
+    inp, got, want, kv_got, kv_want = _both_paths(eng)
+    assert inp.meta.num_decodes == rows and got is not None and stack.steps == served + 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # every layer wrote this step's k and v into the same slots
+    torch.testing.assert_close(kv_got, kv_want, rtol=1e-5, atol=1e-5)
+    logits_got = eng.runner.model.compute_logits(got)
+    assert torch.equal(logits_got.argmax(-1), eng.runner.model.compute_logits(want).argmax(-1))
+
+
+def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine_at_decode(tiny_model_dir("llama"), 3)
+    runner, stack = eng.runner, eng.runner.cpu_stack
+    inp = runner.prepare(eng.scheduler.schedule())
+    # a step with a prefill chunk in it
+    inp.meta.num_decodes -= 1
+    assert stack.run(inp.input_ids, inp.positions, inp.meta) is None
+    inp.meta.num_decodes += 1
+    stack.max_rows = 2  # more rows than it takes
+    assert stack.run(inp.input_ids, inp.positions, inp.meta) is None
+    stack.max_rows = 8
+    assert stack.run(inp.input_ids, inp.positions, inp.meta) is not None
+
+
+def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine_at_decode(tiny_model_dir("llama"), 2)
+    runner = eng.runner
+    inp = runner.prepare(eng.scheduler.schedule())
+    kv0 = runner.kv.clone()
+    bad = inp.positions.clone()
+    bad[1] = runner.model.rotary.cos_sin_cache.shape[0]
+    with pytest.raises(ValueError, match="out of range"):
+        runner.cpu_stack.run(inp.input_ids, bad, inp.meta)
+    slots = inp.meta.slot_mapping.clone()
+    inp.meta.slot_mapping = slots.clone().fill_(runner.kv.shape[2] * runner.kv.shape[3])
+    with pytest.raises(ValueError, match="out of range"):
+        runner.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
+    assert torch.equal(runner.kv, kv0)  # nothing was written
+
+
+@pytest.mark.parametrize("env_name", ["BATCHGEN_CPU_DECODE_STACK", "BATCHGEN_CPU_SMALL_GEMM"])
+def test_stack_can_be_turned_off(env_name: str, monkeypatch: pytest.MonkeyPatch,
+                                 tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(env_name, "0")
+    llm = LLM(str(tiny_model_dir("qwen2")))
+    assert llm.engine.runner.cpu_stack is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_stack_needs_fp32(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
+    assert llm.engine.runner.cpu_stack is None
+    assert CpuDecodeStack.build(llm.engine.runner.model, llm.engine.runner.kv_caches) is None

@@ -1,11 +1,11 @@
 """A pure-decode step of a Llama-family model as one C call (fp32, CPU).
 
-Driven layer by layer from Python, a decode step over a few sequences spends a fifth of its time
-on module calls, views and small allocations around the C kernels (4 sequences of SmolLM2-135M
-here). `CpuDecodeStack` hands the whole layer stack to `csrc/decode_stack.c`, which calls the
-same kernels (small-row or panel matmuls, RMSNorm, rotation, paged decode attention) in the same
-order; only SiLU is computed differently (libm there, torch here), so outputs agree with the
-per-layer path to float rounding.
+Driven layer by layer from Python, a decode step over a few sequences spends much of its time on
+module calls, views and small allocations around the C kernels. `CpuDecodeStack` hands the whole layer stack to `csrc/decode_stack.c`, which calls the
+same kernels (small-row or panel matmuls, RMSNorm, rotation, SiLU, paged decode attention) in
+the same order, so its hidden states and KV writes are bit for bit those of the per-layer path.
+At 1-5 sequences of SmolLM2-135M shape this took a decode step's forward from 28-46 ms to
+17-27 ms here (`benchmarks/step_trace.py` shows the engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most
 `max_rows` of them (`SMALL_GEMM_MAX_ROWS`, or `PANEL_MAX_ROWS` when every weight has its panel

@@ -80,6 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_add_rms_norm_f32.restype = None
     lib.bg_rotate_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.bg_rotate_f32.restype = None
+    lib.bg_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.bg_silu_mul_f32.restype = None
     lib.bg_decode_stack_layer_slots.argtypes = []
     lib.bg_decode_stack_layer_slots.restype = i64
     lib.bg_decode_stack_workspace.argtypes = [i64] * 6

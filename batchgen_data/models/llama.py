@@ -90,6 +90,8 @@ class MLP(nn.Module):
         if backend.use_triton(gu):
             from batchgen_data.kernels import silu_and_mul
             return self.down_proj(silu_and_mul(gu))
+        if cpu_ops.usable(gu):  # fp32 CPU: one C pass instead of chunk + silu + mul
+            return self.down_proj(cpu_ops.silu_mul(gu))
         gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

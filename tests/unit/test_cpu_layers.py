@@ -354,6 +354,25 @@ def test_c_rotation_is_bitwise_the_torch_path(fused_ops) -> None:  # type: ignor
         cpu_ops.rotate_(qkv, 2, 64, torch.full((t,), 512), rot.cos_sin_cache)
 
 
+@needs_fused_ops
+@pytest.mark.parametrize("rows", [1, 5, 2048])  # 2048 x 1536: split over threads
+@pytest.mark.parametrize("inter", [1536, 37, 16, 3])
+def test_c_silu_mul_matches_torch(rows: int, inter: int, fused_ops) -> None:  # type: ignore[no-untyped-def]
+    fused_ops(None)
+    if rows * inter > 2048 * 64 and inter != 1536:
+        pytest.skip("one large case is enough")
+    torch.manual_seed(rows + inter)
+    gu = torch.randn(rows, 2 * inter) * 8
+    gu[0, :3] = torch.tensor([-120.0, 0.0, 95.0])[:min(3, inter)]  # exp under/overflow
+    gate, up = gu.chunk(2, dim=-1)
+    got = cpu_ops.silu_mul(gu)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(got).all()
+    # the MLP takes this path for fp32 CPU activations; leading dims are kept
+    torch.testing.assert_close(cpu_ops.silu_mul(gu.view(1, rows, -1)), got.view(1, rows, -1))
+
+
 def test_fused_ops_can_be_turned_off(fused_ops) -> None:  # type: ignore[no-untyped-def]
     fused_ops("off")
     assert not cpu_ops.usable(torch.zeros(1))

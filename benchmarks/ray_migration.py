@@ -75,7 +75,7 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
         engine_kwargs={"max_num_seqs": args.max_num_seqs, "max_model_len": 1024,
                        "num_threads": 1, "device": "cpu"},
         # the switch under test: False also turns late binding off (Ray's default queue depth)
-        migration=migration, migration_options={"interval_s": 0.1, "placement": placement})
+        migration=migration, migration_options={"interval_s": args.interval, "placement": placement})
     processor = build_processor(config)
     job = processor.job_id
     ds = processor(ray.data.from_items(rows))
@@ -108,6 +108,8 @@ def main() -> None:
                     help="max_concurrent_batches (input batches one actor serves at once)")
     ap.add_argument("--min-age", type=int, default=16, help="placement.min_running_age")
     ap.add_argument("--min-gain", type=int, default=32, help="placement.min_kv_gain_tokens")
+    ap.add_argument("--interval", type=float, default=0.1,
+                    help="migration interval_s: how often each engine reports to the coordinator")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

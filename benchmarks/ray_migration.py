@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import print_report  # noqa: E402
 
-COLUMNS = ["rep", "seed", "out_tokens", "max_len", "bct_off_s", "bct_on_s", "moves", "on_vs_off"]
+COLUMNS = ["rep", "seed", "out_tokens", "max_len", "bct_off_s", "bct_on_s", "moves", "exchanges",
+           "coord_cpu_s", "on_vs_off"]
 
 
 def tiny_model() -> str:
@@ -61,7 +62,7 @@ def workload(n: int, median: int, sigma: float, cap: int, seed: int) -> list[dic
 
 
 def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Namespace,
-             migration: bool) -> tuple[float, dict[int, list[int]], int]:
+             migration: bool) -> tuple[float, dict[int, list[int]], dict[str, Any]]:
     import ray
 
     from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
@@ -85,14 +86,14 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
     ids = [r["id"] for r in out]
     assert sorted(ids) == sorted(r["id"] for r in rows), "a row was lost or duplicated"
     assert all(r["error"] is None for r in out)
-    moves = 0
+    stats: dict[str, Any] = {"num_moves": 0, "num_exchanges": 0, "cpu_s": 0.0}
     if migration:
         try:
             coord = ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE)
-            moves = ray.get(coord.stats.remote())["num_moves"]
+            stats = ray.get(coord.stats.remote())
         except ValueError:
-            moves = -1
-    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, moves
+            stats = {"num_moves": -1, "num_exchanges": -1, "cpu_s": -1.0}
+    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, stats
 
 
 def main() -> None:
@@ -131,16 +132,17 @@ def main() -> None:
               f"max={lengths[-1]}", flush=True)
         bct: dict[str, float] = {}
         reference: dict[int, list[int]] | None = None
-        n_moves = 0
+        coord: dict[str, Any] = {}
         for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternating order
             bct[mode], tokens, moved = run_once(rows, model, args, migration=mode == "on")
             reference = reference or tokens
             assert tokens == reference, f"{mode}: tokens differ between the two modes"
-            n_moves = moved if mode == "on" else n_moves
+            coord = moved if mode == "on" else coord
             print(f"rep {rep} {mode}: bct {bct[mode]:.1f}s", flush=True)
         records.append({"rep": rep, "seed": args.seed + rep, "out_tokens": sum(lengths),
                         "max_len": lengths[-1], "bct_off_s": round(bct["off"], 1),
-                        "bct_on_s": round(bct["on"], 1), "moves": n_moves,
+                        "bct_on_s": round(bct["on"], 1), "moves": coord["num_moves"],
+                        "exchanges": coord["num_exchanges"], "coord_cpu_s": coord["cpu_s"],
                         "on_vs_off": round(bct["on"] / bct["off"], 3)})
     ratios = [r["on_vs_off"] for r in records]
     records.append({"rep": "median", "bct_off_s": round(statistics.median(r["bct_off_s"] for r in records), 1),

@@ -65,6 +65,7 @@ class Coordinator:
         self.accepting: dict[str, bool] = {}
         self.owned: dict[str, int] = {}  # unfinished rows each engine's tasks wait for
         self.num_moves = 0
+        self.num_exchanges = 0
         self._last_seen = time.monotonic()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
@@ -74,6 +75,7 @@ class Coordinator:
         """One engine's periodic call: its report and outgoing mail in, orders and mail out."""
         now = time.monotonic()
         self._last_seen = now
+        self.num_exchanges += 1
         load = EngineLoad.from_report(engine_id, report, max_num_seqs, block_size)
         self.reports[engine_id] = (now, load, [RequestSummary(*s) for s in summaries])
         # an engine with no task in flight may be scaled down any moment: it owns nothing to
@@ -94,7 +96,10 @@ class Coordinator:
                 "live": sorted(live), "others_busy": others_busy}
 
     def stats(self) -> dict[str, Any]:
-        return {"num_moves": self.num_moves, "engines": sorted(self.reports)}
+        """Moves planned, exchanges served, and this process's CPU seconds so far (its start-up
+        included)."""
+        return {"num_moves": self.num_moves, "engines": sorted(self.reports),
+                "num_exchanges": self.num_exchanges, "cpu_s": round(time.process_time(), 3)}
 
     def _live(self, now: float) -> set[str]:
         dead = [e for e, (t, _, _) in self.reports.items() if now - t > self.dead_after_s]

@@ -144,3 +144,13 @@ def test_running_moves_ship_kv_when_the_measured_prefill_is_slower() -> None:
     assert not ship
     [(_, _, ship)] = orders(True, 0)  # nothing measured yet: recompute
     assert not ship
+
+
+
+def test_stats_count_moves_and_exchanges() -> None:
+    c = Coordinator(cooldown_s=60.0)
+    c.exchange("idle", IDLE, 2, 16, [], [])
+    c.exchange("busy", BUSY, 2, 16, WAITING, [])
+    stats = c.stats()
+    assert stats["num_moves"] == 2 and stats["num_exchanges"] == 2
+    assert stats["engines"] == ["busy", "idle"] and stats["cpu_s"] > 0

@@ -125,8 +125,9 @@ def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, m
                                                               llm: LLM) -> None:
     owner, other = start_pair(model, f"t1-{uuid.uuid4().hex}")
     # long enough that the 0.1 s load reports see rows queued on the owner for many rounds
-    # (10 x 300 tokens finished in ~1.2-2 s and once in CI before any move was planned)
-    rows = make_rows(12, 600)
+    # (10 x 300 tokens finished in ~1.2-2 s and once in CI before any move was planned; with
+    # the one-call CPU decode step 8 x 600 tokens take ~0.6 s alone, so 16 x 900 here: ~3 s)
+    rows = make_rows(16, 900)
     side = side_job(other)
     got = ray.get(owner.run.remote(rows))
     other.release.remote()
@@ -141,7 +142,7 @@ def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, m
 
 def test_killing_the_importer_loses_no_row(ray_local: None, model: str, llm: LLM) -> None:
     owner, other = start_pair(model, f"t2-{uuid.uuid4().hex}", dead_after_s=4.0)
-    rows = make_rows(8, 600)
+    rows = make_rows(16, 900)  # rows queue on the owner for seconds (see the first test)
     side_job(other)
     ref = owner.run.remote(rows)
     wait_for_import(other)
@@ -152,14 +153,11 @@ def test_killing_the_importer_loses_no_row(ray_local: None, model: str, llm: LLM
     ray.kill(owner)
 
 
-@pytest.mark.xfail(reason="since the accepting gate no move happens in this harness before "
-                   "the kill (wait_for_import times out); passed before it. Open problem.",
-                   strict=False)
 def test_coordinator_death_degrades_to_no_migration(ray_local: None, model: str,
                                                     llm: LLM) -> None:
     job = f"t3-{uuid.uuid4().hex}"
     owner, other = start_pair(model, job)
-    rows = make_rows(8, 400)
+    rows = make_rows(16, 900)
     side = side_job(other)
     ref = owner.run.remote(rows)
     wait_for_import(other)

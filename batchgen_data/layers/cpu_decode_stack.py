@@ -40,7 +40,6 @@ class CpuDecodeStack:
         self.model = model
         self.shape = s = model.shape
         self.max_rows = max_rows
-        self.use_panels_above = SMALL_GEMM_MAX_ROWS  # the per-layer path's routing, by rows
         k0 = kv_caches[0][0]
         self.block_size = k0.shape[1]
         self.num_slots = k0.shape[0] * k0.shape[1]
@@ -60,8 +59,7 @@ class CpuDecodeStack:
         self.scale = float(model.layers[0].self_attn.scale)
         self.table = torch.tensor(rows, dtype=torch.int64)
         assert self.table.shape[1] == lib.bg_decode_stack_layer_slots()
-        # keep what the addresses point at alive as long as this object
-        self._keep = (model, kv_caches)
+        self._kv_caches = kv_caches  # the table points into them (and into self.model)
         self.steps = 0  # decode steps this stack served
 
     @staticmethod
@@ -126,7 +124,8 @@ class CpuDecodeStack:
             tables.shape[1], self.cos_sin.data_ptr(), self.cos_sin.shape[0], self.num_slots,
             work.data_ptr(), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             self.block_size, float(s.eps), self.scale,
-            int(rows > self.use_panels_above), torch.get_num_threads())
+            int(rows > SMALL_GEMM_MAX_ROWS),  # the per-layer path's routing, by rows
+            torch.get_num_threads())
         if rc == -3:
             raise ValueError("decode step with a position, cache slot or sequence length out of "
                              "range for the CPU decode stack")

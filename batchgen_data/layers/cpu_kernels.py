@@ -1,4 +1,5 @@
-"""Builds and loads this package's C kernels for the CPU (`layers/csrc/*.c`).
+"""Builds and loads this package's C kernels for the CPU (`layers/csrc/*.c`, with the
+shared `*.h`).
 
 The kernels are plain C (no torch headers) and build in about a second with the system C
 compiler (``$CC``, else ``cc``) into one shared library under ``<cache_dir>/cpu_kernels/``. The
@@ -28,6 +29,7 @@ from batchgen_data import env
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.h")))  # in the cache key
 # -ffp-contract=off: no multiply-adds fused behind the code's back (norm_rope.c relies on it to
 # match torch bit for bit; the vector kernels spell their FMAs out).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off"]
@@ -99,7 +101,7 @@ def library() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         log.info("no C compiler (%s) for the CPU kernels; using the torch paths", compiler)
         return None
-    parts = [p.read_text() for p in SOURCES]
+    parts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*parts, compiler, *FLAGS, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     path = env.cache_dir() / "cpu_kernels" / f"batchgen_cpu-{key}.so"

@@ -91,25 +91,31 @@ def _small_gemm_checked() -> bool:
                                  lambda w: w, small_linear)
 
 
+def _c_linear(kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out_f: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Runs a C matmul with the `bg_*_gemm_f32(X, W, bias, Y, M, N, K, threads)` signature on
+    x [..., in]; leading dims are flattened into rows and restored."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], out_f, dtype=torch.float32)
+    kernel(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+           out.data_ptr(), x2.shape[0], out_f, x2.shape[1], torch.get_num_threads())
+    return out.view(*shape[:-1], out_f)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through the C small-row kernel: fp32 CPU tensors, `weight`
     [out, in] contiguous. Call only when `small_gemm_available()`."""
     lib = cpu_kernels.library()
     assert lib is not None
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    rows, (out_f, in_f) = x2.shape[0], weight.shape
-    if x2.shape[1] != in_f or not weight.is_contiguous() or weight.dtype != torch.float32 \
-            or x2.dtype != torch.float32 or (bias is not None and not bias.is_contiguous()):
+    out_f, in_f = weight.shape
+    if x.shape[-1] != in_f or not weight.is_contiguous() or weight.dtype != torch.float32 \
+            or x.dtype != torch.float32 or (bias is not None and not bias.is_contiguous()):
         raise ValueError(f"small_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    out = torch.empty(rows, out_f, dtype=torch.float32)
-    lib.bg_small_gemm_f32(x2.data_ptr(), weight.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          rows, out_f, in_f, torch.get_num_threads())
-    return out.view(*shape[:-1], out_f)
+    return _c_linear(lib.bg_small_gemm_f32, x, weight, bias, out_f)
 
 
 def panel_gemm_available() -> bool:
@@ -135,20 +141,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     Call only when `panel_gemm_available()`."""
     lib = cpu_kernels.library()
     assert lib is not None
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    rows, in_f = x2.shape
-    if (panels.numel() != lib.bg_panel_packed_floats(out_features, in_f)
-            or x2.dtype != torch.float32 or (bias is not None and not bias.is_contiguous())):
+    if (panels.numel() != lib.bg_panel_packed_floats(out_features, x.shape[-1])
+            or x.dtype != torch.float32 or (bias is not None and not bias.is_contiguous())):
         raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} against {panels.numel()} "
                          f"packed floats for {out_features} outputs")
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    lib.bg_panel_gemm_f32(x2.data_ptr(), panels.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          rows, out_features, in_f, torch.get_num_threads())
-    return out.view(*shape[:-1], out_features)
+    return _c_linear(lib.bg_panel_gemm_f32, x, panels, bias, out_features)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,9 +175,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rows = x2.shape[0]
     if weight is not None:
         if small_gemm and rows <= SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32:
-            return small_linear(x2, weight, bias).view(*shape[:-1], weight.shape[0])
+            return small_linear(x, weight, bias)
         if panels is not None and rows <= PANEL_MAX_ROWS and x.dtype == torch.float32:
-            return panel_linear(x2, panels, bias, weight.shape[0]).view(*shape[:-1], weight.shape[0])
+            return panel_linear(x, panels, bias, weight.shape[0])
         if rows <= PLAIN_MAX_ROWS:
             return F.linear(x, weight, bias)
     if not x2.is_contiguous():

@@ -64,28 +64,8 @@ void bg_rotate_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim,
 /* SwiGLU's activation: out[r, i] = silu(g) * u with g = gu[r, i], u = gu[r, I + i] (the fused
  * gate|up projection's output, [rows, 2 I]); out is [rows, I]. silu(g) = g / (1 + exp(-g)),
  * the same expression as torch's CPU kernel; exp is computed differently (a vector polynomial
- * here, within 2 ulp of expf), so results agree with torch to float rounding. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* exp(x), 16 lanes: x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes' degree-5 expf polynomial,
- * times 2^n. Clamped to [-87.3, 88.7]: tiny results come out ~1e-38, huge ones ~1.6e38. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
+ * here, vec_exp.h), so results agree with torch to float rounding. */
+#include "vec_exp.h"
 
 void bg_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * I >= 65536)
@@ -97,7 +77,7 @@ void bg_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I, int n
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= I; i += 16) {
             const __m512 gv = _mm512_loadu_ps(g + i);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 e = bg_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                                   _mm512_loadu_ps(u + i)));
         }

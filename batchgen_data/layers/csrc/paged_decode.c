@@ -33,28 +33,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "vec_exp.h"
+
 /* Asks for the next block (n floats from p) into L2 while the current one is worked on. */
 static inline void prefetch_l2(const float *p, int64_t n) {
     for (int64_t off = 0; off < n; off += 16) _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
-}
-
-/* exp(x) for the x <= 0 of a softmax (scores minus their max), 16 lanes: x = n ln2 + r with
- * |r| <= ln2/2, exp(r) = 1 + r + r^2 P(r) (a degree-5 minimax P, Cephes' expf), times 2^n.
- * Within 2 ulp of expf; below -87.3 it returns ~1e-38 instead of a denormal or 0. */
-static inline __m512 exp_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The 16 lane sums of v[0..15], as one vector (lane t = sum of v[t]): a transpose-and-add
@@ -127,7 +110,7 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
         __m512 vsum = _mm512_setzero_ps();                                                      \
         for (int64_t t = 0; t < n; t += 16) {                                                   \
             const __mmask16 k = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u); \
-            const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),         \
+            const __m512 e = bg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),         \
                                                       _mm512_set1_ps(mx)));                     \
             _mm512_mask_storeu_ps(sh + t, k, e);                                                \
             vsum = _mm512_mask_add_ps(vsum, k, vsum, e);                                        \

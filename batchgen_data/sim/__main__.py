@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-concurrent-batches", type=int, default=8)
+    p.add_argument("--max-tasks-in-flight", type=int, default=None,
+                   help="static: input batches bound per actor (Ray Data's default: 2 x "
+                        "--max-concurrent-batches; equal to it = no queued batches)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine seats (default: vLLM's default on the preset's device, "
                         "1024 for h200-llama8b, 256 for a100-qwen0.5b and cpu-smollm2)")
@@ -61,13 +64,18 @@ def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict
                                  max_finishes=args.max_finishes)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     results = compare(wl, actors, cost, shape, modes, jobs=args.jobs, batch_size=args.batch_size,
-                      max_concurrent_batches=args.max_concurrent_batches, tick_s=args.tick)
+                      max_concurrent_batches=args.max_concurrent_batches, tick_s=args.tick,
+                      max_tasks_in_flight=args.max_tasks_in_flight)
     report: dict[str, Any] = {
         "actors": actors, "rows": args.rows, "workload": args.workload, "seed": args.seed,
         "preset": cost.name, "engine": {"max_num_seqs": shape.max_num_seqs,
                                         "max_num_batched_tokens": shape.max_num_batched_tokens,
                                         "block_size": shape.block_size,
                                         "max_finishes": shape.finishes_per_run},
+        "static_feed": {"batch_size": args.batch_size,
+                        "max_concurrent_batches": args.max_concurrent_batches,
+                        "max_tasks_in_flight": (args.max_tasks_in_flight
+                                                or 2 * args.max_concurrent_batches)},
         "modes": {m: r.summary() for m, r in results.items()},
     }
     bct = {m: r.bct_s for m, r in results.items()}

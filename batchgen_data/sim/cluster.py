@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import replace
 
 import numpy as np
@@ -48,7 +48,10 @@ class Cluster:
         self.batch_bound_at = np.full(self.num_batches, np.nan)
         self.next_batch = 0
         self.in_flight = [0] * num_actors  # unfinished rows each actor received
-        self.batches_open = [0] * num_actors
+        self.batches_open = [0] * num_actors  # bound and not yet returned
+        # static: bound batches beyond the running ones wait in the actor's task queue
+        self.batches_running = [0] * num_actors
+        self.task_queue: list[deque[int]] = [deque() for _ in range(num_actors)]
         self.span: list[Span | None] = [None] * num_actors  # the span each actor is in
         self.exports: list[list[tuple[int, int, bool]]] = [[] for _ in range(num_actors)]
         self.inbound = [0] * num_actors
@@ -69,7 +72,7 @@ class Cluster:
         if self.next_batch >= self.num_batches:
             return False
         if self.mode.static:
-            return self.batches_open[a] < self.mode.max_concurrent_batches
+            return self.batches_open[a] < self.mode.tasks_in_flight
         return rows_wanted(self.in_flight[a], self.shape.max_num_seqs, self.placement) > 0
 
     def _bind(self, a: int, now: float) -> None:
@@ -77,12 +80,20 @@ class Cluster:
         self.next_batch += 1
         self.batch_home[b] = a
         self.batch_bound_at[b] = now
+        self.in_flight[a] += self.batch_left[b]
+        self.batches_open[a] += 1
+        if self.mode.static and self.batches_running[a] >= self.mode.max_concurrent_batches:
+            self.task_queue[a].append(b)  # Ray Core runs it when a running call returns
+        else:
+            self._start_batch(a, b)
+
+    def _start_batch(self, a: int, b: int) -> None:
+        """The actor's UDF call for batch `b` begins: its rows reach the engine."""
         lo = b * self.mode.batch_size
         actor = self.actors[a]
         for r in range(lo, lo + self.batch_left[b]):
             actor.add_row(r, self.inp[r], self.out[r], self.params)
-        self.in_flight[a] += self.batch_left[b]
-        self.batches_open[a] += 1
+        self.batches_running[a] += 1
 
     def _cut(self, rows: list[int]) -> int:
         """How many upcoming finishes a span may include: in static mode, stop at the first
@@ -130,6 +141,9 @@ class Cluster:
             self.batch_left[b] -= 1
             if self.batch_left[b] == 0:
                 self.batches_open[home] -= 1
+                self.batches_running[home] -= 1
+                if self.task_queue[home]:
+                    self._start_batch(home, self.task_queue[home].popleft())
             homes.add(home)
         self._run_exports(a, now)
         for h in sorted(homes):

@@ -192,3 +192,38 @@ def test_command_line_prints_json_and_plots(tmp_path, capsys) -> None:  # type: 
                  "--preset", "a100-qwen0.5b", "--max-num-seqs", "48"]) == 0
     engine = json.loads(capsys.readouterr().out)["engine"]
     assert (engine["max_num_seqs"], engine["max_num_batched_tokens"]) == (48, 8192)
+
+
+def test_static_queues_ray_data_tasks_beyond_the_running_batches() -> None:
+    # Ray Data binds 2 x max_concurrent_batches batches per actor by default; only
+    # max_concurrent_batches of them run, the rest wait in the actor's task queue
+    wl = heavy_tail(400, seed=6)
+    cost = replace(LINEAR, kv_capacity_tokens=1_000_000)
+    shape = EngineShape(512, max_finishes=1)
+    queued = Cluster(wl, 2, cost, shape, mode_config("static", 512, batch_size=8,
+                                                      max_concurrent_batches=4))
+    assert queued.mode.tasks_in_flight == 8
+    peak_open, peak_running = 0, 0
+    orig = queued._span_end
+
+    def watch(*a):  # type: ignore[no-untyped-def]
+        nonlocal peak_open, peak_running
+        orig(*a)
+        peak_open = max(peak_open, *queued.batches_open)
+        peak_running = max(peak_running, *queued.batches_running)
+        for i, act in enumerate(queued.actors):  # the engine sees the running batches only
+            assert len(act.live) <= 8 * queued.batches_running[i]
+
+    queued._span_end = watch  # type: ignore[method-assign]
+    res = queued.run()
+    assert res.rows_finished == wl.num_rows
+    assert peak_open == 8 and peak_running == 4
+    assert not any(queued.task_queue) and sum(queued.batches_running) == 0
+    # no queue (tasks in flight = concurrent batches): the last batches are bound later
+    plain = Cluster(wl, 2, cost, shape, mode_config("static", 512, batch_size=8,
+                                                     max_concurrent_batches=4,
+                                                     max_tasks_in_flight=4))
+    assert plain.run().rows_finished == wl.num_rows
+    assert np.max(queued.batch_bound_at) < np.max(plain.batch_bound_at)
+    with pytest.raises(ValueError, match="max_tasks_in_flight"):
+        mode_config("static", 64, max_concurrent_batches=8, max_tasks_in_flight=4)

@@ -27,6 +27,9 @@ class Profile:
     check_tokens: int
     check_kv_bytes: int | None = None
     cb_config: dict[str, Any] = field(default_factory=dict)
+    # the simulator's cost-model fit: runs (prompt, sequences, output tokens), preset name,
+    # transfer rates (not measured: spec figures) and the engine shape vLLM picks by default
+    sim_calibration: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def h200(cls) -> "Profile":
@@ -36,8 +39,17 @@ class Profile:
         # KV for 256 sequences of 2048 tokens is 6.4 GB; the rest of the GPU stays free for HF.
         engine = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
                       kv_cache_memory_bytes=8 << 30)
+        # prefills of 256-2048 tokens, then decode at 1-256 sequences and 128 / 1024 tokens of
+        # context; H200 transfer figures and vLLM's default shape as in the h200-llama8b preset
+        sim = dict(runs=[(256, 1, 1), (1024, 1, 1), (2048, 1, 1), (512, 8, 1),
+                         (128, 1, 16), (128, 32, 16), (128, 128, 16), (128, 256, 16),
+                         (1024, 16, 16), (1024, 64, 16), (1024, 256, 16)],
+                   name="h200-qwen0.5b-measured",
+                   transfer=dict(pcie_bytes_per_s=50e9, link_bytes_per_s=25e9),
+                   shape=dict(max_num_seqs=1024, max_num_batched_tokens=16384))
         return cls("cuda", "bfloat16", 4, 256, (100, 1024), (100, 1024), 60.0, 270.0,
-                   qwen25_05b, engine, (40, 300, 900), 24, check_kv_bytes=1 << 30)
+                   qwen25_05b, engine, (40, 300, 900), 24, check_kv_bytes=1 << 30,
+                   sim_calibration=sim)
 
     @classmethod
     def quick(cls) -> "Profile":
@@ -46,8 +58,13 @@ class Profile:
                     max_position_embeddings=256)
         # few sequences and a small token budget: queueing and chunked prefill happen too
         engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+        sim = dict(runs=[(16, 1, 1), (60, 1, 1), (8, 1, 4), (8, 4, 4), (40, 4, 4)],
+                   name="cpu-tiny-measured",
+                   transfer=dict(pcie_bytes_per_s=10e9, link_bytes_per_s=1.25e9),
+                   shape=dict(max_num_seqs=4, max_num_batched_tokens=32))
         return cls("cpu", "float32", 1, 6, (5, 24), (3, 10), 20.0, 50.0, tiny, engine,
-                   (7, 20), 6, cb_config={"num_blocks": 16, "page_size": 64})
+                   (7, 20), 6, cb_config={"num_blocks": 16, "page_size": 64},
+                   sim_calibration=sim)
 
     @property
     def vocab(self) -> int:

@@ -8,6 +8,10 @@
    prompt and output lengths uniform in [100, 1024], random token ids, EOS ignored. The HF runs
    are time-boxed (`--hf-time-limit`) and reported over the tokens and requests they finished.
 4. Measures decode-attention bandwidth against a plain copy (benchmarks/kernel_bench.py).
+5. Times the engine's steps for the cluster simulator's cost model (`sim.calibrate`: prefills
+   up to 2k tokens, decode batches of 1-256 sequences at 128 and 1024 tokens of context) and
+   writes the fitted preset to $OUT/sim_preset_<device>.json, for
+   `python -m batchgen_data.sim --preset that.json` on any machine.
 
 Prints a table and JSON lines; writes everything to $OUT/gpu_throughput.json when OUT is set.
 Needs only torch, triton, transformers and this project (no ray, no pyspark).
@@ -27,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few requests")
     ap.add_argument("--hf-time-limit", type=float, default=None, help="seconds per HF baseline")
-    ap.add_argument("--systems", default="ours,hf_static,hf_cb")
+    ap.add_argument("--systems", default="ours,sim,hf_static,hf_cb",
+                    help="sim: fit the cluster simulator's cost model on this device")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -171,6 +177,23 @@ def run_engine(report: Report, p: Profile, model_dir: Path, requests: list[Reque
     return True
 
 
+def sim_calibration(p: Profile, model_dir: Path) -> dict[str, Any]:
+    """Fit the simulator's step-time model on this device (see batchgen_data/sim/calibrate.py)."""
+    from batchgen_data.sim.calibrate import calibrate
+
+    cal = p.sim_calibration
+    cm, diag = calibrate(str(model_dir), repeats=1, runs=cal["runs"], device=p.device,
+                         name=cal["name"], dtype=p.dtype, **cal["transfer"], **p.engine_kwargs)
+    cm = replace(cm, **cal["shape"])  # the shape vLLM would pick on this device
+    out = os.environ.get("OUT")
+    if out:
+        (Path(out) / f"sim_preset_{p.device}.json").write_text(cm.to_json())
+    return {"bench": "sim_calibration", "preset": cm.name, "c0_ms": round(cm.c0 * 1e3, 4),
+            "c_tok_us": round(cm.c_tok * 1e6, 4), "c_kv_ns": round(cm.c_kv * 1e9, 4),
+            "c_seq_us": round(cm.c_seq * 1e6, 4), "kv_capacity_tokens": cm.kv_capacity_tokens,
+            **diag}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     p = Profile.quick() if args.quick else Profile.h200()
@@ -198,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             for row in attempt(report, {"bench": "decode_attention"}, kernel_bandwidth, p) or []:
                 report.add(row)
+        if "sim" in systems:
+            rec = attempt(report, {"bench": "sim_calibration"}, sim_calibration, p, model_dir)
+            if rec is not None:
+                report.add(rec)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     hf = load_hf(model_dir, p.dtype, device) if {"hf_static", "hf_cb"} & set(systems) else None
     for name, fn in (("hf_static", hf_static), ("hf_cb", hf_continuous)):
         what = {"bench": "throughput", "system": name}

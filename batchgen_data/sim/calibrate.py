@@ -42,15 +42,16 @@ Run = tuple[int, int, int]
 
 
 def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
-            runs: Sequence[Run] | None = None,
+            runs: Sequence[Run] | None = None, device: str = "cpu",
             **engine_kwargs: Any) -> tuple[list[tuple], int, int]:
     """(new_tokens, kv_tokens, num_seqs, seconds) for every step of the calibration runs, plus
-    the engine's KV bytes per token and KV capacity in tokens."""
+    the engine's KV bytes per token and KV capacity in tokens. `engine_kwargs` override the
+    engine's calibration shape (64 seats, 2048 batched tokens)."""
     from batchgen_data.engine.engine import Engine
     from batchgen_data.sampling_params import SamplingParams
 
-    engine = Engine.from_kwargs(model, device="cpu", max_num_seqs=64,
-                                max_num_batched_tokens=2048, **engine_kwargs)
+    engine = Engine.from_kwargs(model, device=device, **{
+        "max_num_seqs": 64, "max_num_batched_tokens": 2048, **engine_kwargs})
     feats: list[tuple[int, int, int]] = []
     orig = engine.scheduler.schedule
 
@@ -94,14 +95,22 @@ def fit(rows: list[tuple], base: CostModel, name: str, source: str) -> CostModel
 
 
 def calibrate(model: str | None = None, repeats: int = 3, runs: Sequence[Run] | None = None,
-              **engine_kwargs: Any) -> tuple[CostModel, dict]:
-    """Measure and fit; returns the model and fit diagnostics (steps, relative error)."""
-    rows, bytes_per_token, capacity = measure(model, repeats=repeats, runs=runs, **engine_kwargs)
-    base = CostModel("cpu-calibrated", 0.0, 0.0, 0.0, 0.0, bytes_per_token=bytes_per_token,
-                     kv_capacity_tokens=capacity, pcie_bytes_per_s=10e9, link_bytes_per_s=1.25e9)
+              device: str = "cpu", name: str | None = None, pcie_bytes_per_s: float = 10e9,
+              link_bytes_per_s: float = 1.25e9, **engine_kwargs: Any) -> tuple[CostModel, dict]:
+    """Measure and fit; returns the model and fit diagnostics (steps, relative error).
+    On a GPU the step time is measured around `Engine.step()`, which waits for the sampled
+    tokens on the host, so every timed step includes its kernels. The two transfer rates are
+    not measured here (host-device and network bandwidth for moving KV): pass the machine's."""
+    rows, bytes_per_token, capacity = measure(model, repeats=repeats, runs=runs, device=device,
+                                              **engine_kwargs)
+    kind = device.split(":")[0]
+    name = name or f"{kind}-calibrated"
+    base = CostModel(name, 0.0, 0.0, 0.0, 0.0, bytes_per_token=bytes_per_token,
+                     kv_capacity_tokens=capacity, pcie_bytes_per_s=pcie_bytes_per_s,
+                     link_bytes_per_s=link_bytes_per_s)
     when = time.strftime("%Y-%m-%d")
-    cm = fit(rows, base, "cpu-calibrated",
-             f"calibrate on {when}: {len(rows)} timed steps of {model or 'the default model'} (CPU)")
+    cm = fit(rows, base, name, f"calibrate on {when}: {len(rows)} timed steps of "
+                               f"{model or 'the default model'} ({device})")
     pred = np.array([cm.step_time(a, b, c) for a, b, c, _ in rows])
     real = np.array([r[3] for r in rows])
     diag = {"steps": len(rows), "median_rel_error": float(np.median(np.abs(pred - real) / real)),

@@ -34,3 +34,11 @@ def test_gpu_throughput_quick(tmp_path: Path) -> None:
     checks = [r for r in records if r["bench"] == "check"]
     assert checks and all(c["top5_ok"] for c in checks)
     assert all(not r["ray_or_pyspark_imported"] for r in records if "ray_or_pyspark_imported" in r)
+    # the simulator's cost model was fitted on this device and saved as a loadable preset
+    from batchgen_data.sim import get_preset
+
+    cal = [r for r in records if r["bench"] == "sim_calibration"]
+    assert len(cal) == 1 and "error" not in cal[0] and cal[0]["steps"] >= 10, cal
+    preset = get_preset(str(tmp_path / "sim_preset_cpu.json"))
+    assert preset.name == "cpu-tiny-measured" and preset.max_num_seqs == 4
+    assert preset.step_time(64, 64, 1) > preset.step_time(1, 8, 1) > 0

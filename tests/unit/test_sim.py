@@ -227,3 +227,31 @@ def test_static_queues_ray_data_tasks_beyond_the_running_batches() -> None:
     assert np.max(queued.batch_bound_at) < np.max(plain.batch_bound_at)
     with pytest.raises(ValueError, match="max_tasks_in_flight"):
         mode_config("static", 64, max_concurrent_batches=8, max_tasks_in_flight=4)
+
+
+def test_migration_bound_floor_is_below_every_simulated_schedule() -> None:
+    # benchmarks/migration_bound.py calls `packing_floor` a bound no schedule on 2 engines beats
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from migration_bound import one_actor, packing_floor
+
+    shape = EngineShape(8, max_num_batched_tokens=2048, block_size=16, max_finishes=1)
+    on_mode = ModeConfig("migrate", batch_size=16, migrate=True, tick_s=0.05,
+                         placement=PlacementConfig(queue_depth=16, min_running_age=4,
+                                                   min_kv_gain_tokens=8, seat_receivers=True))
+    for seed in range(3):
+        wl = heavy_tail(64, seed=seed)
+        inp, out = wl.input_lens.tolist(), wl.output_lens.tolist()
+        floor = packing_floor(inp, out, LINEAR, seats=8)
+        halves = [list(range(i, 64, 2)) for i in (0, 1)]
+        off = max(one_actor([inp[i] for i in h], [out[i] for i in h], LINEAR, shape)
+                  for h in halves)
+        on = Cluster(wl, 2, LINEAR, shape, on_mode).run().bct_s
+        alone = one_actor(inp, out, LINEAR, shape)  # one engine does everything
+        assert 0 < floor <= min(off, on) and off <= alone
+        # the floor is the longest row alone or half the work at full batches, nothing looser
+        longest = max(LINEAR.step_time(i, 0, 1) + (o - 1) * LINEAR.step_time(1, 0, 1)
+                      for i, o in zip(inp, out))
+        assert floor >= longest

@@ -11,7 +11,10 @@ The switch under test is the processor's `migration` flag, which also turns late
 (Ray's default queue of 2 x max_concurrent_batches input batches per actor). Each repeat draws a
 new shuffle and runs both modes back to back, alternating which goes first (the box is shared
 and noisy); the report gives each repeat's ratio and the medians. Both modes must return every
-row exactly once with identical tokens; the script fails otherwise.
+row exactly once with identical tokens; the script fails otherwise. To show how Ray bound the
+rows, the predictor is `BatchGenPredictor` plus one output column (the pid of the actor whose
+task yields the row, i.e. the row's owner, also for a moved row): `off_split` / `on_split` are
+the output tokens owned by each actor, largest first.
 
     python benchmarks/ray_migration.py                  # default model, ~4 min per repeat
     python benchmarks/ray_migration.py --model tiny     # tiny random model (startup-dominated)
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import print_report  # noqa: E402
 
 COLUMNS = ["rep", "seed", "out_tokens", "max_len", "bct_off_s", "bct_on_s", "moves", "exchanges",
-           "coord_cpu_s", "on_vs_off"]
+           "coord_cpu_s", "off_split", "on_split", "on_vs_off"]
 
 
 def tiny_model() -> str:
@@ -61,6 +64,33 @@ def workload(n: int, median: int, sigma: float, cap: int, seed: int) -> list[dic
     return rows
 
 
+def tagged_predictor() -> type:
+    """`BatchGenPredictor` plus one column, the pid of the actor whose task yields the row (the
+    row's owner: a moved row comes back to it), so the report can show how Ray bound the rows.
+    Defined here, not at import, so importing this module does not import Ray."""
+    import os
+
+    import pyarrow as pa
+
+    from batchgen_data.connectors.ray_data import BatchGenPredictor
+
+    class TaggedPredictor(BatchGenPredictor):  # type: ignore[misc, valid-type]
+        def __call__(self, batch: Any):  # type: ignore[no-untyped-def]
+            for table in super().__call__(batch):
+                yield table.append_column(
+                    "bench_owner_pid", pa.array([os.getpid()] * table.num_rows, pa.int64()))
+
+    return TaggedPredictor
+
+
+def split(out: list[dict[str, Any]]) -> str:
+    """Output tokens per owning actor, largest first: how the rows were bound."""
+    per: dict[int, int] = {}
+    for r in out:
+        per[r["bench_owner_pid"]] = per.get(r["bench_owner_pid"], 0) + len(r["generated_token_ids"])
+    return "/".join(str(v) for v in sorted(per.values(), reverse=True))
+
+
 def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Namespace,
              migration: bool) -> tuple[float, dict[int, list[int]], dict[str, Any]]:
     import ray
@@ -79,7 +109,14 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
         migration=migration, migration_options={"interval_s": args.interval, "placement": placement})
     processor = build_processor(config)
     job = processor.job_id
-    ds = processor(ray.data.from_items(rows))
+    import batchgen_data.connectors.ray_data as ray_data_mod
+
+    plain = ray_data_mod.BatchGenPredictor
+    ray_data_mod.BatchGenPredictor = tagged_predictor()  # the processor looks it up when called
+    try:
+        ds = processor(ray.data.from_items(rows))
+    finally:
+        ray_data_mod.BatchGenPredictor = plain
     t0 = time.perf_counter()
     out = ds.take_all()
     bct = time.perf_counter() - t0
@@ -87,13 +124,14 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
     assert sorted(ids) == sorted(r["id"] for r in rows), "a row was lost or duplicated"
     assert all(r["error"] is None for r in out)
     stats: dict[str, Any] = {"num_moves": 0, "num_exchanges": 0, "cpu_s": 0.0}
+    bound = split(out)
     if migration:
         try:
             coord = ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE)
             stats = ray.get(coord.stats.remote())
         except ValueError:
             stats = {"num_moves": -1, "num_exchanges": -1, "cpu_s": -1.0}
-    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, stats
+    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, {**stats, "split": bound}
 
 
 def main() -> None:
@@ -133,16 +171,20 @@ def main() -> None:
         bct: dict[str, float] = {}
         reference: dict[int, list[int]] | None = None
         coord: dict[str, Any] = {}
+        splits: dict[str, str] = {}
         for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternating order
             bct[mode], tokens, moved = run_once(rows, model, args, migration=mode == "on")
             reference = reference or tokens
             assert tokens == reference, f"{mode}: tokens differ between the two modes"
             coord = moved if mode == "on" else coord
-            print(f"rep {rep} {mode}: bct {bct[mode]:.1f}s", flush=True)
+            splits[mode] = moved["split"]
+            print(f"rep {rep} {mode}: bct {bct[mode]:.1f}s, output tokens per owning actor "
+                  f"{splits[mode]}", flush=True)
         records.append({"rep": rep, "seed": args.seed + rep, "out_tokens": sum(lengths),
                         "max_len": lengths[-1], "bct_off_s": round(bct["off"], 1),
                         "bct_on_s": round(bct["on"], 1), "moves": coord["num_moves"],
                         "exchanges": coord["num_exchanges"], "coord_cpu_s": coord["cpu_s"],
+                        "off_split": splits["off"], "on_split": splits["on"],
                         "on_vs_off": round(bct["on"] / bct["off"], 3)})
     ratios = [r["on_vs_off"] for r in records]
     records.append({"rep": "median", "bct_off_s": round(statistics.median(r["bct_off_s"] for r in records), 1),

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--workload", choices=WORKLOADS, default="reasoning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--order", choices=("random", "longest-first"), default="random",
+                   help="row order; longest-first is an oracle (it reads the output lengths) "
+                        "that shows what knowing them in advance would give")
     p.add_argument("--preset", default=DEFAULT_PRESET, help="cost-model preset or .json file")
     p.add_argument("--overlap", action="store_true",
                    help="roofline step time (compute hides under memory); pair with --max-finishes 1")
@@ -57,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict]:
     wl = make_workload(args.workload, args.rows, args.seed)
+    if args.order == "longest-first":
+        wl = wl.longest_first()
     cost = get_preset(args.preset)
     if args.overlap:
         cost = replace(cost, name=cost.name + "+overlap", overlap=True)
@@ -68,6 +73,7 @@ def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict
                       max_tasks_in_flight=args.max_tasks_in_flight)
     report: dict[str, Any] = {
         "actors": actors, "rows": args.rows, "workload": args.workload, "seed": args.seed,
+        "order": args.order,
         "preset": cost.name, "engine": {"max_num_seqs": shape.max_num_seqs,
                                         "max_num_batched_tokens": shape.max_num_batched_tokens,
                                         "block_size": shape.block_size,

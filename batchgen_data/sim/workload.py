@@ -28,6 +28,13 @@ class Workload:
     def num_rows(self) -> int:
         return len(self.input_lens)
 
+    def longest_first(self) -> "Workload":
+        """The same rows ordered by output length, longest first (ties keep their order): an
+        oracle ordering, since no real job knows its output lengths in advance."""
+        order = np.argsort(-self.output_lens, kind="stable")
+        return Workload(self.name + "-longest-first", self.input_lens[order],
+                        self.output_lens[order], self.max_output)
+
     @property
     def total_tokens(self) -> int:
         return int(self.input_lens.sum() + self.output_lens.sum())

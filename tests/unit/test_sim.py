@@ -255,3 +255,12 @@ def test_migration_bound_floor_is_below_every_simulated_schedule() -> None:
         longest = max(LINEAR.step_time(i, 0, 1) + (o - 1) * LINEAR.step_time(1, 0, 1)
                       for i, o in zip(inp, out))
         assert floor >= longest
+
+
+def test_longest_first_is_the_same_rows_sorted() -> None:
+    wl = make_workload("reasoning", 500, seed=1)
+    lf = wl.longest_first()
+    assert (np.diff(lf.output_lens) <= 0).all()
+    pairs = sorted(zip(wl.output_lens.tolist(), wl.input_lens.tolist()))
+    assert pairs == sorted(zip(lf.output_lens.tolist(), lf.input_lens.tolist()))
+    assert lf.max_output == wl.max_output and lf.total_tokens == wl.total_tokens

@@ -77,8 +77,17 @@ def tagged_predictor() -> type:
     class TaggedPredictor(BatchGenPredictor):  # type: ignore[misc, valid-type]
         def __call__(self, batch: Any):  # type: ignore[no-untyped-def]
             for table in super().__call__(batch):
-                yield table.append_column(
-                    "bench_owner_pid", pa.array([os.getpid()] * table.num_rows, pa.int64()))
+                st = self.driver.engine.stats  # cumulative, read when the rows are yielded
+                n = table.num_rows
+                for name, value, typ in (
+                        ("bench_owner_pid", os.getpid(), pa.int64()),
+                        ("bench_steps", st.num_steps, pa.int64()),
+                        ("bench_step_s", st.step_time_s, pa.float64()),
+                        ("bench_seq_steps", sum(k * v for k, v in st.batch_seqs_hist.items()),
+                         pa.int64()),
+                        ("bench_wall", time.time(), pa.float64())):
+                    table = table.append_column(name, pa.array([value] * n, typ))
+                yield table
 
     return TaggedPredictor
 
@@ -89,6 +98,29 @@ def split(out: list[dict[str, Any]]) -> str:
     for r in out:
         per[r["bench_owner_pid"]] = per.get(r["bench_owner_pid"], 0) + len(r["generated_token_ids"])
     return "/".join(str(v) for v in sorted(per.values(), reverse=True))
+
+
+def engines(out: list[dict[str, Any]], t0_wall: float) -> list[dict[str, Any]]:
+    """Per owning actor, largest first: its engine's steps, time in `step()`, mean sequences
+    per step and the time of its last yield (from the job's start), as of its last yield. An
+    importer's work for guests after its own last row is not included."""
+    last: dict[int, dict[str, Any]] = {}
+    tokens: dict[int, int] = {}
+    for r in out:
+        pid = r["bench_owner_pid"]
+        tokens[pid] = tokens.get(pid, 0) + len(r["generated_token_ids"])
+        if pid not in last or r["bench_wall"] > last[pid]["bench_wall"]:
+            last[pid] = r
+    rep = []
+    for pid in sorted(last, key=lambda p: -tokens[p]):
+        r = last[pid]
+        steps = max(r["bench_steps"], 1)
+        rep.append({"tokens": tokens[pid], "steps": r["bench_steps"],
+                    "busy_s": round(r["bench_step_s"], 1),
+                    "step_ms": round(1e3 * r["bench_step_s"] / steps, 1),
+                    "seqs_per_step": round(r["bench_seq_steps"] / steps, 2),
+                    "last_yield_s": round(r["bench_wall"] - t0_wall, 1)})
+    return rep
 
 
 def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Namespace,
@@ -117,21 +149,22 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
         ds = processor(ray.data.from_items(rows))
     finally:
         ray_data_mod.BatchGenPredictor = plain
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     out = ds.take_all()
     bct = time.perf_counter() - t0
     ids = [r["id"] for r in out]
     assert sorted(ids) == sorted(r["id"] for r in rows), "a row was lost or duplicated"
     assert all(r["error"] is None for r in out)
     stats: dict[str, Any] = {"num_moves": 0, "num_exchanges": 0, "cpu_s": 0.0}
-    bound = split(out)
+    bound, per_engine = split(out), engines(out, t0_wall)
     if migration:
         try:
             coord = ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE)
             stats = ray.get(coord.stats.remote())
         except ValueError:
             stats = {"num_moves": -1, "num_exchanges": -1, "cpu_s": -1.0}
-    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, {**stats, "split": bound}
+    return bct, {r["id"]: list(r["generated_token_ids"]) for r in out}, {**stats, "split": bound,
+                                                                 "engines": per_engine}
 
 
 def main() -> None:
@@ -172,19 +205,21 @@ def main() -> None:
         reference: dict[int, list[int]] | None = None
         coord: dict[str, Any] = {}
         splits: dict[str, str] = {}
+        per_engine: dict[str, list[dict[str, Any]]] = {}
         for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternating order
             bct[mode], tokens, moved = run_once(rows, model, args, migration=mode == "on")
             reference = reference or tokens
             assert tokens == reference, f"{mode}: tokens differ between the two modes"
             coord = moved if mode == "on" else coord
-            splits[mode] = moved["split"]
+            splits[mode], per_engine[mode] = moved["split"], moved["engines"]
             print(f"rep {rep} {mode}: bct {bct[mode]:.1f}s, output tokens per owning actor "
-                  f"{splits[mode]}", flush=True)
+                  f"{splits[mode]}, engines {json.dumps(per_engine[mode])}", flush=True)
         records.append({"rep": rep, "seed": args.seed + rep, "out_tokens": sum(lengths),
                         "max_len": lengths[-1], "bct_off_s": round(bct["off"], 1),
                         "bct_on_s": round(bct["on"], 1), "moves": coord["num_moves"],
                         "exchanges": coord["num_exchanges"], "coord_cpu_s": coord["cpu_s"],
                         "off_split": splits["off"], "on_split": splits["on"],
+                        "engines": per_engine,
                         "on_vs_off": round(bct["on"] / bct["off"], 3)})
     ratios = [r["on_vs_off"] for r in records]
     records.append({"rep": "median", "bct_off_s": round(statistics.median(r["bct_off_s"] for r in records), 1),

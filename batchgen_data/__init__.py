@@ -1,10 +1,40 @@
-"""batchgen_data: batch LLM inference as sequence coroutines, for Ray Data and Spark."""
+"""batchgen_data: batch LLM inference as sequence coroutines, for Ray Data and Spark.
+
+The public names are imported on first use, so that a process needing only a light module
+(`batchgen_data.placement` in the migration coordinator, `batchgen_data.sampling_params` in a
+driver) does not pay for torch and the engine.
+"""
 from __future__ import annotations
 
-from batchgen_data.llm import LLM
-from batchgen_data.models.default_model import DEFAULT_MODEL
-from batchgen_data.outputs import CompletionOutput, RequestOutput
-from batchgen_data.sampling_params import SamplingParams
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen_data.llm import LLM
+    from batchgen_data.models.default_model import DEFAULT_MODEL
+    from batchgen_data.outputs import CompletionOutput, RequestOutput
+    from batchgen_data.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "batchgen_data.llm",
+    "DEFAULT_MODEL": "batchgen_data.models.default_model",
+    "CompletionOutput": "batchgen_data.outputs",
+    "RequestOutput": "batchgen_data.outputs",
+    "SamplingParams": "batchgen_data.sampling_params",
+}
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchgen_data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

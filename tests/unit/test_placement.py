@@ -158,3 +158,17 @@ def test_seat_receivers_take_queued_rows_but_not_running_ones() -> None:
     full = load("b", running=SEATS)
     tight = load("b", running=SEATS - 2, used_blocks=999)
     assert find_receivers([loads[0], full], cfg) == find_receivers([loads[0], tight], cfg) == []
+
+
+def test_the_coordinator_process_does_not_import_torch() -> None:
+    # the migration coordinator is its own Ray actor process: it needs the placement policy,
+    # not the engine, and importing torch there cost ~2.4 s of CPU at every job's start
+    import subprocess
+    import sys
+
+    code = ("import sys, batchgen_data.placement, batchgen_data.connectors.ray_coordinator\n"
+            "heavy = {'torch', 'transformers', 'ray.data'} & set(sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "from batchgen_data import LLM, SamplingParams\n"  # still there on first use
+            "assert 'torch' in sys.modules and LLM.__name__ == 'LLM'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,9 +12,9 @@ The switch under test is the processor's `migration` flag, which also turns late
 new shuffle and runs both modes back to back, alternating which goes first (the box is shared
 and noisy); the report gives each repeat's ratio and the medians. Both modes must return every
 row exactly once with identical tokens; the script fails otherwise. To show how Ray bound the
-rows, the predictor is `BatchGenPredictor` plus one output column (the pid of the actor whose
-task yields the row, i.e. the row's owner, also for a moved row): `off_split` / `on_split` are
-the output tokens owned by each actor, largest first.
+rows, the predictor is `BatchGenPredictor` plus bench_* output columns (the pid of the actor
+whose task yields the row, i.e. the row's owner, also for a moved row, and its engine's
+counters): `off_split` / `on_split` are the output tokens owned by each actor, largest first.
 
     python benchmarks/ray_migration.py                  # default model, ~4 min per repeat
     python benchmarks/ray_migration.py --model tiny     # tiny random model (startup-dominated)
@@ -65,9 +65,10 @@ def workload(n: int, median: int, sigma: float, cap: int, seed: int) -> list[dic
 
 
 def tagged_predictor() -> type:
-    """`BatchGenPredictor` plus one column, the pid of the actor whose task yields the row (the
-    row's owner: a moved row comes back to it), so the report can show how Ray bound the rows.
-    Defined here, not at import, so importing this module does not import Ray."""
+    """`BatchGenPredictor` plus bench_* columns: the pid of the actor whose task yields the row
+    (the row's owner: a moved row comes back to it), so the report can show how Ray bound the
+    rows, and that actor's engine counters when it yielded. Defined here, not at import, so
+    importing this module does not import Ray."""
     import os
 
     import pyarrow as pa
@@ -90,14 +91,6 @@ def tagged_predictor() -> type:
                 yield table
 
     return TaggedPredictor
-
-
-def split(out: list[dict[str, Any]]) -> str:
-    """Output tokens per owning actor, largest first: how the rows were bound."""
-    per: dict[int, int] = {}
-    for r in out:
-        per[r["bench_owner_pid"]] = per.get(r["bench_owner_pid"], 0) + len(r["generated_token_ids"])
-    return "/".join(str(v) for v in sorted(per.values(), reverse=True))
 
 
 def engines(out: list[dict[str, Any]], t0_wall: float) -> list[dict[str, Any]]:
@@ -156,7 +149,8 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
     assert sorted(ids) == sorted(r["id"] for r in rows), "a row was lost or duplicated"
     assert all(r["error"] is None for r in out)
     stats: dict[str, Any] = {"num_moves": 0, "num_exchanges": 0, "cpu_s": 0.0}
-    bound, per_engine = split(out), engines(out, t0_wall)
+    per_engine = engines(out, t0_wall)
+    bound = "/".join(str(e["tokens"]) for e in per_engine)  # how Ray bound the rows
     if migration:
         try:
             coord = ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE)

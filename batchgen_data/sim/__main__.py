@@ -14,7 +14,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from batchgen_data.sim import DEFAULT_PRESET, MODES, EngineShape, compare, get_preset, make_workload
+from batchgen_data.sim import (DEFAULT_PRESET, MODES, EngineShape, compare, get_preset,
+                               make_workload, mode_config)
 from batchgen_data.sim.workload import WORKLOADS
 
 
@@ -71,6 +72,9 @@ def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict
     results = compare(wl, actors, cost, shape, modes, jobs=args.jobs, batch_size=args.batch_size,
                       max_concurrent_batches=args.max_concurrent_batches, tick_s=args.tick,
                       max_tasks_in_flight=args.max_tasks_in_flight)
+    static = mode_config("static", shape.max_num_seqs, batch_size=args.batch_size,
+                         max_concurrent_batches=args.max_concurrent_batches,
+                         max_tasks_in_flight=args.max_tasks_in_flight)
     report: dict[str, Any] = {
         "actors": actors, "rows": args.rows, "workload": args.workload, "seed": args.seed,
         "order": args.order,
@@ -78,10 +82,9 @@ def run_one(args: argparse.Namespace, actors: int) -> tuple[dict[str, Any], dict
                                         "max_num_batched_tokens": shape.max_num_batched_tokens,
                                         "block_size": shape.block_size,
                                         "max_finishes": shape.finishes_per_run},
-        "static_feed": {"batch_size": args.batch_size,
-                        "max_concurrent_batches": args.max_concurrent_batches,
-                        "max_tasks_in_flight": (args.max_tasks_in_flight
-                                                or 2 * args.max_concurrent_batches)},
+        "static_feed": {"batch_size": static.batch_size,
+                        "max_concurrent_batches": static.max_concurrent_batches,
+                        "max_tasks_in_flight": static.tasks_in_flight},
         "modes": {m: r.summary() for m, r in results.items()},
     }
     bct = {m: r.bct_s for m, r in results.items()}

@@ -28,24 +28,20 @@ KINDS = ("waiting", "held", "running")
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """One engine's load report: `Engine.load()` plus its seat count."""
+    """One engine's load report (`Engine.load()`; `SimActor.load()` in the simulator)."""
 
     engine_id: EngineId
-    waiting: int
-    running: int
-    held: int
-    remaining_tokens_est: int
+    waiting: int  # sequences queued, never scheduled yet
+    running: int  # sequences with KV blocks on the device
+    held: int  # sequences held for memory + requests held by the user (`Engine.hold`)
+    remaining_tokens_est: int  # pending + still-allowed output tokens of the live requests
     free_blocks: int
     total_blocks: int
     max_num_seqs: int
     block_size: int = 16
-
-    @classmethod
-    def from_report(cls, engine_id: EngineId, report: Mapping[str, int], max_num_seqs: int,
-                    block_size: int = 16) -> "EngineLoad":
-        keys = ("waiting", "running", "held", "remaining_tokens_est", "free_blocks", "total_blocks")
-        return cls(engine_id, *(int(report[k]) for k in keys), max_num_seqs=max_num_seqs,
-                   block_size=block_size)
+    kv_bytes_per_token: int = 0  # what shipping one token of KV costs (0: unknown)
+    # measured prompt throughput, the price of recomputing KV (0: not measured yet)
+    prefill_tokens_per_s: int = 0
 
     @property
     def num_active(self) -> int:

@@ -23,10 +23,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from batchgen_data.connectors.ray_coordinator import Message
+from batchgen_data.connectors.ray_coordinator import Message, Reply, Report
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +72,12 @@ class _Away:
 class MigrationClient:
     """Moves this engine's surplus out and other engines' surplus in, as the coordinator says."""
 
-    def __init__(self, driver: Any, coordinator: Any, engine_id: str,
+    def __init__(self, driver: EngineDriver, coordinator: Any, engine_id: str,
                  options: MigrationOptions) -> None:
         self.driver = driver
         self.coordinator = coordinator
         self.engine_id = engine_id
         self.options = options
-        sched = driver.engine.config.scheduler
-        self.max_num_seqs = sched.max_num_seqs
-        self.block_size = driver.engine.config.cache.block_size
         self.away: dict[str, _Away] = {}  # owned rows running elsewhere; only this thread
         self.guests: dict[str, str] = {}  # imported rid -> owner; only the engine thread
         self.outbox: list[tuple[str, Message]] = []
@@ -137,47 +138,38 @@ class MigrationClient:
     def _tick(self) -> None:
         reply = self._exchange()
         with self._guests_done:
-            self.others_busy = bool(reply.get("others_busy", False))
+            self.others_busy = reply.others_busy
             self._guests_done.notify_all()
-        for msg in reply["inbox"]:
+        for msg in reply.inbox:
             self._receive(msg)
-        for dst, rids, ship in reply["orders"]:
-            self._export(dst, rids, ship)
-        self._reclaim_lost(set(reply["live"]))
+        for move in reply.orders:
+            self._export(move.dst, move.request_ids, move.ship_kv)
+        self._reclaim_lost(set(reply.live))
 
-    def _exchange(self) -> dict[str, Any]:
+    def _exchange(self) -> Reply:
         import ray
 
         # no timeout here: a slow step is not a coordinator failure (a dead engine fails it)
-        report, summaries = self.driver.call(self._snapshot).result()
+        report = self.driver.call(self._snapshot).result()
         with self._lock:
             outbox, self.outbox = self.outbox, []
-        report = {**report, "accepting": self.active_calls > 0,
-                  "owned": report["owned"] + len(self.away)}
-        ref = self.coordinator.exchange.remote(self.engine_id, report, self.max_num_seqs,
-                                               self.block_size, summaries, outbox)
+        report = replace(report, accepting=self.active_calls > 0,
+                         owned=report.owned + len(self.away))
+        ref = self.coordinator.exchange.remote(report, outbox)
         return ray.get(ref, timeout=self.options.rpc_timeout_s)
 
-    def _snapshot(self, engine: Any) -> tuple[dict[str, int], list[tuple[Any, ...]]]:
-        """Engine thread: load report plus summaries of owned requests (guests never move on)."""
-        sch = engine.scheduler
-        limit = max(1, len(sch.running))
-
-        def rows(seqs: Any, kind: str) -> list[tuple[Any, ...]]:
-            return [(s.request_id, kind, s.num_tokens, s.num_output_tokens, s.num_computed_tokens)
-                    for s in seqs if s.request_id not in self.guests]
-
-        running = sorted(sch.running, key=lambda s: -s.num_output_tokens)[:limit]
-        owned = sum(1 for rid in engine.requests if rid not in self.guests)
-        return {**engine.load(), "owned": owned}, (rows(sch.waiting, "waiting") + rows(sch.preempted, "held")
-                               + rows(running, "running"))
+    def _snapshot(self, engine: Engine) -> Report:
+        """Engine thread: load report plus the owned requests that may move (guests never move
+        on)."""
+        return Report(engine.load(self.engine_id), tuple(engine.movable(exclude=self.guests)),
+                      owned=engine.num_unfinished(exclude=self.guests))
 
     # ---- owner side ---------------------------------------------------------------------
     def _export(self, dst: str, rids: tuple[str, ...], ship_kv: bool) -> None:
-        def take(engine: Any) -> list[tuple[str, dict[str, Any], Future]]:
+        def take(engine: Engine) -> list[tuple[str, dict[str, Any], Future]]:
             out = []
             for rid in rids:
-                if rid not in engine.requests or rid in self.guests:
+                if not engine.is_live(rid) or rid in self.guests:
                     continue  # finished (or moved) since the report
                 fut = self.driver.release(rid)
                 if fut is None or fut.done():
@@ -203,7 +195,7 @@ class MigrationClient:
         if away.future.done():
             return
 
-        def run_here(engine: Any) -> None:
+        def run_here(engine: Engine) -> None:
             engine.import_(away.state)
             self.driver.adopt(rid, away.future)
 
@@ -221,7 +213,7 @@ class MigrationClient:
         for rid in list(self.away):
             self._reclaim(rid)
 
-        def drop_guests(engine: Any) -> None:
+        def drop_guests(engine: Engine) -> None:
             for rid in list(self.guests):
                 engine.abort(rid)  # their owners reclaim them too
 
@@ -247,7 +239,7 @@ class MigrationClient:
         rid = state["request_id"]
         fut: Future = Future()
 
-        def add(engine: Any) -> None:
+        def add(engine: Engine) -> None:
             try:
                 engine.import_(state)
             except Exception:  # noqa: BLE001 - the owner runs it instead
@@ -273,7 +265,7 @@ class MigrationClient:
             self.outbox.append((dst, msg))
 
 
-def start_migration(driver: Any, fingerprint: str,
+def start_migration(driver: EngineDriver, fingerprint: str,
                     options: MigrationOptions) -> MigrationClient | None:
     """Join (or create) the job's coordinator; None, logged, when Ray cannot provide one."""
     import uuid

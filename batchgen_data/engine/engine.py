@@ -3,13 +3,17 @@
 `step()` runs one scheduling round: the scheduler picks suspended coroutines and token counts,
 the runner computes them in one batch, the sampler draws next tokens, and each coroutine is
 resumed with its result. Requests that finish in the step are returned at once (completion
-order). The suspension-point primitives — abort, hold, resume, export, import_ — are public.
+order). The suspension-point primitives — abort, hold, resume, export, import_ — are public, and
+so is what a placement policy reads (`load`, `movable`); nothing outside `engine/` needs the
+scheduler itself. docs/ENGINE_API.md is the contract.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -19,11 +23,12 @@ from batchgen_data.engine import coroutine
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.request import Request
 from batchgen_data.engine.sampler import Sampler
-from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
-from batchgen_data.engine.stats import EngineStats
+from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -42,8 +47,10 @@ class Engine:
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids)
         self.stats = EngineStats()
-        self.requests: dict[str, Request] = {}
-        self.parked: dict[str, Request] = {}  # held by the user: not resumed until resume()
+        self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
+        self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
+        # called with every step's shape before the model runs (sim/calibrate.py times steps)
+        self.on_step: Callable[[StepShape], None] | None = None
         self._coros: dict[int, coroutine.SequenceCoroutine] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -71,7 +78,7 @@ class Engine:
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
-        if rid in self.requests or rid in self.parked:
+        if rid in self.requests or rid in self.held:
             raise ValueError(f"request_id={rid!r} is already in this engine")
         ids = list(prompt_token_ids)
         req = Request(rid, prompt, ids, params)
@@ -97,13 +104,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending_out)
 
-    def num_unfinished(self) -> int:
-        return len(self.requests)
+    def num_unfinished(self, exclude: Container[str] = ()) -> int:
+        """Live requests (waiting, running, held for memory), those in `exclude` left out."""
+        if not exclude:
+            return len(self.requests)
+        return sum(1 for rid in self.requests if rid not in exclude)
+
+    def is_live(self, request_id: str) -> bool:
+        """Submitted or imported here and not finished, aborted, exported or held by hold()."""
+        return request_id in self.requests
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         finished, self._pending_out = self._pending_out, []
         out = self.scheduler.schedule()
+        if self.on_step is not None:
+            self.on_step(StepShape.of(out))
         self._move_kv(out)
         if not out.seqs:
             return finished
@@ -131,10 +147,8 @@ class Engine:
     def _move_kv(self, out: SchedulerOutput) -> None:
         # order matters: read preempted KV before any new owner of those blocks writes them
         for seq, blocks in out.swap_out:
-            if self.host.fits(seq.num_computed_tokens):
+            if decide_held_kv(seq, self.host, keep=True):
                 self.host.put(seq, self.runner.read_kv(blocks, seq.num_computed_tokens))
-            else:
-                seq.num_computed_tokens = 0
         for seq in out.swap_in:
             self.runner.write_kv(seq.block_ids, self.host.take(seq))
 
@@ -155,7 +169,7 @@ class Engine:
 
     # ---- suspension-point primitives ------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None) or self.parked.pop(request_id, None)
+        req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
         if req is None:
             return False
         for seq in req.unfinished():
@@ -168,28 +182,24 @@ class Engine:
         return True
 
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
-        """Suspend a request: free its KV blocks (copy to host if `keep_kv` and it fits)."""
+        """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if
+        `keep_kv` and it fits (`decide_held_kv`), else it is recomputed on resume."""
         req = self._live(request_id)
         for seq in req.unfinished():
             self._hold_seq(seq, keep_kv)
         del self.requests[request_id]
-        self.parked[request_id] = req
+        self.held[request_id] = req
 
     def _hold_seq(self, seq: Sequence, keep_kv: bool) -> None:
-        if seq.host_kv is None and seq.block_ids and seq.num_computed_tokens > 0:
-            if keep_kv and self.host.fits(seq.num_computed_tokens):
-                self.host.put(seq, self.runner.read_kv(seq.block_ids, seq.num_computed_tokens))
-            else:
-                seq.num_computed_tokens = 0
-        elif not keep_kv and seq.host_kv is not None:
-            self.host.drop(seq)
-            seq.num_computed_tokens = 0
+        on_device = seq.host_kv is None and bool(seq.block_ids)
+        if decide_held_kv(seq, self.host, keep_kv) and on_device:
+            self.host.put(seq, self.runner.read_kv(seq.block_ids, seq.num_computed_tokens))
         self.scheduler.remove(seq)
         self._coros.pop(seq.seq_id, None)
         seq.status = SequenceStatus.HELD
 
     def resume(self, request_id: str, front: bool = True) -> None:
-        req = self.parked.pop(request_id, None)
+        req = self.held.pop(request_id, None)
         if req is None:
             raise KeyError(f"request {request_id!r} is not held")
         self._add(req, front=front)
@@ -198,7 +208,7 @@ class Engine:
         """Turn a request into plain data and remove it from this engine."""
         if request_id in self.requests:
             self.hold(request_id, keep_kv=include_kv)
-        req = self.parked.pop(request_id, None)
+        req = self.held.pop(request_id, None)
         if req is None:
             raise KeyError(f"request {request_id!r} is not in this engine")
         seqs = []
@@ -217,7 +227,7 @@ class Engine:
     def import_(self, state: dict[str, Any], front: bool = True) -> str:
         """Continue an exported request here; tokens match an unmoved run (greedy or seeded)."""
         rid = state["request_id"]
-        if rid in self.requests or rid in self.parked:
+        if rid in self.requests or rid in self.held:
             raise ValueError(f"request_id={rid!r} is already in this engine")
         params = SamplingParams.from_dict(state["params"])
         self.check_request(state["prompt_token_ids"], params)
@@ -233,7 +243,8 @@ class Engine:
             elif st.get("kv") is not None:
                 kv = st["kv"]
                 seq.num_computed_tokens = kv[0][0].shape[0]
-                self.host.put(seq, kv)
+                if decide_held_kv(seq, self.host, keep=True):
+                    self.host.put(seq, kv)
             req.seqs.append(seq)
         self._add(req, front=front)
         return rid
@@ -244,18 +255,40 @@ class Engine:
             raise KeyError(f"request {request_id!r} is not running in this engine")
         return req
 
-    def load(self) -> dict[str, int]:
-        sch = self.scheduler
+    # ---- reports ---------------------------------------------------------------------------
+    def load(self, engine_id: EngineId = None) -> EngineLoad:
+        """This engine's load report for a placement policy (`batchgen_data.placement`)."""
         spt = self.stats.prefill_s_per_token
-        return {
-            "waiting": len(sch.waiting),
-            "running": len(sch.running),
-            "held": len(sch.preempted) + len(self.parked),
-            "remaining_tokens_est": sum(
-                s.remaining_tokens_estimate() for r in self.requests.values() for s in r.unfinished()),
-            "free_blocks": self.pool.num_free,
-            "total_blocks": self.pool.num_blocks,
-            "kv_bytes_per_token": self.host.bytes_per_token,
-            # measured prompt throughput (0: not measured yet): the price of recomputing KV
-            "prefill_tokens_per_s": int(1.0 / spt) if spt else 0,
-        }
+        base = self.scheduler.load(engine_id)
+        return dataclasses.replace(
+            base, held=base.held + len(self.held),
+            remaining_tokens_est=sum(s.remaining_tokens_estimate()
+                                     for r in self.requests.values() for s in r.unfinished()),
+            kv_bytes_per_token=self.host.bytes_per_token,
+            prefill_tokens_per_s=int(1.0 / spt) if spt else 0)
+
+    def movable(self, max_running: int | None = None,
+                exclude: Container[str] = ()) -> list[RequestSummary]:
+        """Sequences another engine could take over (`export`): waiting ones in queue order,
+        those held for memory, then the `max_running` (None: all) running ones that have
+        generated most. Requests held by the user and those in `exclude` are left out."""
+        return self.scheduler.movable(max_running, exclude)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (benchmarks that repeat the same prompts)."""
+        self.pool.reset_prefix_cache()
+
+    def step_until_decode(self) -> None:
+        """Step until sequences run and each has exactly one token pending: the next step is a
+        pure decode (where runner benchmarks and fast-path tests start)."""
+        while not self.scheduler.running or any(
+                s.num_pending_tokens != 1 for s in self.scheduler.running):
+            if not self.has_unfinished():
+                raise RuntimeError("step_until_decode: no unfinished request to decode")
+            self.step()
+
+    def schedule_decode(self) -> SchedulerOutput:
+        """`step_until_decode`, then schedule the next step without running it, for a caller
+        that drives the model runner itself. A later `step()` schedules the same batch again."""
+        self.step_until_decode()
+        return self.scheduler.schedule()

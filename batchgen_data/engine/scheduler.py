@@ -2,20 +2,47 @@
 
 It never asks "prefill or decode": every sequence simply has pending tokens (`num_tokens -
 num_computed_tokens`). Each step fills a token budget in priority order — running sequences
-first (so they finish and free memory), then preempted ones, then new ones — chunking long
-prompts to fit. When KV blocks run out it preempts the running sequences that are cheapest to
-bring back (fewest computed tokens) by holding them: their KV goes to the host tier when it fits,
-otherwise it is dropped and recomputed (often from the prefix cache) on resume.
+first (so they finish and free memory), then held ones, then new ones — chunking long prompts to
+fit. When KV blocks run out it preempts the running sequences that are cheapest to bring back
+(fewest computed tokens): it holds them for memory, and `decide_held_kv` says whether their KV
+goes to the host tier or is dropped and recomputed (often from the prefix cache) on resume.
+
+"Held" is one state (`SequenceStatus.HELD`: no KV blocks, not scheduled) with two reasons: held
+for memory by the scheduler (in `Scheduler.held`, resumed automatically before new work) or held
+by the user (`Engine.hold`, resumed by `Engine.resume`).
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
+
+
+def decide_held_kv(seq: Sequence, host: HostKVTier, keep: bool) -> bool:
+    """The one keep-or-drop-KV rule for a sequence being held (for memory, by the user, for an
+    export) or arriving with shipped KV. Its KV stays, in the host tier, when `keep` is asked for,
+    there is KV at all and the tier has room for it; otherwise it is dropped here
+    (`num_computed_tokens` back to 0) and recomputed when the sequence runs again.
+
+    Returns True when the caller must copy the sequence's KV into the host tier now; KV already
+    there stays (or is dropped when `keep` is False). The scheduler asks when it preempts and the
+    engine asks again when it copies: earlier copies of the same step may have filled the tier.
+    """
+    if seq.host_kv is not None:
+        if keep:
+            return False
+        host.drop(seq)
+    elif keep and seq.num_computed_tokens > 0 and host.fits(seq.num_computed_tokens):
+        return True
+    seq.num_computed_tokens = 0
+    return False
 
 
 @dataclass
@@ -26,7 +53,7 @@ class SchedulerOutput:
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     # sequences whose host KV must be copied into their new blocks before the step runs
     swap_in: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    held: list[Sequence] = field(default_factory=list)  # preempted: held for memory this step
 
     @property
     def total_tokens(self) -> int:
@@ -42,7 +69,7 @@ class Scheduler:
         self.pool = pool
         self.host = host
         self.waiting: deque[Sequence] = deque()
-        self.preempted: deque[Sequence] = deque()  # resumed automatically, before new work
+        self.held: deque[Sequence] = deque()  # held for memory: resumed before new work
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # admit new work only while this many blocks stay free, so decodes have room to grow
@@ -53,11 +80,11 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.running)
+        return bool(self.waiting or self.held or self.running)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of every queue and release its KV (used by abort/hold/export/finish)."""
-        for q in (self.waiting, self.preempted):
+        for q in (self.waiting, self.held):
             if seq in q:
                 q.remove(seq)
         if seq in self.running:
@@ -83,15 +110,15 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._grow(seq, n)
+                self.grow(seq, n)
                 out.seqs.append(seq)
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        if out.preempted:
+        if out.held:
             return out  # memory is tight: admit nothing new this step
-        budget = self._admit(self.preempted, out, budget)
-        if not self.preempted:
+        budget = self._admit(self.held, out, budget)
+        if not self.held:
             self._admit(self.waiting, out, budget)
         return out
 
@@ -108,7 +135,7 @@ class Scheduler:
                     seq.block_hashes = []
                 break
             queue.popleft()
-            self._grow(seq, n)
+            self.grow(seq, n)
             if seq.host_kv is not None:
                 out.swap_in.append(seq)
             seq.status = SequenceStatus.RUNNING
@@ -135,7 +162,8 @@ class Scheduler:
     def _can_grow(self, seq: Sequence, n: int, keep_free: int) -> bool:
         return self._blocks_needed(seq, n) + keep_free <= self.pool.num_free
 
-    def _grow(self, seq: Sequence, n: int) -> None:
+    def grow(self, seq: Sequence, n: int) -> None:
+        """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free)."""
         need = self._blocks_needed(seq, n)
         if need:
             seq.block_ids.extend(self.pool.allocate(need))
@@ -149,17 +177,12 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        mode = self.config.preemption_mode
-        keep = mode != "recompute" and seq.num_computed_tokens > 0 and self.host.fits(
-            seq.num_computed_tokens)
-        if keep:
+        if decide_held_kv(seq, self.host, keep=self.config.preemption_mode != "recompute"):
             out.swap_out.append((seq, list(seq.block_ids)))
-        else:
-            seq.num_computed_tokens = 0
         self.release(seq)
         seq.status = SequenceStatus.HELD
-        self.preempted.append(seq)
-        out.preempted.append(seq)
+        self.held.append(seq)
+        out.held.append(seq)
         self.num_preemptions += 1
 
     def after_step(self, out: SchedulerOutput) -> None:
@@ -172,3 +195,47 @@ class Scheduler:
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
                 toks = tuple(seq.token_ids[j * bs:(j + 1) * bs])
                 seq.block_hashes.append(self.pool.register(seq.block_ids[j], parent, toks))
+
+    # ---- reports ----------------------------------------------------------------------
+    def next_is_pure_decode(self) -> bool:
+        """Would the next `schedule()` compute one token for every running sequence and admit
+        nobody? Whether the running ones have the blocks to grow is left to the caller."""
+        run = self.running
+        if not run or len(run) > self.config.max_num_batched_tokens:
+            return False
+        if any(s.num_pending_tokens != 1 for s in run):
+            return False
+        queue = self.held or self.waiting
+        if not queue or len(run) >= self.config.max_num_seqs:
+            return True
+        head = queue[0]
+        n = min(head.num_pending_tokens, self.config.max_num_batched_tokens - len(run))
+        # the admission test of `_admit`; free blocks only shrink while the running ones decode
+        return not self._can_grow(head, n, keep_free=self.watermark)
+
+    def load(self, engine_id: EngineId, running: int | None = None) -> EngineLoad:
+        """Queues and blocks as a load report; `running` overrides the count (the simulator's
+        mid-run value). The engine adds what only it knows (`Engine.load`)."""
+        return EngineLoad(engine_id, len(self.waiting),
+                          len(self.running) if running is None else running, len(self.held), 0,
+                          self.pool.num_free, self.pool.num_blocks, self.config.max_num_seqs,
+                          self.pool.block_size)
+
+    def movable(self, max_running: int | None = None,
+                exclude: Container[str] = ()) -> list[RequestSummary]:
+        """Sequences another engine could take over: waiting ones in queue order, the held ones,
+        then the `max_running` (None: all) running ones that have generated most, oldest first.
+        Sequences of requests in `exclude` are left out."""
+        def summ(seqs: list[Sequence], kind: str) -> list[RequestSummary]:
+            return [RequestSummary(s.request_id, kind, s.num_tokens, s.num_output_tokens,
+                                   s.num_computed_tokens) for s in seqs]
+
+        def keep(seqs: "deque[Sequence] | list[Sequence]") -> list[Sequence]:
+            return [s for s in seqs if s.request_id not in exclude] if exclude else list(seqs)
+
+        running = keep(self.running)
+        # nlargest is stable: among equal ages the order of `running` is kept
+        oldest = heapq.nlargest(len(running) if max_running is None else max_running, running,
+                                key=lambda s: s.num_output_tokens)
+        return (summ(keep(self.waiting), "waiting") + summ(keep(self.held), "held")
+                + summ(oldest, "running"))

@@ -1,18 +1,24 @@
-"""Counters an engine keeps about itself (cheap to update on every step)."""
+"""Counters an engine keeps about itself (cheap to update on every step), and the shape of one
+step (what the simulator's cost model is fitted on, `sim/calibrate.py`)."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.scheduler import SchedulerOutput
 
 
 @dataclass
 class EngineStats:
     num_steps: int = 0
     max_batch_seqs: int = 0
-    batch_seqs_hist: Counter = field(default_factory=Counter)  # sequences per step -> steps
+    # sequences per step -> steps
+    batch_seqs_hist: Counter[int] = field(default_factory=Counter)
     computed_tokens: int = 0  # tokens run through the model (prompts, decodes, recomputes)
     generated_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # running sequences the scheduler held for memory
     num_finished: int = 0
     step_time_s: float = 0.0
     # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
@@ -31,7 +37,21 @@ class EngineStats:
         self.generated_tokens += num_sampled
         self.step_time_s += dt
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["batch_seqs_hist"] = dict(self.batch_seqs_hist)
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one scheduled step asks of the model (given to `Engine.on_step`)."""
+
+    num_seqs: int
+    num_new_tokens: int  # tokens computed in the step (prompt chunks, decodes, recomputes)
+    kv_tokens: int  # context attended over: each sequence's computed + new tokens, summed
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        kv = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
+        return cls(len(out.seqs), out.total_tokens, kv)

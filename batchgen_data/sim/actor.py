@@ -6,9 +6,10 @@ sampling by "append a token; stop when the row's hidden output length is reached
 
 Running the scheduler once per decode step is too slow for 128 engines x 200k rows, so each
 *span* is one real step followed by a planned run of pure decode steps during which the
-scheduler would decide the same thing at every step (`_steady`): all running sequences decode
-one token, none can be preempted (enough free blocks for the whole run, checked exactly), nobody
-can be admitted (queue empty, every seat taken, or the queue head does not fit), and the run
+scheduler would decide the same thing at every step (`Scheduler.next_is_pure_decode`): all
+running sequences decode one token, none can be preempted (enough free blocks for the whole run,
+checked exactly), nobody can be admitted (queue empty, every seat taken, or the queue head does
+not fit), and the run
 stops at the step where the `cut`-th sequence finishes (`EngineShape.finishes_per_run`). The run's
 time is summed exactly as the batch shrinks and the KV grows (`decode_run.py`). A span is cut
 short at the next step boundary when work arrives or must leave (`interrupt`). The one
@@ -22,13 +23,12 @@ the real `Sequence` class, one byte per token instead of a list of ints.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
@@ -136,11 +136,9 @@ class SimActor:
                 front: bool = True) -> None:
         """Take a new or imported sequence; with `kv_bytes` its KV arrives through the host tier."""
         seq.status = SequenceStatus.WAITING
-        if kv_bytes is not None and seq.num_computed_tokens > 0 and self.host.fits(
-                seq.num_computed_tokens):
+        if decide_held_kv(seq, self.host, keep=kv_bytes is not None):
+            assert kv_bytes is not None
             self.host.put(seq, kv_bytes)
-        else:
-            seq.num_computed_tokens = 0
         self.live[seq.seq_id] = seq
         self.target[seq.seq_id] = output_len
         self.sched.add(seq, front=front)
@@ -158,7 +156,8 @@ class SimActor:
             seq.num_computed_tokens = 0
         return seq, self.target.pop(row), kv
 
-    def _retire(self, seq: Sequence) -> None:
+    def retire(self, seq: Sequence) -> None:
+        """A sequence produced its last token: it leaves the actor."""
         self.sched.remove(seq)
         self.host.drop(seq)
         seq.status = SequenceStatus.FINISHED_LENGTH
@@ -166,37 +165,25 @@ class SimActor:
         del self.target[seq.seq_id]
 
     # ---- reports for the placement policy -----------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
     def load(self, now: float, span: Span | None) -> EngineLoad:
-        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy."""
-        s = self.sched
-        running = span.run.running_at(now) if span and span.run else len(s.running)
-        # remaining_tokens_est is left at 0: the policy does not read it and summing it per
-        # report would cost O(sequences)
-        return EngineLoad(self.actor_id, len(s.waiting), running, len(s.preempted), 0,
-                          self.pool.num_free, self.pool.num_blocks, self.shape.max_num_seqs,
-                          self.pool.block_size)
+        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy.
+        remaining_tokens_est and the rates stay 0: the policy does not read them (the cluster
+        prices KV moves with its cost model) and summing the estimate costs O(sequences)."""
+        running = span.run.running_at(now) if span and span.run else None
+        return self.sched.load(self.actor_id, running)
 
     def summaries(self, max_running: int) -> list[RequestSummary]:
-        """Waiting (queue order), held, and the `max_running` oldest running sequences."""
-        s = self.sched
-
-        def summ(seq: Sequence, kind: str) -> RequestSummary:
-            return RequestSummary(seq.request_id, kind, seq.num_tokens, seq.num_output_tokens,
-                                  seq.num_computed_tokens)
-
-        out = [summ(q, "waiting") for q in s.waiting] + [summ(q, "held") for q in s.preempted]
-        oldest = heapq.nlargest(max_running, s.running, key=lambda q: q.num_output_tokens)
-        return out + [summ(q, "running") for q in oldest]
+        """What `Engine.movable(max_running)` gives: waiting (queue order), held, and the
+        `max_running` oldest running sequences."""
+        return self.sched.movable(max_running)
 
     # ---- time ---------------------------------------------------------------------------
-    def start_span(self, now: float, cut: Callable[[list[int]], int]) -> Span | None:
-        """Run one real step and plan the decode run after it; None when there is no work.
-
-        `cut(rows)` gets the next rows to finish, in finish order, and returns how many of them
-        the run may include: the cluster ends runs where a finish must be acted on. Rows that
-        finish in the real step are put in front of the list, so a finish there that must be
-        acted on (it completes a static input batch) ends the span right after the real step.
-        """
+    def step(self, now: float) -> tuple[float, list[int]] | None:
+        """One real engine step starting at `now`: its end time and the rows that finished in
+        it (retired already); None when there is no work."""
         sched = self.sched
         out = sched.schedule()
         if not out.seqs:
@@ -217,16 +204,29 @@ class SimActor:
         t = now + self.cost.step_time(out.total_tokens, kv, len(out.seqs))
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
-        finished = [(q.seq_id, t) for q in done]
         for q in done:
-            self._retire(q)
+            self.retire(q)
+        return t, [q.seq_id for q in done]
+
+    def start_span(self, now: float, cut: Callable[[list[int]], int]) -> Span | None:
+        """Run one real step and plan the decode run after it; None when there is no work.
+
+        `cut(rows)` gets the next rows to finish, in finish order, and returns how many of them
+        the run may include: the cluster ends runs where a finish must be acted on. Rows that
+        finish in the real step are put in front of the list, so a finish there that must be
+        acted on (it completes a static input batch) ends the span right after the real step.
+        """
+        stepped = self.step(now)
+        if stepped is None:
+            return None
+        t, done = stepped
+        finished = [(row, t) for row in done]
         if done:
-            pre = [q.seq_id for q in done]
             outer = cut
 
             def cut(rows: list[int]) -> int:
-                return outer(pre + rows) - len(pre)
-        run = DecodeRun(self, t, cut) if self._steady() else None
+                return outer(done + rows) - len(done)
+        run = DecodeRun(self, t, cut) if self.sched.next_is_pure_decode() else None
         if run is not None and run.k == 0:
             run = None
         end = t + run.duration if run is not None else t
@@ -254,33 +254,14 @@ class SimActor:
         self.spans += 1
         return finished
 
-    def _steady(self) -> bool:
-        """Would the next schedule() just decode every running sequence, admitting nobody?"""
-        s = self.sched
-        run = s.running
-        if not run or len(run) > s.config.max_num_batched_tokens:
-            return False
-        for seq in run:
-            if len(seq.token_ids) - seq.num_computed_tokens != 1:
-                return False
-        queue = s.preempted or s.waiting
-        if not queue or len(run) >= s.config.max_num_seqs:
-            return True
-        head = queue[0]
-        n = min(head.num_pending_tokens, s.config.max_num_batched_tokens - len(run))
-        # the scheduler's own admission test; free blocks only shrink during the run
-        return not s._can_grow(head, n, keep_free=s.watermark)
-
     def _move_kv(self, out: SchedulerOutput) -> int:
         """What `Engine._move_kv` does, with byte counts for KV: returns bytes over PCIe."""
         moved = 0
         for seq, _blocks in out.swap_out:
-            if self.host.fits(seq.num_computed_tokens):
+            if decide_held_kv(seq, self.host, keep=True):
                 nbytes = seq.num_computed_tokens * self.cost.bytes_per_token
                 self.host.put(seq, nbytes)
                 moved += nbytes
-            else:
-                seq.num_computed_tokens = 0
         for seq in out.swap_in:
             moved += self.host.take(seq)
         return moved

@@ -3,9 +3,8 @@
 Runs the real `Engine` (default model unless told otherwise) through prefill-heavy and
 decode-heavy batches, records for every step the features the cost model uses — computed tokens,
 KV tokens read, scheduled sequences — and the wall time of `Engine.step()`, and fits
-`t = c0 + c_tok*new + c_kv*kv + c_seq*seqs` by non-negative least squares. The features are taken
-from the scheduler's own output: its `schedule` method is wrapped on the instance (engine code
-is untouched). Each run is repeated and every step keeps its fastest time: other processes on a
+`t = c0 + c_tok*new + c_kv*kv + c_seq*seqs` by non-negative least squares. The features are the
+scheduler's own output, as the engine reports it to `Engine.on_step`. Each run is repeated and every step keeps its fastest time: other processes on a
 shared machine only ever add time, so the minimum is the least disturbed measurement.
 """
 from __future__ import annotations
@@ -53,20 +52,12 @@ def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
     engine = Engine.from_kwargs(model, device=device, **{
         "max_num_seqs": 64, "max_num_batched_tokens": 2048, **engine_kwargs})
     feats: list[tuple[int, int, int]] = []
-    orig = engine.scheduler.schedule
-
-    def traced():  # type: ignore[no-untyped-def]
-        out = orig()
-        kv = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
-        feats.append((out.total_tokens, kv, len(out.seqs)))
-        return out
-
-    engine.scheduler.schedule = traced  # type: ignore[method-assign]
+    engine.on_step = lambda st: feats.append((st.num_new_tokens, st.kv_tokens, st.num_seqs))
     vocab = min(engine.vocab_size, 20000)
     best: dict[tuple[int, int], tuple] = {}  # (run, step) -> fastest (features..., seconds)
     for rep in range(repeats + 1):  # repetition 0 warms up
         rng = random.Random(seed)  # same prompts every repetition: same steps
-        engine.scheduler.pool.reset_prefix_cache()
+        engine.reset_prefix_cache()
         for run, (plen, batch, out_len) in enumerate(runs or PREFILL_RUNS + DECODE_RUNS):
             params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
             plen = min(plen, engine.max_model_len - out_len - 1)  # tiny test models are short
@@ -82,8 +73,9 @@ def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
                     if (run, step) not in best or dt < best[(run, step)][3]:
                         best[(run, step)] = row
                 step += 1
-    pool = engine.scheduler.pool
-    return list(best.values()), engine.host.bytes_per_token, pool.num_blocks * pool.block_size
+    load = engine.load()
+    return (list(best.values()), load.kv_bytes_per_token,
+            load.total_blocks * load.block_size)
 
 
 def fit(rows: list[tuple], base: CostModel, name: str, source: str) -> CostModel:

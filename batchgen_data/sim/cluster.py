@@ -153,7 +153,7 @@ class Cluster:
                 continue
             while self._wants(h):
                 self._bind(h, now)
-            if h != a and self.actors[h].sched.has_work():
+            if h != a and self.actors[h].has_work():
                 self._start(h, now)
         self._start(a, now)
 

@@ -63,7 +63,7 @@ class DecodeRun:
     def commit(self, m: int, finished: list[tuple[int, float]]) -> None:
         """Apply the first m steps: tokens, KV blocks, finishes (appended to `finished`)."""
         a = self.actor
-        grow = a.sched._grow  # the scheduler's own block-growth rule
+        grow = a.sched.grow  # the scheduler's own block-growth rule
         bs = a.pool.block_size
         for q, lf in zip(self.seqs, self.left):
             s = m if lf > m else lf
@@ -76,7 +76,7 @@ class DecodeRun:
             if lf > m:
                 break
             finished.append((self.seqs[i].seq_id, self.t0 + tf))
-            a._retire(self.seqs[i])
+            a.retire(self.seqs[i])
             alive -= 1
             a.trace.append((self.t0 + tf, alive))
 

@@ -31,12 +31,12 @@ def moved(moves: list[Move], kind: str | None = None) -> dict[str, list[str]]:
     return out
 
 
-def test_load_report_from_engine_dict() -> None:
-    report = {"waiting": 3, "running": 5, "held": 1, "remaining_tokens_est": 900,
-              "free_blocks": 90, "total_blocks": 100}
-    ld = EngineLoad.from_report("e0", report, max_num_seqs=8, block_size=16)
+def test_load_report_counts_active_sequences_and_device_kv() -> None:
+    ld = EngineLoad("e0", waiting=3, running=5, held=1, remaining_tokens_est=900, free_blocks=90,
+                    total_blocks=100, max_num_seqs=8, block_size=16)
     assert (ld.waiting, ld.running, ld.held, ld.num_active) == (3, 5, 1, 9)
     assert ld.kv_tokens == 10 * 16
+    assert (ld.kv_bytes_per_token, ld.prefill_tokens_per_s) == (0, 0)  # not measured
 
 
 def test_late_binding_keeps_queues_shallow() -> None:

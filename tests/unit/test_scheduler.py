@@ -98,7 +98,7 @@ def test_victim_is_cheapest_to_bring_back() -> None:
     sch.add(young)
     advance(sch, sch.schedule())  # old: 4 blocks, young: 2 blocks -> cache full
     out = sch.schedule()  # old needs a 5th block for its next token
-    assert out.preempted == [young]
+    assert out.held == [young] and list(sch.held) == [young]
     assert out.swap_out and out.swap_out[0][0] is young  # kept in host memory
     assert young.num_computed_tokens == 3 and young.status == SequenceStatus.HELD
 

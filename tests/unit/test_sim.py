@@ -35,17 +35,8 @@ def reference_bct(wl: Workload, cost: CostModel, shape: EngineShape) -> float:
     for r in range(wl.num_rows):
         actor.add_row(r, int(wl.input_lens[r]), int(wl.output_lens[r]), params)
     t = 0.0
-    while actor.sched.has_work():
-        out = actor.sched.schedule()
-        kv = sum(q.num_computed_tokens + n for q, n in zip(out.seqs, out.num_new_tokens))
-        t += cost.step_time(out.total_tokens, kv, len(out.seqs))
-        t += actor._move_kv(out) / cost.pcie_bytes_per_s
-        for q, n in zip(out.seqs, out.num_new_tokens):
-            q.num_computed_tokens += n
-            if q.num_computed_tokens == q.num_tokens:
-                q.token_ids.append(0)
-                if q.num_output_tokens >= actor.target[q.seq_id]:
-                    actor._retire(q)
+    while (stepped := actor.step(t)) is not None:
+        t = stepped[0]
     return t
 
 
@@ -82,7 +73,7 @@ def test_every_row_finishes_exactly_once_and_nothing_leaks() -> None:
         assert sum(c.in_flight) == 0 and all(n == 0 for n in c.batch_left)
         assert c.next_batch == c.num_batches and not any(c.exports) and not any(c.inbound)
         for a in c.actors:
-            assert not a.sched.has_work() and not a.live
+            assert not a.has_work() and not a.live
             assert a.pool.num_free == a.pool.num_blocks and a.host.used_bytes == 0
         assert res.bct_s == pytest.approx(float(np.max(c.finish)))
         assert res.idle_gpu_s >= 0 and res.bct_s >= res.tail_floor_s

@@ -1,37 +1,54 @@
 """The migration coordinator's planning and mail, without Ray (it is a plain class)."""
 from __future__ import annotations
 
+import pickle
 import time
+from dataclasses import replace
 
-from batchgen_data.connectors.ray_coordinator import Coordinator, coordinator_name
+from batchgen_data.connectors.ray_coordinator import Coordinator, Reply, Report, coordinator_name
+from batchgen_data.placement import EngineLoad, RequestSummary
 
-IDLE = {"waiting": 0, "running": 0, "held": 0, "remaining_tokens_est": 0,
-        "free_blocks": 100, "total_blocks": 100}
-BUSY = {**IDLE, "waiting": 6, "running": 2, "free_blocks": 90}
-WAITING = [(f"r{i}", "waiting", 10, 0, 0) for i in range(6)]
+IDLE = EngineLoad("", waiting=0, running=0, held=0, remaining_tokens_est=0, free_blocks=100,
+                  total_blocks=100, max_num_seqs=2, block_size=16)
+BUSY = replace(IDLE, waiting=6, running=2, free_blocks=90)
+WAITING = tuple(RequestSummary(f"r{i}", "waiting", 10, 0, 0) for i in range(6))
+
+
+def report(engine_id: str, load: EngineLoad, movable: tuple[RequestSummary, ...] = (),
+           accepting: bool = True, owned: int = 0) -> Report:
+    return Report(replace(load, engine_id=engine_id), movable, accepting, owned)
 
 
 def test_busy_engine_is_told_to_export_waiting_rows_to_the_idle_one() -> None:
     c = Coordinator(cooldown_s=60.0)
-    assert c.exchange("idle", IDLE, 2, 16, [], [])["orders"] == []
-    reply = c.exchange("busy", BUSY, 2, 16, WAITING, [])
-    assert reply["live"] == ["busy", "idle"]
-    [(dst, rids, ship)] = reply["orders"]
-    assert dst == "idle" and len(rids) == 2 and not ship  # the receiver's two free seats
-    assert set(rids) <= {f"r{i}" for i in range(6)} and "r0" not in rids  # queue head stays
+    assert c.exchange(report("idle", IDLE), []).orders == ()
+    reply = c.exchange(report("busy", BUSY, WAITING), [])
+    assert reply.live == ("busy", "idle")
+    [move] = reply.orders
+    assert move.src == "busy" and move.dst == "idle" and move.kind == "waiting"
+    assert len(move.request_ids) == 2 and not move.ship_kv  # the receiver's two free seats
+    rids = set(move.request_ids)
+    assert rids <= {f"r{i}" for i in range(6)} and "r0" not in rids  # queue head stays
     # both are cooling down: no second order while their reports are stale
-    assert c.exchange("busy", BUSY, 2, 16, WAITING, [])["orders"] == []
+    assert c.exchange(report("busy", BUSY, WAITING), []).orders == ()
+
+
+def test_report_and_reply_cross_process_boundaries_as_they_are() -> None:
+    r = report("busy", BUSY, WAITING, owned=3)
+    assert pickle.loads(pickle.dumps(r)) == r
+    reply = Coordinator().exchange(r, [])
+    assert isinstance(reply, Reply) and pickle.loads(pickle.dumps(reply)) == reply
 
 
 def test_mail_is_forwarded_once_and_dropped_for_dead_engines() -> None:
     c = Coordinator(dead_after_s=0.2)
-    c.exchange("a", IDLE, 2, 16, [], [])
-    c.exchange("b", IDLE, 2, 16, [], [("a", ("deliver", "r1", "out"))])
-    assert c.exchange("a", IDLE, 2, 16, [], [])["inbox"] == [("deliver", "r1", "out")]
-    assert c.exchange("a", IDLE, 2, 16, [], [])["inbox"] == []
+    c.exchange(report("a", IDLE), [])
+    c.exchange(report("b", IDLE), [("a", ("deliver", "r1", "out"))])
+    assert c.exchange(report("a", IDLE), []).inbox == (("deliver", "r1", "out"),)
+    assert c.exchange(report("a", IDLE), []).inbox == ()
     time.sleep(0.3)
-    reply = c.exchange("a", IDLE, 2, 16, [], [("b", ("import", "a", {}))])
-    assert reply["live"] == ["a"] and "b" not in c.mail
+    reply = c.exchange(report("a", IDLE), [("b", ("import", "a", {}))])
+    assert reply.live == ("a",) and "b" not in c.mail
 
 
 def test_job_id_names_the_coordinator() -> None:
@@ -54,31 +71,25 @@ def test_a_dead_engine_makes_the_actor_exit(monkeypatch) -> None:  # type: ignor
 
 def test_an_engine_without_tasks_in_flight_gets_no_work() -> None:
     c = Coordinator()
-    c.exchange("idle", {**IDLE, "accepting": False}, 2, 16, [], [])
-    assert c.exchange("busy", BUSY, 2, 16, WAITING, [])["orders"] == []
+    c.exchange(report("idle", IDLE, accepting=False), [])
+    assert c.exchange(report("busy", BUSY, WAITING), []).orders == ()
 
 
 def test_reply_says_whether_other_engines_still_own_rows() -> None:
     c = Coordinator()
-    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is False
-    c.exchange("b", {**BUSY, "owned": 3}, 2, 16, WAITING, [])
-    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is True
+    assert c.exchange(report("a", IDLE, owned=0), []).others_busy is False
+    c.exchange(report("b", BUSY, WAITING, owned=3), [])
+    assert c.exchange(report("a", IDLE, owned=0), []).others_busy is True
     # an engine's own rows do not count
-    assert c.exchange("b", {**BUSY, "owned": 3}, 2, 16, WAITING, [])["others_busy"] is False
-    c.exchange("b", {**IDLE, "owned": 0}, 2, 16, [], [])
-    assert c.exchange("a", {**IDLE, "owned": 0}, 2, 16, [], [])["others_busy"] is False
+    assert c.exchange(report("b", BUSY, WAITING, owned=3), []).others_busy is False
+    c.exchange(report("b", IDLE, owned=0), [])
+    assert c.exchange(report("a", IDLE, owned=0), []).others_busy is False
 
 
 class _FakeDriver:
     """Just enough of EngineDriver for MigrationClient's constructor and loop."""
 
-    def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        sched = SimpleNamespace(max_num_seqs=2)
-        self.engine = SimpleNamespace(config=SimpleNamespace(
-            scheduler=sched, cache=SimpleNamespace(block_size=16)))
-        self.dead = None
+    dead = None
 
 
 def _client(linger: bool) -> object:
@@ -125,32 +136,28 @@ def test_without_linger_or_when_stopped_the_last_call_leaves_at_once() -> None:
 
 def test_running_moves_ship_kv_when_the_measured_prefill_is_slower() -> None:
     placement = {"min_running_age": 8, "min_kv_gain_tokens": 16}
-    kv = {"kv_bytes_per_token": 46080}  # SmolLM2-135M fp32
-    a = {**IDLE, "running": 3, "free_blocks": 40, **kv}
-    b = {**IDLE, **kv}
-    running = [(f"r{i}", "running", 320, 300, 319) for i in range(3)]
+    b = replace(IDLE, max_num_seqs=4, kv_bytes_per_token=46080)  # SmolLM2-135M fp32
+    a = replace(b, running=3, free_blocks=40)
+    running = tuple(RequestSummary(f"r{i}", "running", 320, 300, 319) for i in range(3))
 
-    def orders(ship_kv: bool, prefill_tok_s: int) -> list[tuple[str, tuple[str, ...], bool]]:
+    def order(ship_kv: bool, prefill_tok_s: int) -> tuple[str, tuple[str, ...], bool]:
         c = Coordinator(placement, ship_kv=ship_kv)
-        c.exchange("b", {**b, "prefill_tokens_per_s": prefill_tok_s}, 4, 16, [], [])
-        return c.exchange("a", {**a, "prefill_tokens_per_s": prefill_tok_s}, 4, 16, running,
-                          [])["orders"]
+        c.exchange(report("b", replace(b, prefill_tokens_per_s=prefill_tok_s)), [])
+        [mv] = c.exchange(report("a", replace(a, prefill_tokens_per_s=prefill_tok_s), running),
+                          []).orders
+        return mv.dst, mv.request_ids, mv.ship_kv
 
-    [(dst, rids, ship)] = orders(True, 300)  # a CPU core: recomputing 320 tokens takes ~1 s
+    dst, rids, ship = order(True, 300)  # a CPU core: recomputing 320 tokens takes ~1 s
     assert dst == "b" and rids and ship
-    [(_, _, ship)] = orders(True, 10_000_000)  # absurdly fast prefill: recompute wins
-    assert not ship
-    [(_, _, ship)] = orders(False, 300)  # shipping switched off
-    assert not ship
-    [(_, _, ship)] = orders(True, 0)  # nothing measured yet: recompute
-    assert not ship
-
+    assert not order(True, 10_000_000)[2]  # absurdly fast prefill: recompute wins
+    assert not order(False, 300)[2]  # shipping switched off
+    assert not order(True, 0)[2]  # nothing measured yet: recompute
 
 
 def test_stats_count_moves_and_exchanges() -> None:
     c = Coordinator(cooldown_s=60.0)
-    c.exchange("idle", IDLE, 2, 16, [], [])
-    c.exchange("busy", BUSY, 2, 16, WAITING, [])
+    c.exchange(report("idle", IDLE), [])
+    c.exchange(report("busy", BUSY, WAITING), [])
     stats = c.stats()
     assert stats["num_moves"] == 2 and stats["num_exchanges"] == 2
     assert stats["engines"] == ["busy", "idle"] and stats["cpu_s"] > 0

@@ -50,10 +50,7 @@ def main() -> None:
         for _ in range(rows):
             eng.submit([rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE) for _ in range(args.context)],
                        SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
-        while not eng.scheduler.running or any(
-                s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running):
-            eng.step()
-        inp = runner.prepare(eng.scheduler.schedule())
+        inp = runner.prepare(eng.schedule_decode())
         assert inp.meta.num_decodes == rows
         model, stack = runner.model, runner.cpu_stack
         with torch.inference_mode():

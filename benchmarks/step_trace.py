@@ -52,7 +52,7 @@ def main() -> None:
     while eng.has_unfinished():
         t0 = time.perf_counter()
         eng.step()
-        steps.append((time.perf_counter() - t0, len(eng.scheduler.running)))
+        steps.append((time.perf_counter() - t0, eng.load().running))
     total = time.perf_counter() - start
     by_batch: dict[int, list[float]] = collections.defaultdict(list)
     for dt, n in steps:

@@ -24,16 +24,14 @@ def _engine_at_decode(path, rows: int, **kw):  # type: ignore[no-untyped-def]
     for i in range(rows):
         prompt = [rng.randrange(3, vocab) for _ in range(3 + 7 * i)]
         eng.submit(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-    while not eng.scheduler.running or any(
-            s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running):
-        eng.step()
+    eng.step_until_decode()
     eng.step()  # one decode step more
     return eng
 
 
 def _both_paths(eng):  # type: ignore[no-untyped-def]
     runner = eng.runner
-    inp = runner.prepare(eng.scheduler.schedule())
+    inp = runner.prepare(eng.schedule_decode())
     kv0 = runner.kv.clone()
     with torch.inference_mode():
         got = runner.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
@@ -63,7 +61,7 @@ def test_stack_matches_the_per_layer_path(arch: str, rows: int, tiny_model_dir) 
 def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     eng = _engine_at_decode(tiny_model_dir("llama"), 3)
     runner, stack = eng.runner, eng.runner.cpu_stack
-    inp = runner.prepare(eng.scheduler.schedule())
+    inp = runner.prepare(eng.schedule_decode())
     # a step with a prefill chunk in it
     inp.meta.num_decodes -= 1
     assert stack.run(inp.input_ids, inp.positions, inp.meta) is None
@@ -77,7 +75,7 @@ def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type
 def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     eng = _engine_at_decode(tiny_model_dir("llama"), 2)
     runner = eng.runner
-    inp = runner.prepare(eng.scheduler.schedule())
+    inp = runner.prepare(eng.schedule_decode())
     kv0 = runner.kv.clone()
     bad = inp.positions.clone()
     bad[1] = runner.model.rotary.cos_sin_cache.shape[0]

@@ -72,6 +72,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._check()
         self._check_new_fields()
+        # whether the sampler must mask or bias this request's logits (see `SamplingBatch`):
+        # read for every row of every step, so derived once here; change these fields by
+        # building a new object (`dataclasses.replace`), not by assignment
+        self.edits_logits = bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def _bad(self, name: str, why: str) -> ValueError:
         return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
@@ -149,9 +153,11 @@ class SamplingParams:
             raise bad("extra_args", "must be a dict or None")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming the field when a token id is outside the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("allowed_token_ids", self.allowed_token_ids or ()),
+        """ValueError naming the field when a token id is outside the model's vocabulary.
+
+        (stop_token_ids are not checked: an id the model cannot produce just never stops it.)
+        """
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()),
                           ("logit_bias", self.logit_bias or ())):
             out = sorted(t for t in ids if t >= vocab_size)
             if out:
@@ -172,11 +178,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
-
-    @property
-    def edits_logits(self) -> bool:
-        """Whether the sampler must mask or bias this request's logits (see `SamplingBatch`)."""
-        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,11 +13,15 @@ to the same buffer; a step whose rows set none of those builds nothing extra for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from batchgen_data.engine.bad_words import BadWords, banned_tokens
 from batchgen_data.engine.sequence import Sequence
+
+
+_EDITS_LOGITS = attrgetter("edits_logits")
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -87,7 +91,9 @@ class SamplingBatch:
     def build(cls, seqs: list[Sequence], vocab: int, eos_ids: list[int],
               device: torch.device, bad_words: BadWords | None = None) -> "SamplingBatch":
         ps = [s.params for s in seqs]
-        edits = [i for i, p in enumerate(ps) if p.edits_logits]
+        # a C-level scan: steps whose rows edit nothing pay no Python loop for the feature
+        edits = ([i for i, p in enumerate(ps) if p.edits_logits]
+                 if any(map(_EDITS_LOGITS, ps)) else [])
         ints = torch.tensor([[s.seed, s.num_output_tokens, p.top_k if p.top_k > 0 else vocab]
                              for s, p in zip(seqs, ps)], dtype=torch.long)  # [N, 3]
         floats = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,

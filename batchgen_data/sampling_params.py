@@ -216,11 +216,14 @@ def _is_int(v: Any) -> bool:
 
 def _bias_dict(value: Any) -> dict[int, float]:
     """{token id: bias} from a dict (int or numeric-string keys, as JSON gives) or from a list
-    of (id, bias) pairs (how an Arrow map column reads back); biases clamped to [-100, 100]."""
+    of (id, bias) pairs (how an Arrow map column reads back); biases clamped to [-100, 100].
+    A null bias is no bias: an Arrow struct column fills the keys a row lacks with nulls."""
     pairs = value.items() if isinstance(value, Mapping) else value
     out: dict[int, float] = {}
     try:
         for key, bias in pairs:
+            if bias is None:
+                continue
             tok = int(key) if isinstance(key, str) else key
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"key {key!r} is not a token id")

@@ -61,7 +61,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-        if self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None:
+        collects = self.params.prompt_logprobs is not None and self.index == 0
+        if collects and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
     @property

@@ -76,6 +76,8 @@ def test_new_fields_are_normalised() -> None:
     assert not SamplingParams().edits_logits
     # an Arrow map column reads back as (key, value) pairs
     assert SamplingParams(logit_bias=[(1, 0.5), (2, -1.0)]).logit_bias == {1: 0.5, 2: -1.0}
+    # ... and a struct column gives every row every key, null where the row had none
+    assert SamplingParams(logit_bias={"3": 1.0, "4": None}).logit_bias == {3: 1.0}
     assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ["a", "b"]
 
 
@@ -88,7 +90,8 @@ def test_truncated_prompt_keeps_the_last_tokens() -> None:
 
 
 def test_check_vocab_names_the_field() -> None:
-    SamplingParams(allowed_token_ids=[0, 9], logit_bias={9: 1.0}, stop_token_ids=[70]).check_vocab(10)
+    ok = SamplingParams(allowed_token_ids=[0, 9], logit_bias={9: 1.0}, stop_token_ids=[70])
+    ok.check_vocab(10)
     for kw, field in ((dict(allowed_token_ids=[3, 10]), "allowed_token_ids"),
                       (dict(logit_bias={12: 1.0}), "logit_bias")):
         with pytest.raises(ValueError, match=field):
@@ -115,3 +118,18 @@ def test_connector_rows_carry_the_new_fields() -> None:
     assert row.prompt_logprobs == 1 and row.detokenize is False and row.max_tokens == 4
     with pytest.raises(RowError, match="allowed_token_ids"):
         builder.params_for({"allowed_token_ids": []})
+
+
+def test_arrow_sampling_params_columns_carry_logit_bias() -> None:
+    pa = pytest.importorskip("pyarrow")
+    from batchgen_data.connectors.common import RequestBuilder, batch_rows
+
+    structs = pa.table({"sampling_params": [{"logit_bias": {"5": 2.0}},
+                                           {"logit_bias": {"7": -1.0}}]})
+    maps = pa.table({"sampling_params": pa.array(
+        [{"logit_bias": [(5, 2.0)]}, {"logit_bias": [(7, -1.0)]}],
+        type=pa.struct([("logit_bias", pa.map_(pa.int64(), pa.float64()))]))})
+    builder = RequestBuilder(tokenizer=None)
+    for table in (structs, maps):
+        got = [builder.params_for(r["sampling_params"]).logit_bias for r in batch_rows(table)]
+        assert got == [{5: 2.0}, {7: -1.0}]

@@ -118,3 +118,18 @@ def test_sampler_masks_biases_and_keeps_raw_logprobs() -> None:
     assert out.token_ids == [6, 7, 0]
     raw = torch.log_softmax(logits[0], -1)[6].item()  # logprobs ignore the mask (raw mode)
     assert out.logprobs[0] == {6: pytest.approx(raw)}
+
+
+def test_edits_survive_the_packed_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the path a GPU takes: one buffer, unpacked into views (alignment asserted by `unpack`)
+    from batchgen_data.engine import sampling_batch
+
+    monkeypatch.setattr(sampling_batch, "to_device", lambda ts, device: unpack(pack(ts), ts))
+    seqs = [_seq(0, SamplingParams(logit_bias={4: 1.5}, repetition_penalty=1.2), [1, 2], [3]),
+            _seq(1, SamplingParams(allowed_token_ids=[3, 8], min_tokens=2), [1], [])]
+    b = SamplingBatch.build(seqs, 20, eos_ids=[2], device=torch.device("cpu"))
+    assert b.bias_at.tolist() == [[0], [4]] and b.bias.tolist() == [1.5]
+    assert b.allowed.tolist() == [[1, 1], [3, 8]] and b.allowed_rows.tolist() == [1]
+    assert b.ban.tolist() == [[1], [2]] and b.prompt_ids.tolist() == [[1, 2], [1, 20]]
+    assert b.greedy.tolist() == [False, False]
+    assert b.repetition.view(-1).tolist() == pytest.approx([1.2, 1.0])

@@ -27,3 +27,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one dict per prompt token, {token_id: logprob} (the
+    # prompt token plus the top-k); the first entry is None, since nothing predicts that token
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -45,7 +45,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, p.pool, p.host)
         self.runner: ModelRunner = p.runner
         self.stopper = p.stopper
-        self.sampler = Sampler(p.stopper.eos_token_ids)
+        self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
@@ -67,11 +67,13 @@ class Engine:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
+        prompt_token_ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len} (room for at least one output token needed)")
+        self.sampler.check(params, self.vocab_size)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None) -> str:
@@ -80,7 +82,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests or rid in self.held:
             raise ValueError(f"request_id={rid!r} is already in this engine")
-        ids = list(prompt_token_ids)
+        ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
         req = Request(rid, prompt, ids, params)
         room = self.max_model_len - len(ids)
         for i in range(params.n):
@@ -126,6 +128,8 @@ class Engine:
         t0 = time.perf_counter()
         inp = self.runner.prepare(out)
         logits = self.runner.run(inp)
+        for seq, entries in inp.prompt_logprobs or ():
+            seq.prompt_logprobs.extend(entries)
         sampled = self.sampler(logits, inp.sample_seqs) if inp.sample_seqs else None
         tokens: dict[int, tuple[int, Any]] = {}
         if sampled is not None:
@@ -237,7 +241,8 @@ class Engine:
                            st["seed"], st["max_tokens"],
                            token_ids=req.prompt_token_ids + list(st["output_token_ids"]),
                            num_cached_tokens=st.get("num_cached_tokens", 0),
-                           logprobs=st.get("logprobs"), stop_reason=st.get("stop_reason"))
+                           logprobs=st.get("logprobs"), stop_reason=st.get("stop_reason"),
+                           prompt_logprobs=st.get("prompt_logprobs"))
             if st.get("finish") is not None:
                 seq.status = SequenceStatus(st["finish"])
             elif st.get("kv") is not None:

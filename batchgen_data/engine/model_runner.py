@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen_data.engine import prompt_logprobs
 from batchgen_data.engine.cuda_graphs import DecodeGraphs
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
@@ -28,6 +29,9 @@ class ModelInput:
     sample_index: torch.Tensor  # [S] rows of the hidden states to sample from
     sample_seqs: list[Sequence]
     order: list[int]  # scheduled index of each flattened sequence
+    # prompt_logprobs: rows whose logits are wanted (None: no sequence asks), and the result
+    prompt_rows: prompt_logprobs.PromptRows | None = None
+    prompt_logprobs: list[tuple[Sequence, prompt_logprobs.Entries]] | None = None
 
 
 class ModelRunner:
@@ -73,10 +77,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         num_decodes = 0
+        prompt_rows = None
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
             start = seq.num_computed_tokens
             end = start + n
+            if seq.prompt_logprobs is not None and prompt_logprobs.collecting(seq):
+                prompt_rows = prompt_rows or prompt_logprobs.PromptRows()
+                prompt_rows.add(seq, len(ids), start, end)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             blocks = seq.block_ids
@@ -116,6 +124,7 @@ class ModelRunner:
             sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
             sample_seqs=sample_seqs,
             order=order,
+            prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
         )
 
     def _decode_gather_index(self, meta: AttentionMetadata, tables: torch.Tensor,
@@ -139,6 +148,9 @@ class ModelRunner:
             hidden = self.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if inp.prompt_rows is not None:
+            inp.prompt_logprobs = prompt_logprobs.compute(hidden, self.model.compute_logits,
+                                                          inp.prompt_rows)
         if not inp.sample_seqs:
             return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_index])

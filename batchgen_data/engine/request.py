@@ -43,4 +43,5 @@ class Request:
             outputs=outs,
             finished=self.finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
+            prompt_logprobs=next((s.prompt_logprobs for s in self.seqs if s.index == 0), None),
         )

@@ -1,4 +1,10 @@
-"""Vectorised sampling: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Vectorised sampling: logit edits, penalties, min_tokens, greedy, temperature, top-k, top-p,
+min-p, logprobs.
+
+The order follows vLLM v1: allowed_token_ids, bad_words, logit_bias and min_tokens edit the
+logits first, then penalties, then temperature and truncation. Logprobs are those of the raw
+model distribution, before any of that (vLLM's default `logprobs_mode="raw_logprobs"`), so a
+bias or a mask changes which token is drawn, not the logprobs reported for it.
 
 No per-sequence Python loop touches the logits. Random sampling uses the exponential-race trick
 (argmax of log p - log E, E ~ Exp(1)), with E drawn from a counter-based hash of
@@ -9,11 +15,14 @@ lets a coroutine be exported mid-generation and continue elsewhere with identica
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from batchgen_data.engine.bad_words import BadWords
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.sequence import Sequence
+from batchgen_data.sampling_params import SamplingParams
 
 _M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
 _M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
@@ -43,17 +52,26 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, stop_ids_for_min_tokens: set[int]) -> None:
+    def __init__(self, stop_ids_for_min_tokens: set[int], tokenizer: Any = None) -> None:
         self.eos_ids = sorted(stop_ids_for_min_tokens)
+        self.bad_words = BadWords(tokenizer)
+
+    def check(self, params: SamplingParams, vocab_size: int) -> None:
+        """The request-time checks that need the model: token ids in the vocabulary, bad words
+        that tokenise (ValueError naming the field)."""
+        params.check_vocab(vocab_size)
+        if params.bad_words:
+            self.bad_words.check(params.bad_words, vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits [N, V] float32, row i belongs to seqs[i]
         vocab = logits.shape[1]
-        b = SamplingBatch.build(seqs, vocab, self.eos_ids, logits.device)
+        b = SamplingBatch.build(seqs, vocab, self.eos_ids, logits.device, self.bad_words)
         want_lp = b.want_logprobs
         raw_logprobs = torch.log_softmax(logits, -1) if any(w is not None for w in want_lp) else None
 
         logits = logits.clone()
+        self._edit(logits, b)
         if b.ban.shape[1]:
             logits[b.ban[0], b.ban[1]] = float("-inf")
         self._penalties(logits, b)
@@ -65,6 +83,17 @@ class Sampler:
             sampled = (scaled - torch.log(-torch.log(u))).argmax(-1)
             chosen = torch.where(b.greedy, chosen, sampled)
         return SamplerOutput(chosen.tolist(), self._logprobs(raw_logprobs, chosen, want_lp))
+
+    @staticmethod
+    def _edit(logits: torch.Tensor, b: SamplingBatch) -> None:
+        """allowed_token_ids and logit_bias, in place (bad_words are in `b.ban`)."""
+        if b.allowed is not None:
+            keep = torch.ones_like(logits, dtype=torch.bool)  # [N, V]
+            keep[b.allowed_rows] = False
+            keep[b.allowed[0], b.allowed[1]] = True
+            logits.masked_fill_(~keep, float("-inf"))
+        if b.bias is not None:
+            logits.index_put_((b.bias_at[0], b.bias_at[1]), b.bias, accumulate=True)
 
     @staticmethod
     def _penalties(logits: torch.Tensor, b: SamplingBatch) -> None:

@@ -6,14 +6,22 @@ of those copies (and every `bool(device_tensor)`) can stall the host. Here every
 penalties are on, the padded token histories — goes into one host buffer, is copied with one
 non-blocking transfer from pinned memory, and is unpacked into views on the device. Decisions
 about which sampling stages to run are made from host-side flags, never from device values.
+
+Rows that edit their logits (logit_bias, allowed_token_ids, bad_words) add (row, token) pairs
+to the same buffer; a step whose rows set none of those builds nothing extra for them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
+from batchgen_data.engine.bad_words import BadWords, banned_tokens
 from batchgen_data.engine.sequence import Sequence
+
+
+_EDITS_LOGITS = attrgetter("edits_logits")
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -63,7 +71,7 @@ class SamplingBatch:
     seed: torch.Tensor  # [N] int64
     step: torch.Tensor  # [N] int64: the index of the token being drawn
     top_k: torch.Tensor  # [N, 1] int64 (vocab when disabled)
-    ban: torch.Tensor  # [2, M] int64: (row, token) pairs banned by min_tokens
+    ban: torch.Tensor  # [2, M] int64: (row, token) pairs banned by min_tokens and bad_words
     output_ids: torch.Tensor | None  # [N, Lo] int64 padded with vocab (penalties only)
     prompt_ids: torch.Tensor | None  # [N, Lp] int64 padded with vocab (repetition only)
     temperature: torch.Tensor  # [N, 1] float32, at least 1e-5
@@ -73,11 +81,19 @@ class SamplingBatch:
     frequency: torch.Tensor  # [N, 1]
     presence: torch.Tensor  # [N, 1]
     greedy: torch.Tensor  # [N] bool
+    # logit edits, None when no row has them
+    allowed: torch.Tensor | None = None  # [2, A] int64: (row, token) pairs that stay sampleable
+    allowed_rows: torch.Tensor | None = None  # [R] int64: rows restricted to their pairs
+    bias_at: torch.Tensor | None = None  # [2, K] int64: (row, token) pairs of logit_bias
+    bias: torch.Tensor | None = None  # [K] float32
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, eos_ids: list[int],
-              device: torch.device) -> "SamplingBatch":
+              device: torch.device, bad_words: BadWords | None = None) -> "SamplingBatch":
         ps = [s.params for s in seqs]
+        # a C-level scan: steps whose rows edit nothing pay no Python loop for the feature
+        edits = ([i for i, p in enumerate(ps) if p.edits_logits]
+                 if any(map(_EDITS_LOGITS, ps)) else [])
         ints = torch.tensor([[s.seed, s.num_output_tokens, p.top_k if p.top_k > 0 else vocab]
                              for s, p in zip(seqs, ps)], dtype=torch.long)  # [N, 3]
         floats = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,
@@ -86,14 +102,20 @@ class SamplingBatch:
         greedy = torch.tensor([p.greedy for p in ps], dtype=torch.bool)
         use_rep = any(p.repetition_penalty != 1 for p in ps)
         use_fp = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in ps)
-        ban = torch.tensor(_min_tokens_bans(seqs, eos_ids, vocab), dtype=torch.long).view(2, -1)
+        bans = _min_tokens_bans(seqs, eos_ids, vocab)
+        edit = _logit_edits(seqs, edits, bans, bad_words) if edits else {}
+        ban = torch.tensor(bans, dtype=torch.long).view(2, -1)
         history = []
         if use_rep or use_fp:
             history.append(pad_rows([s.output_token_ids for s in seqs], vocab))
         if use_rep:
             history.append(pad_rows([s.prompt_token_ids for s in seqs], vocab))
-        ints_d, ban_d, *hist_d, floats_d, greedy_d = to_device(
-            [ints, ban, *history, floats, greedy], device)
+        # int64 tensors first, then float32, then bool: `pack` needs non-increasing sizes
+        names = sorted(edit, key=lambda k: -edit[k].element_size())
+        longs = [ints, ban, *history]
+        moved = to_device(longs + [edit[k] for k in names] + [floats, greedy], device)
+        ints_d, ban_d, *hist_d = moved[:len(longs)]
+        floats_d, greedy_d = moved[-2:]
         f = floats_d.unbind(1)
         return cls(
             all_greedy=all(p.greedy for p in ps),
@@ -106,7 +128,8 @@ class SamplingBatch:
             prompt_ids=hist_d[1] if use_rep else None,
             temperature=f[0].unsqueeze(1), top_p=f[1].unsqueeze(1), min_p=f[2].unsqueeze(1),
             repetition=f[3].unsqueeze(1), frequency=f[4].unsqueeze(1),
-            presence=f[5].unsqueeze(1), greedy=greedy_d)
+            presence=f[5].unsqueeze(1), greedy=greedy_d,
+            **dict(zip(names, moved[len(longs):-2])))
 
 
 def _min_tokens_bans(seqs: list[Sequence], eos_ids: list[int], vocab: int) -> list[list[int]]:
@@ -121,3 +144,37 @@ def _min_tokens_bans(seqs: list[Sequence], eos_ids: list[int], vocab: int) -> li
             rows += [i] * len(ids)
             cols += ids
     return [rows, cols]
+
+
+def _logit_edits(seqs: list[Sequence], rows: list[int], bans: list[list[int]],
+                 bad_words: BadWords | None) -> dict[str, torch.Tensor]:
+    """Host tensors of the `SamplingBatch` edit fields that these rows use; their bad-word bans
+    are appended to `bans` ([rows, tokens], shared with min_tokens)."""
+    allowed: list[list[int]] = [[], []]
+    allowed_rows: list[int] = []
+    bias_at: list[list[int]] = [[], []]
+    bias: list[float] = []
+    for i in rows:
+        s = seqs[i]
+        p = s.params
+        if p.allowed_token_ids:
+            allowed_rows.append(i)
+            allowed[0] += [i] * len(p.allowed_token_ids)
+            allowed[1] += p.allowed_token_ids
+        if p.logit_bias:
+            bias_at[0] += [i] * len(p.logit_bias)
+            bias_at[1] += list(p.logit_bias)
+            bias += list(p.logit_bias.values())
+        if p.bad_words:
+            assert bad_words is not None, "bad_words need the engine's BadWords"
+            ids = banned_tokens(bad_words.spellings(p.bad_words), s.token_ids, s.num_prompt_tokens)
+            bans[0] += [i] * len(ids)
+            bans[1] += ids
+    out: dict[str, torch.Tensor] = {}
+    if allowed_rows:
+        out["allowed"] = torch.tensor(allowed, dtype=torch.long)
+        out["allowed_rows"] = torch.tensor(allowed_rows, dtype=torch.long)
+    if bias:
+        out["bias_at"] = torch.tensor(bias_at, dtype=torch.long)
+        out["bias"] = torch.tensor(bias, dtype=torch.float32)
+    return out

@@ -19,6 +19,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 
 from batchgen_data.config import SchedulerConfig
+from batchgen_data.engine.prompt_logprobs import cacheable_tokens
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
@@ -146,8 +147,9 @@ class Scheduler:
         return budget
 
     def _match_prefix(self, seq: Sequence) -> None:
-        # the last token is always computed so that there are logits to sample from
-        blocks, hashes = self.pool.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        # the last token is always computed so that there are logits to sample from (and
+        # prompt positions whose logprobs are still to record, see engine/prompt_logprobs.py)
+        blocks, hashes = self.pool.match_prefix(seq.token_ids, cacheable_tokens(seq))
         seq.block_ids = blocks
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(blocks) * self.pool.block_size

@@ -48,6 +48,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs, collected by the request's first sequence only (see engine/prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
     # KV kept in host memory while held: (k, v) per layer, each [num_computed_tokens, Hkv, D]
     host_kv: Any = None
@@ -59,6 +61,9 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        collects = self.params.prompt_logprobs is not None and self.index == 0
+        if collects and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,4 +101,5 @@ class Sequence:
             "max_tokens": self.max_tokens,
             "num_cached_tokens": self.num_cached_tokens,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }

@@ -44,8 +44,9 @@ class StopChecker:
         return False
 
     def final_text(self, seq: Sequence) -> str:
-        """Detokenise the output once, trimming at the stop string (vLLM semantics)."""
-        if self.tokenizer is None:
+        """Detokenise the output once, trimming at the stop string (vLLM semantics); '' when the
+        request asked for no text (`detokenize=False`, which also rules out stop strings)."""
+        if self.tokenizer is None or not seq.params.detokenize:
             return ""
         text = self.tokenizer.decode(
             seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens

@@ -2,8 +2,10 @@
 bans computed on the host."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from batchgen_data.engine.bad_words import BadWords, banned_tokens
 from batchgen_data.engine.sampler import Sampler
 from batchgen_data.engine.sampling_batch import SamplingBatch, pack, unpack
 from batchgen_data.engine.sequence import Sequence
@@ -56,3 +58,78 @@ def test_sampler_applies_bans_and_greedy_without_device_flags() -> None:
     logits[0, 6] = 1.0
     out = Sampler({2})(logits, seqs)
     assert out.token_ids == [6, 2]
+
+
+class _Tok:
+    """Whitespace-aware toy tokenizer: ' w' is one token, 'w' at the start is one per letter."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if text.startswith(" "):
+            return [100 + len(text)]
+        return [ord(c) - ord("a") for c in text]
+
+
+def test_no_edit_tensors_when_no_row_edits_logits() -> None:
+    seqs = [_seq(0, SamplingParams(temperature=0), [1], [2]),
+            _seq(1, SamplingParams(top_p=0.5), [3], [])]
+    b = SamplingBatch.build(seqs, 50, eos_ids=[2], device=torch.device("cpu"))
+    assert b.allowed is None and b.allowed_rows is None and b.bias is None and b.bias_at is None
+
+
+def test_build_logit_edits_and_bad_word_bans() -> None:
+    bad = BadWords(_Tok())
+    seqs = [
+        _seq(0, SamplingParams(logit_bias={4: 1.5, 7: -2.0}), [1], []),
+        _seq(1, SamplingParams(temperature=0), [1], []),
+        _seq(2, SamplingParams(allowed_token_ids=[3, 8], logit_bias={3: 0.25}), [1], []),
+        # "ab" is [0, 1] at the start and [103] after a space; the output ends with 0
+        _seq(3, SamplingParams(bad_words=["ab"]), [0], [5, 0]),
+    ]
+    b = SamplingBatch.build(seqs, 200, eos_ids=[], device=torch.device("cpu"), bad_words=bad)
+    assert b.bias_at.tolist() == [[0, 0, 2], [4, 7, 3]] and b.bias.tolist() == [1.5, -2.0, 0.25]
+    assert b.allowed.tolist() == [[2, 2], [3, 8]] and b.allowed_rows.tolist() == [2]
+    assert b.ban.tolist() == [[3, 3], [1, 103]]
+
+
+def test_bad_words_spellings_and_matching() -> None:
+    bad = BadWords(_Tok())
+    assert bad.spellings([" ab", "c"]) == [[0, 1], [103], [2], [102]]
+    assert bad.spellings([" ab", "c"]) is bad.spellings([" ab", "c"])  # tokenised once
+    spell = [[0, 1], [9]]
+    assert banned_tokens(spell, [4, 0], num_prompt=1) == [1, 9]
+    assert banned_tokens(spell, [4, 3], num_prompt=1) == [9]
+    # the word's first token is the prompt's last: not banned (vLLM matches the output only)
+    assert banned_tokens(spell, [4, 0], num_prompt=2) == [9]
+    with pytest.raises(ValueError, match="bad_words"):
+        BadWords(_Tok()).check(["z"], vocab_size=20)  # 'z' is id 25
+    with pytest.raises(ValueError, match="bad_words"):
+        BadWords(None).spellings(["a"])
+
+
+def test_sampler_masks_biases_and_keeps_raw_logprobs() -> None:
+    vocab = 10
+    logits = torch.zeros(3, vocab)
+    logits[:, 2] = 5.0
+    seqs = [_seq(0, SamplingParams(temperature=0, allowed_token_ids=[4, 6], logprobs=0), [1], []),
+            _seq(1, SamplingParams(temperature=0, logit_bias={7: 6.0}), [1], []),
+            _seq(2, SamplingParams(temperature=0, logit_bias={2: -100}), [1], [])]
+    logits[0, 6] = 1.0
+    out = Sampler(set())(logits, seqs)
+    assert out.token_ids == [6, 7, 0]
+    raw = torch.log_softmax(logits[0], -1)[6].item()  # logprobs ignore the mask (raw mode)
+    assert out.logprobs[0] == {6: pytest.approx(raw)}
+
+
+def test_edits_survive_the_packed_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the path a GPU takes: one buffer, unpacked into views (alignment asserted by `unpack`)
+    from batchgen_data.engine import sampling_batch
+
+    monkeypatch.setattr(sampling_batch, "to_device", lambda ts, device: unpack(pack(ts), ts))
+    seqs = [_seq(0, SamplingParams(logit_bias={4: 1.5}, repetition_penalty=1.2), [1, 2], [3]),
+            _seq(1, SamplingParams(allowed_token_ids=[3, 8], min_tokens=2), [1], [])]
+    b = SamplingBatch.build(seqs, 20, eos_ids=[2], device=torch.device("cpu"))
+    assert b.bias_at.tolist() == [[0], [4]] and b.bias.tolist() == [1.5]
+    assert b.allowed.tolist() == [[1, 1], [3, 8]] and b.allowed_rows.tolist() == [1]
+    assert b.ban.tolist() == [[1], [2]] and b.prompt_ids.tolist() == [[1, 2], [1, 20]]
+    assert b.greedy.tolist() == [False, False]
+    assert b.repetition.view(-1).tolist() == pytest.approx([1.2, 1.0])

@@ -7,7 +7,8 @@
     out = processor(ds)
 
 Field names follow `ray.data.llm.vLLMEngineProcessorConfig` where the idea carries over; the
-differences are listed in docs/ray_data.md. Ray is imported only when a processor runs.
+differences are listed in docs/ray_data.md. Building a processor imports Ray and installs the
+row-streaming rule (`ray_blocks`) in this driver process, where Ray Data plans the job.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen_data.config import make_engine_config
 from batchgen_data.connectors import ray_blocks
 from batchgen_data.connectors.ray_migration import MigrationOptions
+from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,9 +35,10 @@ class BatchGenProcessorConfig:
 
     model_source: str | None = None  # None: the embedded default model
     batch_size: int = 32
-    concurrency: int | tuple[int, int] = 1  # int: fixed pool; (m, n): autoscaling
+    concurrency: int | tuple[int, int] = 1  # int n: n actors from the start; (m, n): autoscaling
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    apply_chat_template: bool = True  # render a `messages` column with the chat template
+    # `messages` through the chat template, and a plain `prompt` as one user turn
+    apply_chat_template: bool = True
     max_concurrent_batches: int = 4  # input batches served at once by one actor
     max_tasks_in_flight_per_actor: int | None = None
     should_continue_on_error: bool = True  # False: the first bad row fails the job
@@ -98,7 +101,9 @@ class BatchGenProcessorConfig:
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
         else:
-            sizes = dict(size=self.concurrency)
+            # n actors start at once, but the pool may shrink to one: with a fixed minimum of
+            # n, Ray Data warns whenever the input has fewer than n blocks
+            sizes = dict(min_size=1, max_size=self.concurrency, initial_size=self.concurrency)
         compute = ray.data.ActorPoolStrategy(
             **sizes, max_tasks_in_flight_per_actor=in_flight,
             max_concurrent_calls_per_actor=self.max_concurrent_batches,
@@ -132,17 +137,16 @@ class Processor:
         self.postprocess_map_kwargs = {"num_cpus": 0.25, **(postprocess_map_kwargs or {})}
         # one migration coordinator per processor: its actors move work among themselves only
         self.job_id = uuid.uuid4().hex[:16]
+        self.predictor: type[BatchGenPredictor] = BatchGenPredictor  # seam for benchmarks
+        ray_blocks.install()  # the rule must be in the driver before Ray Data plans the job
 
     def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
-        from batchgen_data.connectors.ray_data import BatchGenPredictor
-
-        ray_blocks.install()
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time.
         ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
-        ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs(self.job_id))
+        ds = ds.map_batches(self.predictor, **self.config.map_batches_kwargs(self.job_id))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds

@@ -12,7 +12,9 @@ row-streaming rule (`ray_blocks`) in this driver process, where Ray Data plans t
 """
 from __future__ import annotations
 
+import re
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -101,9 +103,9 @@ class BatchGenProcessorConfig:
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
         else:
-            # n actors start at once, but the pool may shrink to one: with a fixed minimum of
-            # n, Ray Data warns whenever the input has fewer than n blocks
-            sizes = dict(min_size=1, max_size=self.concurrency, initial_size=self.concurrency)
+            # fixed, not (1, n): with late binding a pool that may grow makes Ray warn on every
+            # job that it can never scale up (tasks in flight per actor / concurrency < 1.75)
+            sizes = dict(size=self.concurrency)
         compute = ray.data.ActorPoolStrategy(
             **sizes, max_tasks_in_flight_per_actor=in_flight,
             max_concurrent_calls_per_actor=self.max_concurrent_batches,
@@ -146,10 +148,24 @@ class Processor:
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time.
         ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
+        quiet_small_input_warning(self.predictor.__name__)
         ds = ds.map_batches(self.predictor, **self.config.map_batches_kwargs(self.job_id))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds
+
+
+def quiet_small_input_warning(predictor_name: str) -> None:
+    """Silence Ray Data's "minimum number of concurrent actors" warning for our operator only.
+
+    Ray Data warns when an actor pool of n receives fewer than n blocks, and suggests more
+    blocks (`override_num_blocks`). Here a block is one input batch on purpose (see
+    `Processor.__call__`), so a job smaller than n batches simply leaves an engine idle; the
+    pool size is the user's choice for the data they expect, and the warning has no fix to offer.
+    """
+    op = re.escape(f"MapBatches({predictor_name})")
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=f"The minimum number of concurrent actors for '{op}'")
 
 
 def build_processor(config: BatchGenProcessorConfig,

@@ -6,6 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from batchgen_data.chat import render_chat
 from batchgen_data.engine.engine import Engine
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts reach the model as written, as in vLLM: no chat template (see `chat`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -64,13 +66,8 @@ class LLM:
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True
                     ) -> tuple[list[int], str]:
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        """(prompt_token_ids, text) of one conversation, as the connectors render it."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
 
     @staticmethod
     def _params(sp: Any, n: int) -> list[SamplingParams]:

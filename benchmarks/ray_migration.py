@@ -134,14 +134,8 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
         migration=migration, migration_options={"interval_s": args.interval, "placement": placement})
     processor = build_processor(config)
     job = processor.job_id
-    import batchgen_data.connectors.ray_data as ray_data_mod
-
-    plain = ray_data_mod.BatchGenPredictor
-    ray_data_mod.BatchGenPredictor = tagged_predictor()  # the processor looks it up when called
-    try:
-        ds = processor(ray.data.from_items(rows))
-    finally:
-        ray_data_mod.BatchGenPredictor = plain
+    processor.predictor = tagged_predictor()
+    ds = processor(ray.data.from_items(rows))
     t0, t0_wall = time.perf_counter(), time.time()
     out = ds.take_all()
     bct = time.perf_counter() - t0

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_report  # noqa: E402
 
 from batchgen_data.config import EngineConfig  # noqa: E402
-from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
+from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming  # noqa: E402
 from batchgen_data.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 COLUMNS = ["mode", "engine", "rows", "first_rows_s", "first_batch_last_s", "median_row_s",
@@ -155,6 +155,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     rows = workload(args.rows, args.batch_size, args.long_per_batch, args.short_tokens,
                     args.long_tokens, args.seed)
+    enable_row_streaming()  # map_batches by hand: the rule is not installed by importing
     # this measures streaming alone: cross-actor migration stays off (benchmarks/ray_migration.py)
     kw: dict[str, Any] = dict(model=args.model, stream=(mode != "whole"), migration=False,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})

@@ -8,17 +8,20 @@ Ray or Spark and imports neither.
     builder = RequestBuilder.from_engine(engine, default_params={"max_tokens": 32})
     for row in batch_rows(table):
         try:
-            req = builder.build(row)          # Request(prompt_token_ids, params, prompt)
+            req = builder.build(row)          # RowRequest(prompt_token_ids, params, prompt)
         except RowError as e:
             out = error_row(str(e))           # empty outputs, `error` set
         ...
         out = result_row(request_output)      # generated_text, ..., error=None
     table_out = attach_outputs(table, row_indices, out_rows)   # input columns kept
 
-Input columns, first non-null wins: `prompt_token_ids` (list of ints), `messages` (OpenAI chat
-list, rendered with the tokenizer's chat template and `add_generation_prompt=True`), `prompt`
-(str). Optional `sampling_params`: a dict/struct (or JSON string) of per-row overrides.
-Tokenization matches `LLM.generate` / `LLM.chat`, so a row gives the same tokens offline.
+Input columns, first non-null wins: `prompt_token_ids` (list of ints, never templated),
+`messages` (OpenAI chat list), `prompt` (str). Optional `sampling_params`: a dict/struct (or JSON
+string) of per-row overrides. With `apply_chat_template=True` (the default) `messages` go through
+the tokenizer's chat template, and so does a plain `prompt`, as one user turn, when the
+tokenizer has a template: an instruct model given a bare prompt often ends its answer at once.
+Such a row gives the same tokens as `LLM.chat`; with `apply_chat_template=False` a prompt is sent
+raw, as `LLM.generate` sends it, and `messages` is an ordinary column.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen_data.chat import has_chat_template, prompt_as_chat, render_chat
 from batchgen_data.sampling_params import SamplingParams
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
@@ -44,7 +48,7 @@ class RowError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class RowRequest:
     """One validated row, ready for `EngineDriver.submit(prompt_token_ids, params, prompt=)`."""
 
     prompt_token_ids: list[int]
@@ -133,8 +137,12 @@ def attach_outputs(table: pa.Table, indices: Sequence[int],
     return kept
 
 
-def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt") -> tuple[list[int], str | None]:
-    """(prompt_token_ids, prompt text) for one input value, or RowError naming the problem."""
+def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
+                  as_chat: bool = False) -> tuple[list[int], str | None]:
+    """(prompt_token_ids, prompt text) for one input value, or RowError naming the problem.
+
+    `as_chat`: a plain prompt is rendered as one user turn of the chat template.
+    """
     value = to_python(value)
     if column == "prompt_token_ids":
         if not isinstance(value, list) or not value:
@@ -143,32 +151,24 @@ def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt") -> tuple[l
             raise RowError("prompt_token_ids must contain only ints")
         return value, None
     if column == "messages":
-        return _render_chat(value, tokenizer)
+        return _rendered(render_chat, tokenizer, value)
     if value is None:
         raise RowError("prompt is null")
     if not isinstance(value, str):
         raise RowError(f"prompt must be a string, got {type(value).__name__}")
     if not value.strip():  # whitespace only is empty too: nothing to condition on
         raise RowError("prompt is empty" if not value else "prompt is empty (whitespace only)")
+    if as_chat:
+        return _rendered(prompt_as_chat, tokenizer, value)
     return tokenizer.encode(value), value
 
 
-def _render_chat(messages: Any, tokenizer: Any) -> tuple[list[int], str]:
-    if not isinstance(messages, list) or not messages:
-        raise RowError("messages must be a non-empty list of {'role': str, 'content': str}")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RowError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-        m = {k: v for k, v in m.items() if v is not None}  # Arrow structs fill absent keys
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RowError(f"messages[{i}] needs string 'role' and 'content'")
-        clean.append(m)
+def _rendered(render: Callable[[Any, Any], tuple[list[int], str]], tokenizer: Any,
+              value: Any) -> tuple[list[int], str]:
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # a template may reject a role order, e.g. two user turns
-        raise RowError(f"chat template failed on messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False), text
+        return render(tokenizer, value)
+    except ValueError as e:  # the chat module's message names the bad message
+        raise RowError(str(e)) from None
 
 
 def parse_overrides(value: Any) -> dict[str, Any] | None:
@@ -187,7 +187,7 @@ def parse_overrides(value: Any) -> dict[str, Any] | None:
 
 
 class RequestBuilder:
-    """Validates rows against one engine's tokenizer and limits and turns them into Requests."""
+    """Validates rows against one engine's tokenizer and limits and turns them into RowRequests."""
 
     def __init__(self, tokenizer: Any, default_params: SamplingParams | Mapping[str, Any] | None = None,
                  check: Callable[[list[int], SamplingParams], None] | None = None,
@@ -196,6 +196,8 @@ class RequestBuilder:
         # without the chat template a `messages` column is just another passed-through column
         self.columns = INPUT_COLUMNS if apply_chat_template else tuple(
             c for c in INPUT_COLUMNS if c != "messages")
+        # plain prompts as one user turn: what an instruct model expects (docs/row-errors.md)
+        self.prompts_as_chat = apply_chat_template and has_chat_template(tokenizer)
         self.default_params = SamplingParams.from_dict(
             dict(default_params) if isinstance(default_params, Mapping) else default_params)
         # engine.check_request: raises ValueError for prompts too long, token ids out of vocab
@@ -206,20 +208,20 @@ class RequestBuilder:
                     apply_chat_template: bool = True) -> "RequestBuilder":
         return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template)
 
-    def build(self, row: Mapping[str, Any]) -> Request:
-        """The Request for one row; RowError with a message naming the problem otherwise."""
+    def build(self, row: Mapping[str, Any]) -> RowRequest:
+        """The RowRequest for one row; RowError with a message naming the problem otherwise."""
         present = [c for c in self.columns if c in row]
         if not present:
             raise RowError(f"row has none of the input columns {list(self.columns)[::-1]}")
         column = next((c for c in present if to_python(row[c]) is not None), present[-1])
-        ids, text = encode_prompt(row[column], self.tokenizer, column)
+        ids, text = encode_prompt(row[column], self.tokenizer, column, self.prompts_as_chat)
         params = self.params_for(row.get(PARAMS_COLUMN))
         if self.check is not None:
             try:
                 self.check(ids, params)
             except (ValueError, TypeError) as e:
                 raise RowError(str(e)) from None
-        return Request(ids, params, text)
+        return RowRequest(ids, params, text)
 
     def params_for(self, overrides: Any) -> SamplingParams:
         """Defaults merged with one row's overrides; RowError when they are invalid."""
@@ -232,7 +234,7 @@ class RequestBuilder:
                            "input row, so n must be 1")
         return params
 
-    def try_build(self, row: Mapping[str, Any]) -> Request | str:
+    def try_build(self, row: Mapping[str, Any]) -> RowRequest | str:
         """Like `build`, but returns the error message instead of raising."""
         try:
             return self.build(row)

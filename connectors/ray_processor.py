@@ -7,11 +7,14 @@
     out = processor(ds)
 
 Field names follow `ray.data.llm.vLLMEngineProcessorConfig` where the idea carries over; the
-differences are listed in docs/ray_data.md. Ray is imported only when a processor runs.
+differences are listed in docs/ray_data.md. Building a processor imports Ray and installs the
+row-streaming rule (`ray_blocks`) in this driver process, where Ray Data plans the job.
 """
 from __future__ import annotations
 
+import re
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen_data.config import make_engine_config
 from batchgen_data.connectors import ray_blocks
 from batchgen_data.connectors.ray_migration import MigrationOptions
+from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,9 +37,10 @@ class BatchGenProcessorConfig:
 
     model_source: str | None = None  # None: the embedded default model
     batch_size: int = 32
-    concurrency: int | tuple[int, int] = 1  # int: fixed pool; (m, n): autoscaling
+    concurrency: int | tuple[int, int] = 1  # int n: n actors from the start; (m, n): autoscaling
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    apply_chat_template: bool = True  # render a `messages` column with the chat template
+    # `messages` through the chat template, and a plain `prompt` as one user turn
+    apply_chat_template: bool = True
     max_concurrent_batches: int = 4  # input batches served at once by one actor
     max_tasks_in_flight_per_actor: int | None = None
     should_continue_on_error: bool = True  # False: the first bad row fails the job
@@ -98,6 +103,8 @@ class BatchGenProcessorConfig:
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
         else:
+            # fixed, not (1, n): with late binding a pool that may grow makes Ray warn on every
+            # job that it can never scale up (tasks in flight per actor / concurrency < 1.75)
             sizes = dict(size=self.concurrency)
         compute = ray.data.ActorPoolStrategy(
             **sizes, max_tasks_in_flight_per_actor=in_flight,
@@ -132,20 +139,33 @@ class Processor:
         self.postprocess_map_kwargs = {"num_cpus": 0.25, **(postprocess_map_kwargs or {})}
         # one migration coordinator per processor: its actors move work among themselves only
         self.job_id = uuid.uuid4().hex[:16]
+        self.predictor: type[BatchGenPredictor] = BatchGenPredictor  # seam for benchmarks
+        ray_blocks.install()  # the rule must be in the driver before Ray Data plans the job
 
     def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
-        from batchgen_data.connectors.ray_data import BatchGenPredictor
-
-        ray_blocks.install()
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time.
         ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
-        ds = ds.map_batches(BatchGenPredictor, **self.config.map_batches_kwargs(self.job_id))
+        quiet_small_input_warning(self.predictor.__name__)
+        ds = ds.map_batches(self.predictor, **self.config.map_batches_kwargs(self.job_id))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds
+
+
+def quiet_small_input_warning(predictor_name: str) -> None:
+    """Silence Ray Data's "minimum number of concurrent actors" warning for our operator only.
+
+    Ray Data warns when an actor pool of n receives fewer than n blocks, and suggests more
+    blocks (`override_num_blocks`). Here a block is one input batch on purpose (see
+    `Processor.__call__`), so a job smaller than n batches simply leaves an engine idle; the
+    pool size is the user's choice for the data they expect, and the warning has no fix to offer.
+    """
+    op = re.escape(f"MapBatches({predictor_name})")
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=f"The minimum number of concurrent actors for '{op}'")
 
 
 def build_processor(config: BatchGenProcessorConfig,

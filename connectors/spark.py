@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from batchgen_data.connectors import common, spark_task
 from batchgen_data.connectors.spark_task import TaskSettings
-from batchgen_data.connectors.streaming import in_completion_order, in_input_order
+from batchgen_data.connectors.spark_streaming import in_completion_order, in_input_order
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,10 +49,12 @@ def _check_worker_reuse() -> None:
 
 def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                  max_in_flight: int | None = None, debug_stats: bool = False,
-                 **engine_kwargs: Any) -> Any:
+                 apply_chat_template: bool = True, **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
 
-    The input column may hold prompt strings or chat messages (`array<struct<role, content>>`).
+    The input column may hold prompt strings, chat messages (`array<struct<role, content>>`) or
+    token ids. With `apply_chat_template=True` (the default) messages, and prompt strings as one
+    user turn, go through the tokenizer's chat template; False sends prompts as written.
     Results keep input order. `max_in_flight` bounds the rows one task holds (default: twice
     the engine's `max_num_seqs`). `debug_stats=True` adds `engine_max_batch_seqs`: the largest
     engine batch seen by the task so far. Register for SQL with `spark.udf.register(name, udf)`.
@@ -61,7 +63,7 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs)
+                                   debug_stats, engine_kwargs, apply_chat_template)
     _check_worker_reuse()
     return_type = _spark_type(spark_task.output_schema(debug_stats))
 
@@ -92,18 +94,18 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
                 model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
-                **engine_kwargs: Any) -> "DataFrame":
+                apply_chat_template: bool = True, **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
     The result has all input columns plus the output columns. `id_col` names a column that
     identifies rows: it seeds sampling (when no seed is given) and lets callers join results
-    back; without it the prompt is the seed key.
+    back; without it the prompt is the seed key. `apply_chat_template` as in `batchgen_udf`.
     """
     for col in (prompt_col, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs)
+                                   debug_stats, engine_kwargs, apply_chat_template)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
 

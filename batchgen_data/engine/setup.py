@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig
+from batchgen_data.devices import pick_device
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
@@ -31,15 +32,6 @@ class EngineParts:
     stopper: StopChecker
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r}: CUDA is not available on this machine")
-    return dev
-
-
 def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
@@ -54,7 +46,7 @@ def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
 def build_parts(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = pick_device(config.device)
+    device = torch.device(pick_device(config.device))
     path = loader.resolve_model_path(config.model)
     hf_config = loader.load_config(path, config.trust_remote_code)
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path

@@ -1,4 +1,6 @@
-"""Spark connector end to end on local[2] with a tiny random Llama.
+"""Spark connector end to end on local[2] with a tiny random Llama (its tokenizer has a ChatML
+template, so by default a plain prompt is sent as one user turn: the offline reference is
+`LLM.chat`; with apply_chat_template=False it is `LLM.generate`).
 
 All tests share one engine configuration, so each Python worker loads the model once and later
 tests reuse it (as production jobs do); the fail-fast test runs last because a failed task
@@ -48,6 +50,11 @@ def texts(outs: list) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
+def chat(llm: LLM, prompts: list[str], params: Any) -> list[Any]:
+    """Offline reference for templated prompt rows: each prompt as one user turn."""
+    return llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+
+
 def prompt_df(spark: Any, prompts: list[Any], partitions: int = 2) -> Any:
     rows = [(i, p) for i, p in enumerate(prompts)]
     return spark.createDataFrame(rows, "id long, prompt string").repartition(partitions, "id")
@@ -61,7 +68,7 @@ def run_udf(df: Any, udf: Any, col: str = "prompt") -> list[Any]:
 def test_udf_matches_offline_generate(spark: Any, model: str, llm: LLM) -> None:
     df = prompt_df(spark, PROMPTS)
     greedy = run_udf(df, batchgen_udf(model, GREEDY, **ENGINE))
-    expected = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    expected = chat(llm, PROMPTS, SamplingParams(**GREEDY))
     assert [r.generated_text for r in greedy] == texts(expected)
     assert [r.generated_token_ids for r in greedy] == [o.outputs[0].token_ids for o in expected]
     assert all(r.error is None and r.finish_reason in ("stop", "length") for r in greedy)
@@ -70,8 +77,18 @@ def test_udf_matches_offline_generate(spark: Any, model: str, llm: LLM) -> None:
     # no seed given: each row is seeded from its prompt, so offline runs can reproduce it
     sampled = run_udf(df, batchgen_udf(model, SAMPLED, **ENGINE))
     seeded = [SamplingParams(**SAMPLED, seed=derive_seed(0, p)) for p in PROMPTS]
-    expected = texts(llm.generate(PROMPTS, seeded, use_tqdm=False))
+    expected = texts(chat(llm, PROMPTS, seeded))
     assert [r.generated_text for r in sampled] == expected
+
+
+def test_raw_prompts_without_the_chat_template(spark: Any, model: str, llm: LLM) -> None:
+    df = prompt_df(spark, PROMPTS[:8])
+    rows = run_udf(df, batchgen_udf(model, GREEDY, apply_chat_template=False, **ENGINE))
+    raw = llm.generate(PROMPTS[:8], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [r.generated_token_ids for r in rows] == [o.outputs[0].token_ids for o in raw]
+    assert [r.num_prompt_tokens for r in rows] == [len(o.prompt_token_ids) for o in raw]
+    templated = chat(llm, PROMPTS[:8], SamplingParams(**GREEDY))
+    assert [len(o.prompt_token_ids) for o in raw] != [len(o.prompt_token_ids) for o in templated]
 
 
 def test_bad_rows_become_errors(spark: Any, model: str, llm: LLM) -> None:
@@ -82,7 +99,7 @@ def test_bad_rows_become_errors(spark: Any, model: str, llm: LLM) -> None:
     assert "null" in rows[1].error and "empty" in rows[2].error
     assert "max_model_len" in rows[3].error
     assert rows[3].generated_text == "" and rows[3].num_generated_tokens == 0
-    good = llm.generate([prompts[0], prompts[4]], SamplingParams(**GREEDY), use_tqdm=False)
+    good = chat(llm, [prompts[0], prompts[4]], SamplingParams(**GREEDY))
     assert [rows[0].generated_text, rows[4].generated_text] == texts(good)
 
 
@@ -91,7 +108,7 @@ def test_sql_registration(spark: Any, model: str, llm: LLM) -> None:
     prompt_df(spark, PROMPTS[:6]).createOrReplaceTempView("prompts")
     rows = spark.sql("SELECT id, batchgen_generate(prompt).generated_text AS text "
                      "FROM prompts").collect()
-    expected = llm.generate(PROMPTS[:6], SamplingParams(**GREEDY), use_tqdm=False)
+    expected = chat(llm, PROMPTS[:6], SamplingParams(**GREEDY))
     assert [r.text for r in sorted(rows, key=lambda r: r.id)] == texts(expected)
 
 
@@ -123,7 +140,7 @@ def test_generate_df_completion_order_keeps_columns(spark: Any, model: str, llm:
     # seeded from the id column, not the prompt; row 0 with its own max_tokens
     seeded = [SamplingParams(**{**SAMPLED, "max_tokens": 2 if i == 0 else 8},
                              seed=derive_seed(0, str(i))) for i in range(12)]
-    expected = texts(llm.generate(PROMPTS[:12], seeded, use_tqdm=False))
+    expected = texts(chat(llm, PROMPTS[:12], seeded))
     got = [by_id[i].generated_text for i in range(12)]
     assert got[0] == expected[0] and by_id[0].num_generated_tokens <= 2
     assert got[2:] == expected[2:]

@@ -47,6 +47,23 @@ def test_messages_use_chat_template_without_special_tokens(builder: RequestBuild
     assert req.prompt_token_ids[0] != 1  # template text is not given a second BOS
 
 
+class TemplatedTokenizer(CharTokenizer):
+    chat_template = "<role>content ..."  # any non-empty template: a chat model's tokenizer
+
+
+def test_plain_prompts_are_one_user_turn_when_the_tokenizer_has_a_template() -> None:
+    tok = TemplatedTokenizer()
+    chat = RequestBuilder(tok, None)
+    req = chat.build({"prompt": "hi"})
+    assert req.prompt == "<user>hi<assistant>"
+    assert req.prompt_token_ids == tok.encode("<user>hi<assistant>", add_special_tokens=False)
+    assert chat.build({"prompt_token_ids": [4, 5]}).prompt_token_ids == [4, 5]  # never templated
+    raw = RequestBuilder(tok, None, apply_chat_template=False)
+    assert raw.build({"prompt": "hi"}).prompt_token_ids == tok.encode("hi")
+    # without the template a messages column is just another column
+    assert raw.build({"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}).prompt == "hi"
+
+
 def test_token_ids_row_and_first_non_null_column_wins(builder: RequestBuilder) -> None:
     req = builder.build({"prompt": None, "prompt_token_ids": np.array([5, 6, 7])})
     assert req.prompt_token_ids == [5, 6, 7] and req.prompt is None

@@ -59,13 +59,13 @@ def test_job_id_names_the_coordinator() -> None:
 def test_a_dead_engine_makes_the_actor_exit(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    from batchgen_data.connectors import ray_data
+    from batchgen_data.connectors import ray_predictor
 
     codes: list[int] = []
-    monkeypatch.setattr(ray_data.os, "_exit", codes.append)
-    ray_data.exit_if_engine_dead(SimpleNamespace(dead=None))
+    monkeypatch.setattr(ray_predictor.os, "_exit", codes.append)
+    ray_predictor.exit_if_engine_dead(SimpleNamespace(dead=None))
     assert codes == []
-    ray_data.exit_if_engine_dead(SimpleNamespace(dead=RuntimeError("CUDA error")))
+    ray_predictor.exit_if_engine_dead(SimpleNamespace(dead=RuntimeError("CUDA error")))
     assert codes == [1]  # Ray Data restarts the actor (max_restarts=-1) and retries its tasks
 
 

@@ -7,10 +7,11 @@ from typing import Any, Callable
 
 import pytest
 
-from batchgen_data.connectors import engine_cache, spark_task
+from batchgen_data.connectors import spark_engine_cache, spark_task
 from batchgen_data.connectors.common import derive_seed, seeded
-from batchgen_data.connectors.engine_cache import EngineCache, EngineSpec, pick_device
+from batchgen_data.connectors.spark_engine_cache import EngineCache, EngineSpec
 from batchgen_data.connectors.spark_task import TaskSession, TaskSettings, value_row
+from batchgen_data.devices import pick_device
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ from batchgen_data.sampling_params import SamplingParams
     ([], None, True, "cpu"),                # GPUs exist but this task was given none
 ])
 def test_pick_device(gpus: list[str], visible: str | None, cuda: bool, expected: str) -> None:
-    assert pick_device(gpus, visible, cuda) == expected
+    assert pick_device("auto", gpus, visible, cuda) == expected
 
 
 def test_derived_seed_is_stable_and_row_specific() -> None:
@@ -113,7 +114,7 @@ def test_engine_cache_builds_once_and_replaces_on_new_config() -> None:
 
 
 def test_task_session_rows_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_cache, "ENGINES", EngineCache(FakeDriver))
+    monkeypatch.setattr(spark_engine_cache, "ENGINES", EngineCache(FakeDriver))
     monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
     settings = TaskSettings.create(None, {"temperature": 1.0}, "row", None, True, {})
     session = TaskSession(settings)
@@ -124,7 +125,7 @@ def test_task_session_rows_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert out[0]["generated_text"] == "ok" and "null" in out[1]["error"]
     assert "max_model_len" in out[2]["error"]
     assert all(spark_task.DEBUG_FIELD in r for r in out)
-    driver = engine_cache.ENGINES.get(settings.spec.resolved("cpu", 1))
+    driver = spark_engine_cache.ENGINES.get(settings.spec.resolved("cpu", 1))
     assert driver.submitted == [derive_seed(0, "a")]
 
     strict = TaskSession(TaskSettings.create(None, None, "raise", None, False, {}))
@@ -133,11 +134,11 @@ def test_task_session_rows_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_task_session_aborts_abandoned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_cache, "ENGINES", EngineCache(FakeDriver))
+    monkeypatch.setattr(spark_engine_cache, "ENGINES", EngineCache(FakeDriver))
     monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
     session = TaskSession(TaskSettings.create(None, None, "row", None, False, {}))
     session.submit([{"prompt_token_ids": [1]}], ["a"])  # finishes at once
-    driver = engine_cache.ENGINES.get(session.settings.spec.resolved("cpu", 1))
+    driver = spark_engine_cache.ENGINES.get(session.settings.spec.resolved("cpu", 1))
     driver.pending = True
     futures = session.submit([{"prompt_token_ids": [2]}, {"prompt_token_ids": [3]}], ["b", "c"])
     session.abandon(futures)

@@ -7,8 +7,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from batchgen_data.connectors.streaming import (
-    BatchSizeProbe, failed_future, in_completion_order, in_input_order)
+from batchgen_data.connectors.rows import failed_future
+from batchgen_data.connectors.spark_streaming import (
+    BatchSizeProbe, in_completion_order, in_input_order)
 
 
 class SlowEngine:

@@ -1,4 +1,4 @@
-"""One engine per worker process, built lazily from plain configuration.
+"""Spark: one engine per Python worker process, built lazily from plain configuration.
 
 Spark ships only an `EngineSpec` (model name + engine kwargs) to executors. The first task that
 needs an engine in a Python worker builds it; later tasks on the same, reused worker
@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 from batchgen_data.config import make_engine_config
-from batchgen_data import env
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +67,6 @@ class EngineSpec:
     def key(self) -> str:
         # repr, not hash(): kwargs values may be lists, and the key must be stable in one process
         return repr((self.model, self.engine_kwargs))
-
-
-def pick_device(gpu_addresses: Sequence[str], cuda_visible: str | None,
-                cuda_available: bool) -> str:
-    """Device for this task: Spark's GPU assignment, then CUDA_VISIBLE_DEVICES, else CPU.
-
-    Spark hands out physical GPU addresses. When CUDA_VISIBLE_DEVICES is also set, CUDA numbers
-    the visible devices from 0, so the address is mapped to its position in that list.
-    """
-    visible = [d for d in (x.strip() for x in (cuda_visible or "").split(",")) if d and d != "-1"]
-    if gpu_addresses and cuda_available:
-        addr = str(gpu_addresses[0]).strip()
-        if visible:
-            return f"cuda:{visible.index(addr)}" if addr in visible else "cuda:0"
-        return f"cuda:{int(addr)}" if addr.isdigit() else "cuda:0"
-    if visible and cuda_available:
-        return "cuda:0"
-    return "cpu"
-
-
-def cuda_visible_devices() -> str | None:
-    return env.cuda_visible_devices()
 
 
 def build_driver(spec: EngineSpec) -> DriverLike:

@@ -1,4 +1,4 @@
-"""Bounded windows of in-flight requests over a stream of input batches.
+"""Spark: bounded windows of in-flight requests over a stream of input batches.
 
 Spark hands a task its rows a few at a time (`spark.sql.execution.arrow.maxRecordsPerBatch`).
 Submitting one batch and waiting for it, as `predict_batch_udf` does, leaves the engine with a
@@ -18,13 +18,6 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 B = TypeVar("B")
 Abandon = Callable[[list[Future]], None]
-
-
-def failed_future(exc: BaseException) -> Future:
-    """A finished Future holding `exc`: the stand-in for a row the engine never sees."""
-    fut: Future = Future()
-    fut.set_exception(exc)
-    return fut
 
 
 def in_input_order(batches: Iterable[B], submit: Callable[[B], list[Future]],

@@ -8,9 +8,12 @@
 # Install once per cluster image: `pip install "batchgen_data[ray]"`.
 
 # %%
+import time
+
 import ray
 
 from batchgen_data.connectors.ray_data import BatchGenProcessorConfig, build_processor
+from batchgen_data.report import summarize
 
 DATA = "examples/data/prompts.jsonl"  # any JSONL/Parquet source with a text column
 LIMIT = 40  # rows to run; None for all of them
@@ -36,14 +39,15 @@ config = BatchGenProcessorConfig(
 
 processor = build_processor(
     config,
-    # each row becomes a chat request; anything else in the row passes through
+    # each row becomes a chat request (the model is an instruct model); the rest passes through
     preprocess=lambda row: {**row, "messages": [
         {"role": "system", "content": f"You are a helpful assistant. Task type: {row['task']}."},
         {"role": "user", "content": row["prompt"]},
     ]},
-    postprocess=lambda row: {"id": row["id"], "task": row["task"],
-                             "answer": row["generated_text"], "tokens": row["num_generated_tokens"],
-                             "error": row["error"]},
+    # keep what the summary below counts; drop the token ids and the messages
+    postprocess=lambda row: {k: row[k] for k in (
+        "id", "task", "generated_text", "num_prompt_tokens", "num_generated_tokens",
+        "finish_reason", "error")},
 )
 
 # %% [markdown]
@@ -53,13 +57,14 @@ processor = build_processor(
 ds = ray.data.read_json(DATA)
 if LIMIT is not None:
     ds = ds.limit(LIMIT)
+start = time.perf_counter()
 out = processor(ds).materialize()  # run once; keep the rows for inspecting and saving
-results = out.to_pandas()
-print(f"{len(results)} rows, {results['error'].notna().sum()} errors, "
-      f"{results['tokens'].sum()} generated tokens")
+wall_s = time.perf_counter() - start
+# rows, errors by kind, empty answers, finish reasons, tokens and throughput
+print(summarize(out.take_all(), wall_s=wall_s).format())
 
 # %%
-results.sort_values("id").head(10)
+out.to_pandas().sort_values("id").head(10)
 
 # %% [markdown]
 # ## Save

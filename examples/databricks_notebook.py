@@ -24,9 +24,12 @@ OUTPUT_TABLE = None  # e.g. "main.support.ticket_summaries"; None: just count
 
 # COMMAND ----------
 
+import time
+
 from pyspark.sql import functions as F
 
 from batchgen_data.connectors.spark import batchgen_udf, generate_df
+from batchgen_data.report import summarize
 
 # `spark` is predefined in Databricks notebooks.
 tickets = spark.createDataFrame(
@@ -38,9 +41,13 @@ tickets = spark.createDataFrame(
     ] * (NUM_ROWS // 4))],
     "ticket_id long, body string",
 )
+# The model is an instruct model: each request is one user turn of a chat, which the connector
+# renders with the model's chat template (array<struct<role, content>>). An empty ticket gets
+# no messages at all, so the connector reports it instead of asking the model about nothing.
+question = F.concat(F.lit("Summarise this support ticket in one sentence: "), F.col("body"))
+turn = F.struct(F.lit("user").alias("role"), question.alias("content"))
 prompts = tickets.withColumn(
-    "prompt", F.concat(F.lit("Summarise this support ticket in one sentence: "), F.col("body"))
-).withColumn("prompt", F.when(F.col("body") == "", F.lit("")).otherwise(F.col("prompt")))
+    "messages", F.when(F.col("body") == "", F.lit(None)).otherwise(F.array(turn)))
 
 # COMMAND ----------
 
@@ -51,7 +58,7 @@ prompts = tickets.withColumn(
 # COMMAND ----------
 
 summarise = batchgen_udf(MODEL, {"temperature": 0.7, "top_p": 0.9, "max_tokens": MAX_TOKENS})
-summaries = prompts.withColumn("out", summarise("prompt")).select(
+summaries = prompts.withColumn("out", summarise("messages")).select(
     "ticket_id", "body", "out.generated_text", "out.finish_reason", "out.error")
 summaries.show(8, truncate=60)
 
@@ -66,7 +73,7 @@ spark.udf.register("summarise", summarise)
 prompts.createOrReplaceTempView("ticket_prompts")
 by_sql = spark.sql("""
     SELECT ticket_id, out.generated_text AS summary, out.error
-    FROM (SELECT ticket_id, summarise(prompt) AS out FROM ticket_prompts)
+    FROM (SELECT ticket_id, summarise(messages) AS out FROM ticket_prompts)
 """)
 by_sql.show(4, truncate=60)
 
@@ -77,10 +84,14 @@ by_sql.show(4, truncate=60)
 
 # COMMAND ----------
 
-results = generate_df(prompts, prompt_col="prompt", id_col="ticket_id", model=MODEL,
+start = time.perf_counter()
+results = generate_df(prompts, prompt_col="messages", id_col="ticket_id", model=MODEL,
                       sampling_params={"temperature": 0.0, "max_tokens": MAX_TOKENS})
 if OUTPUT_TABLE:
     results.write.mode("overwrite").saveAsTable(OUTPUT_TABLE)
     results = spark.table(OUTPUT_TABLE)
-counts = results.groupBy(F.col("error").isNull().alias("ok")).count().collect()
-print({("ok" if r.ok else "error"): r["count"] for r in counts})
+# rows, errors by kind, empty answers, finish reasons, tokens and throughput of the job
+columns = ["generated_text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error"]
+report = summarize([r.asDict() for r in results.select(*columns).collect()],
+                   wall_s=time.perf_counter() - start)
+print(report.format())

@@ -2,12 +2,15 @@
 
 Reads every `examples/data/*.jsonl` file (rows of `id`, `prompt`, `task`; `bad_rows.jsonl` holds
 prompts that are null, empty, too long or not strings at all), runs `BatchGenPredictor` with the
-embedded default model on two engine actors, writes Parquet and prints a short summary.
+embedded default model on two engine actors, writes Parquet and prints a summary: rows, errors by
+kind, empty generations, finish reasons, tokens, wall time and throughput (`batchgen_data.report`).
 
     python examples/ray_data_batch.py                      # all 330 rows, ./out/ray_data_batch
     python examples/ray_data_batch.py --limit 20 --max-tokens 32 --output /tmp/run1
 
 Bad rows do not stop the job: each comes back with an `error` message and empty outputs.
+The default model is an instruct model, so each prompt is sent as one user turn of a `messages`
+column, which the connector renders with the model's chat template.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import ray
 
 from batchgen_data.connectors.common import to_python
 from batchgen_data.connectors.ray_data import BatchGenPredictor
+from batchgen_data.report import summarize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -41,18 +45,30 @@ def load_rows(data_dir: Path, limit: int | None) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def as_chat(batch: pd.DataFrame) -> pd.DataFrame:
+    """A `messages` column holding each text prompt as one user turn.
+
+    An instruct model sent a bare prompt often answers with its end-of-turn token at once (an
+    empty row); through its chat template it answers. Rows whose prompt is not usable text get
+    no messages, so the connector falls back to `prompt` and reports what is wrong with it.
+    """
+    batch["messages"] = [[{"role": "user", "content": p}] if isinstance(p, str) and p.strip()
+                         else None for p in batch["prompt"].tolist()]
+    return batch
+
+
 def prompt_as_text(batch: pd.DataFrame) -> pd.DataFrame:
     """Non-string prompts (bad rows) as JSON text, so the Parquet column is a plain string."""
     values = [to_python(p) for p in batch["prompt"].tolist()]
     batch["prompt"] = [p if p is None or isinstance(p, str) else json.dumps(p) for p in values]
-    return batch
+    return batch.drop(columns=["messages"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = load_rows(args.data, args.limit)
     # Blocks of one input batch each: Ray feeds a task's batches to the UDF one after another,
     # so a single big block would keep just one batch in the engine at a time.
-    ds = ray.data.from_pandas(rows).repartition(target_num_rows_per_block=32)
+    ds = ray.data.from_pandas(as_chat(rows)).repartition(target_num_rows_per_block=32)
     ds = ds.map_batches(
         BatchGenPredictor, batch_size=32, batch_format="pyarrow",
         fn_constructor_kwargs=dict(
@@ -70,14 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ds.write_parquet(str(args.output), min_rows_per_file=128, mode="overwrite")
     wall = time.perf_counter() - start
 
-    table = pq.read_table(args.output)
-    errors = table.filter(table.column("error").is_valid())
-    generated = sum(table.column("num_generated_tokens").to_pylist())
-    return {"rows": table.num_rows, "input_rows": len(rows), "errors": errors.num_rows,
-            "generated_tokens": generated, "wall_s": round(wall, 2),
-            "gen_tok_s": round(generated / wall, 1) if wall > 0 else None,
-            "error_examples": sorted(set(errors.column("error").to_pylist()))[:5],
-            "output": str(args.output)}
+    report = summarize(pq.read_table(args.output), wall_s=wall)
+    return {**report.to_dict(), "input_rows": len(rows), "output": str(args.output),
+            "text": report.format()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,15 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         summary = run(args)
     finally:
         ray.shutdown()
-    print(f"rows            {summary['rows']} (input {summary['input_rows']})")
-    print(f"errors          {summary['errors']}")
-    for message in summary["error_examples"]:
-        print(f"  - {message[:100]}")
-    print(f"generated       {summary['generated_tokens']} tokens, "
-          f"{summary['gen_tok_s']} tokens/s")
-    print(f"wall time       {summary['wall_s']} s (engine start-up included)")
-    print(f"output          {summary['output']}")
-    print(json.dumps({k: v for k, v in summary.items() if k != "error_examples"}))
+    print(summary.pop("text"))
+    print(f"output          {summary['output']} (input {summary['input_rows']} rows; "
+          "wall time includes engine start-up)")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

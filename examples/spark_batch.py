@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from batchgen_data.connectors.spark import batchgen_udf, generate_df
+from batchgen_data.report import summarize
 
 INSTRUCTION = ("Classify the sentiment of this review as positive, negative or mixed. "
                "Answer with one word.\n\nReview: ")
@@ -55,9 +56,10 @@ def run(spark: SparkSession, model: str | None, rows: int, max_tokens: int,
     classify = batchgen_udf(model, params)
     t0 = time.perf_counter()
     labelled = (df.withColumn("result", classify("messages"))
-                  .select("id", "review", "result.generated_text", "result.error"))
-    udf_rows = labelled.collect()
+                  .select("id", "review", "result.*"))  # the struct's fields as columns
+    udf_rows = [row.asDict() for row in labelled.collect()]
     udf_s = time.perf_counter() - t0
+    report = summarize(udf_rows, wall_s=udf_s)
 
     t0 = time.perf_counter()
     streamed = generate_df(df, prompt_col="messages", id_col="id", model=model,
@@ -69,11 +71,12 @@ def run(spark: SparkSession, model: str | None, rows: int, max_tokens: int,
         df_rows = streamed.count()
     df_s = time.perf_counter() - t0
 
-    for row in sorted(udf_rows, key=lambda r: r.id)[:4]:
-        print(f"{row.id:>4}  {row.review[:48]:<48}  -> {row.generated_text!r}")
+    for row in sorted(udf_rows, key=lambda r: r["id"])[:4]:
+        print(f"{row['id']:>4}  {row['review'][:48]:<48}  -> {row['generated_text']!r}")
+    print(f"batchgen_udf:\n{report.format()}")
     summary = {"rows": rows, "udf_rows": len(udf_rows), "generate_df_rows": df_rows,
-               "errors": sum(r.error is not None for r in udf_rows),
-               "udf_rows_per_s": round(len(udf_rows) / udf_s, 2),
+               "errors": report.error_rows, "empty": report.empty,
+               "udf_rows_per_s": report.to_dict()["rows_per_s"],
                "generate_df_rows_per_s": round(df_rows / df_s, 2)}
     print(json.dumps(summary))
     return summary

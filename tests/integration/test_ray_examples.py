@@ -35,14 +35,20 @@ def test_ray_data_batch_example(tmp_path: Path) -> None:
     summary = json.loads(stdout.strip().splitlines()[-1])
     # 4 rows from each file; the first 4 bad rows are null, "", whitespace and 42
     assert summary["rows"] == summary["input_rows"] == 8
-    assert summary["errors"] == 4
+    assert summary["error_rows"] == 4 and summary["good_rows"] == 4
+    assert summary["errors"] == {"prompt is null": 1, "prompt is empty": 1,
+                                 "prompt is empty (whitespace only)": 1,
+                                 "prompt must be a string, got int": 1}
+    # each prompt goes through the chat template, so the instruct model answers every one
+    assert summary["empty"] == 0
     table = pq.read_table(out)
     assert sorted(table.column("id").to_pylist()) == sorted(
         [f"b000{i}" for i in range(1, 5)] + table.filter(
             table.column("error").is_null()).column("id").to_pylist())
     good = table.filter(table.column("error").is_null())
     assert all(n >= 1 for n in good.column("num_generated_tokens").to_pylist())
-    assert "generated" in stdout and "tokens/s" in stdout
+    assert sum(good.column("num_generated_tokens").to_pylist()) == summary["generated_tokens"]
+    assert "0 of 4 good rows" in stdout and "tokens/s" in stdout
 
 
 @pytest.mark.slow
@@ -54,7 +60,8 @@ def test_anyscale_notebook_runs(tmp_path: Path) -> None:
     script.write_text(source.replace("LIMIT = 40", "LIMIT = 4").replace(
         "MAX_TOKENS = 48", "MAX_TOKENS = 4"))
     stdout = _run([str(script)], timeout=570)
-    assert "4 rows, 0 errors" in stdout
+    assert "rows            4 (4 good, 0 errors)" in stdout
+    assert "empty           0 of 4 good rows" in stdout  # chat messages: real answers
 
 
 @pytest.mark.timeout(560)

@@ -25,6 +25,7 @@ def test_spark_batch_example(spark: Any, tiny_model_dir: Callable[..., Path],
     out = example["main"](["--model", str(tiny_model_dir("llama")), "--rows", "12",
                            "--max-tokens", "4", "--output", str(tmp_path / "out")], spark=spark)
     assert out["udf_rows"] == out["generate_df_rows"] == 12 and out["errors"] == 0
+    assert 0 <= out["empty"] <= 12  # the tiny random model may well say nothing
 
 
 def test_databricks_notebook(spark: Any, tiny_model_dir: Callable[..., Path],
@@ -39,6 +40,8 @@ def test_databricks_notebook(spark: Any, tiny_model_dir: Callable[..., Path],
         exec(compile(cell, "databricks_notebook.py", "exec"), scope)
         if cell.strip().startswith("# Parameters"):
             exec(params, scope)
-    # 8 tickets, two of them empty: the job finishes with two error rows
-    counts = capsys.readouterr().out.strip().splitlines()[-1]
-    assert eval(counts) == {"ok": 6, "error": 2}  # the notebook's last line prints a dict
+    # 8 tickets, two of them empty: the job finishes with two error rows, and says so
+    out = capsys.readouterr().out
+    assert "rows            8 (6 good, 2 errors)" in out
+    assert "error      2  prompt is null" in out
+    assert "empty " in out and "tokens " in out and "rows/s" in out

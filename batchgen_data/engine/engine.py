@@ -149,7 +149,8 @@ class Engine:
         return finished
 
     def _move_kv(self, out: SchedulerOutput) -> None:
-        # order matters: read preempted KV before any new owner of those blocks writes them
+        # order matters: read the KV of sequences just held before new owners of their blocks
+        # write them
         for seq, blocks in out.swap_out:
             if decide_held_kv(seq, self.host, keep=True):
                 self.host.put(seq, self.runner.read_kv(blocks, seq.num_computed_tokens))

@@ -4,8 +4,9 @@ Runs the real `Engine` (default model unless told otherwise) through prefill-hea
 decode-heavy batches, records for every step the features the cost model uses — computed tokens,
 KV tokens read, scheduled sequences — and the wall time of `Engine.step()`, and fits
 `t = c0 + c_tok*new + c_kv*kv + c_seq*seqs` by non-negative least squares. The features are the
-scheduler's own output, as the engine reports it to `Engine.on_step`. Each run is repeated and every step keeps its fastest time: other processes on a
-shared machine only ever add time, so the minimum is the least disturbed measurement.
+scheduler's own output, as the engine reports it to `Engine.on_step`. Each run is repeated and
+every step keeps its fastest time: other processes on a shared machine only ever add time, so
+the minimum is the least disturbed measurement.
 """
 from __future__ import annotations
 

@@ -88,10 +88,11 @@ class Sampler:
     def _edit(logits: torch.Tensor, b: SamplingBatch) -> None:
         """allowed_token_ids and logit_bias, in place (bad_words are in `b.ban`)."""
         if b.allowed is not None:
-            keep = torch.ones_like(logits, dtype=torch.bool)  # [N, V]
-            keep[b.allowed_rows] = False
-            keep[b.allowed[0], b.allowed[1]] = True
-            logits.masked_fill_(~keep, float("-inf"))
+            # keep the allowed logits, blank the restricted rows, put them back: one pass over
+            # the restricted rows only, no [N, V] mask
+            kept = logits[b.allowed[0], b.allowed[1]]  # [A]
+            logits.index_fill_(0, b.allowed_rows, float("-inf"))
+            logits[b.allowed[0], b.allowed[1]] = kept
         if b.bias is not None:
             logits.index_put_((b.bias_at[0], b.bias_at[1]), b.bias, accumulate=True)
 

@@ -21,7 +21,7 @@ from batchgen_data.connectors import common, spark_engine_cache
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark_engine_cache import EngineSpec
 from batchgen_data.connectors.spark_streaming import BatchSizeProbe
-from batchgen_data.devices import pick_device
+from batchgen_data.devices import cuda_is_available, pick_device
 from batchgen_data.sampling_params import SamplingParams
 
 DEBUG_FIELD = "engine_max_batch_seqs"
@@ -69,8 +69,6 @@ def task_resources() -> tuple[list[str], int | None]:
 
 def task_driver(settings: TaskSettings) -> spark_engine_cache.DriverLike:
     """This worker's driver for `settings.spec`, placed on the task's device."""
-    from batchgen_data.devices import cuda_is_available
-
     gpus, cpus = task_resources()
     cuda = cuda_is_available()
     requested = settings.spec.kwargs.get("device", "auto")

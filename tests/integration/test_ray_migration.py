@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(600)
 # workers cannot import this test module: ship `Host` by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ENGINE = {"max_model_len": 1024, "max_num_seqs": 4}
+# raw prompts, as `LLM.generate` (the oracle below) sends them: this file tests migration
+ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "apply_chat_template": False}
 PLACEMENT = {"min_running_age": 8, "min_kv_gain_tokens": 16}
 
 

@@ -53,7 +53,7 @@ prompts = tickets.withColumn(
 
 # MAGIC %md
 # MAGIC ## As a column: `batchgen_udf`
-# MAGIC No seed given: each row is seeded from its prompt, so retried tasks return the same text.
+# MAGIC No seed given: each row is seeded from its messages, so retried tasks return the same text.
 
 # COMMAND ----------
 

@@ -2,8 +2,9 @@
 
 Each block runs alone in a fresh interpreter from the repository root, on the embedded default
 model, so a block that needs an import or a variable from elsewhere fails here as it would for a
-reader. Only the input size shrinks: the example JSONL becomes its first rows, `max_tokens` is
-capped and the output path moves to a temp dir. A block may opt out with a comment
+reader. Only the size shrinks: the example JSONL becomes its first rows, `max_tokens` is capped,
+one Ray actor or Spark core stands in for two (each loads the model) and the output path moves
+to a temp dir. A block may opt out with a comment
 `# doctest: skip-because <reason>` (a cluster address, an API listing); the reason is required.
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ DATA = "examples/data/prompts.jsonl"
 ROWS = 8  # enough that one Parquet file per row would show
 MAX_TOKENS = 8
 OUTPUT_DIR = "/tmp/batchgen_out"
+# Every engine loads the model (seconds and ~4 GiB each): one per snippet pipeline is enough here.
+PARALLELISM = [("concurrency=2", "concurrency=1"),
+               ("ActorPoolStrategy(size=2", "ActorPoolStrategy(size=1"),
+               ('master("local[2]")', 'master("local[1]")')]
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,9 @@ def snippets() -> list[Snippet]:
 
 def shrink(source: str, data: Path, out_dir: Path) -> str:
     """The block with small inputs: fewer rows, fewer tokens, output in the test's temp dir."""
-    if DATA in source:
-        source = source.replace(DATA, str(data))
-    if OUTPUT_DIR in source:
-        source = source.replace(OUTPUT_DIR, str(out_dir))
+    source = source.replace(DATA, str(data)).replace(OUTPUT_DIR, str(out_dir))
+    for wide, narrow in PARALLELISM:
+        source = source.replace(wide, narrow)
     cap = lambda m: m.group(1) + str(min(int(m.group(2)), MAX_TOKENS))  # noqa: E731
     return re.sub(r"""(["']?max_tokens["']?\s*[:=]\s*)(\d+)""", cap, source)
 
@@ -68,7 +72,13 @@ def test_documents_have_snippets() -> None:
     assert len(found) >= 5, [s.id for s in found]
     for s in found:  # a skip must say why
         assert s.skip_reason is None or s.skip_reason, f"{s.id}: skip-because needs a reason"
-    assert snippets()[0].doc.name == "README.md" and "llm.chat" in snippets()[0].source
+    assert found[0].doc.name == "README.md" and "llm.chat" in found[0].source
+    # the run below stays small only while the documents still match the shrinking rules
+    for s in found:
+        small = shrink(s.source, Path("/data.jsonl"), Path("/out"))
+        assert DATA not in small and OUTPUT_DIR not in small, s.id
+        assert not re.search(r"size=2|concurrency=2|local\[2\]", small), s.id
+        assert all(int(n) <= MAX_TOKENS for n in re.findall(r"max_tokens\W{1,4}(\d+)", small))
 
 
 @pytest.mark.slow

@@ -13,10 +13,13 @@ from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
-from batchgen_data.layers.cpu_linear import pack_model_linears
 
-_CPU_KV_BYTES = 2 << 30  # default KV budget in host RAM when running on the CPU
+# Default cap on the KV cache in host RAM on the CPU (below it, the cache holds every sequence
+# at full length). 512 MiB holds ~11.6k tokens of SmolLM2-135M (46 KB a token in fp32), which
+# keeps a default engine of that model near 1.5 GiB; raise `kv_cache_memory_bytes` for more.
+_CPU_KV_BYTES = 512 << 20
 
 
 @dataclass
@@ -60,9 +63,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = loader.pick_dtype(config.dtype, device, hf_config)
-    model = loader.build_model(hf_config, dtype, device)
-    loader.load_weights(model, path)
-    pack_model_linears(model, device, dtype)
+    backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
+    model = loader.build_model(hf_config, dtype, device, backend)
+    loader.load_weights(model, path)  # each weight lands in its kernels' layout, once
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:
@@ -81,11 +84,15 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
     host = HostKVTier(cc.host_kv_cache_bytes, per_token)
-    runner = ModelRunner(model, num_blocks, cc.block_size, device, dtype)
-    if not config.enforce_eager:
-        runner.capture_cuda_graphs(sc.max_num_seqs, max_len)
+    runner = ModelRunner(model, num_blocks, cc.block_size, backend)
+    runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper)
+
+
+def _head_dim(hf_config: Any) -> int:
+    return (getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
 def _num_blocks(cc: Any, device: torch.device, per_token: int, max_len: int, max_seqs: int) -> int:

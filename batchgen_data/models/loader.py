@@ -102,6 +102,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if missing:
         raise ValueError(f"checkpoint at {path} lacks weights for {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
+    del params  # the plain weights must be unreferenced for finalize to free them
     finalize(model)
 
 

@@ -17,9 +17,6 @@ from torch import nn
 from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.models.registry import resolve_architecture
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
         from batchgen_data.models.default_model import default_model_dir
@@ -36,16 +33,6 @@ def resolve_model_path(model: str | None) -> Path:
         pass
     raise ValueError(f"model={model!r}: not a local model directory (and not in the local HF "
                      "cache); pass a directory with config.json and *.safetensors")
-
-
-def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU kernels are fastest and exact in fp32
-    native = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
-    native = getattr(native, "__str__", lambda: "")().replace("torch.", "")
-    return torch.float16 if native == "float16" else torch.bfloat16
 
 
 def load_config(path: Path, trust_remote_code: bool) -> Any:

@@ -60,6 +60,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     enforce_eager: bool = False
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
+    # CPU: the compiled C kernels and packed weight layouts where they run (False: torch only)
+    cpu_kernels: bool = True
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -70,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r}: must be >= 1")
+        if not isinstance(self.cpu_kernels, bool):
+            raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

@@ -42,31 +42,30 @@ def cuda_visible_devices() -> str | None:
 
 
 def cpu_packed_linear() -> bool:
-    """``$BATCHGEN_CPU_PACKED_LINEAR``: pre-pack CPU matmul weights for oneDNN (default on).
-
-    ``0``, ``false``, ``no`` or ``off`` keep the plain ``F.linear`` layers.
-    """
+    """``$BATCHGEN_CPU_PACKED_LINEAR``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` keep CPU matmul weights out of oneDNN's packed layout
+    (default on). Read when a model is built."""
     return _get_flag("BATCHGEN_CPU_PACKED_LINEAR", default=True)
 
 
 def cpu_small_gemm() -> bool:
-    """``$BATCHGEN_CPU_SMALL_GEMM``: decode-step matmuls (few rows) in the C kernel (default on).
-
-    ``0``, ``false``, ``no`` or ``off`` keep the library matmuls for them.
-    """
+    """``$BATCHGEN_CPU_SMALL_GEMM``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` turn the C matmuls (small-row and panel kernels) off
+    (default on). Read when a model is built."""
     return _get_flag("BATCHGEN_CPU_SMALL_GEMM", default=True)
 
 
 def cpu_fused_ops() -> bool:
-    """``$BATCHGEN_CPU_FUSED_OPS``: residual add + RMSNorm and the rotary embedding in C on the
-    CPU for fp32 (default on). ``0``, ``false``, ``no`` or ``off`` keep the torch ops."""
+    """``$BATCHGEN_CPU_FUSED_OPS``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` keep residual add + RMSNorm, the rotation and SiLU * up
+    on the torch ops instead of C (default on). Read when a model is built."""
     return _get_flag("BATCHGEN_CPU_FUSED_OPS", default=True)
 
 
 def cpu_decode_stack() -> bool:
-    """``$BATCHGEN_CPU_DECODE_STACK``: run each pure-decode step of a Llama-family fp32 model on
-    the CPU as one C call over all layers (default on). ``0``, ``false``, ``no`` or ``off`` keep
-    the per-layer path."""
+    """``$BATCHGEN_CPU_DECODE_STACK``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` keep pure-decode steps on the per-layer path instead of
+    one C call over all layers (default on). Read when an engine is built."""
     return _get_flag("BATCHGEN_CPU_DECODE_STACK", default=True)
 
 
@@ -83,11 +82,12 @@ def _get_flag(name: str, default: bool) -> bool:
 
 
 def cpu_attention_kernel() -> bool:
-    """``$BATCHGEN_CPU_ATTENTION_KERNEL``: run CPU decode attention in the compiled C kernel
-    (default on; it falls back to torch by itself when no compiler is found)."""
+    """``$BATCHGEN_CPU_ATTENTION_KERNEL``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` keep CPU decode attention on torch instead of the C
+    kernel (default on; without a compiler torch runs anyway). Read when a model is built."""
     return _get_flag("BATCHGEN_CPU_ATTENTION_KERNEL", default=True)
 
 
 def c_compiler() -> str | None:
-    """``$CC``: the C compiler that builds the CPU attention kernel (default ``cc``)."""
+    """``$CC``: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _get_str("CC")

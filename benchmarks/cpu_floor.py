@@ -10,10 +10,10 @@ thread count and the same SmolLM2-135M-shaped fp32 model:
                 whatever the batch, because every step reads all 540 MB of fp32 weights;
 * `step1_ms`    this engine's measured decode step with a single sequence (the real value of
                 the same bound, with attention, norms and sampling);
-* `rows_ms`     one pass of all the model's matmuls at 1 to 64 rows (a decode batch
+* `rows_ms`     one pass of all the model's matmuls at 1 to 256 rows (a decode batch
                 of that size): how far small batches stay from the weights-pass bound; printed
                 for plain `F.linear`, for the oneDNN-packed weights and for the two C kernels
-                the engine uses on the CPU (`layers/csrc/small_gemm.c`, `panel_gemm.c`);
+                the engine uses on the CPU (`kernels/cpu/csrc/small_gemm.c`, `panel_gemm.c`);
 * `attn_ms`     one layer's decode attention over the paged cache (the model's head shape, a
                 random block layout) at 5 and 32 sequences: the torch path (gather + SDPA)
                 against the compiled C kernel the engine uses for fp32 caches.
@@ -65,25 +65,27 @@ def matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> floa
 
 
 def packed_matmul_pass_ms(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
-    """`matmul_pass_ms` with each weight pre-packed for oneDNN (`layers.cpu_linear`)."""
-    from batchgen_data.layers.cpu_linear import pack_weight, packed_linear
+    """`matmul_pass_ms` with each weight pre-packed for oneDNN (`kernels/cpu/linear.py`)."""
+    from batchgen_data.kernels.cpu.linear import onednn_linear, pack_onednn
 
-    packed = [pack_weight(w) for w in weights]
+    packed = [pack_onednn(w) for w in weights]
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
 
     def run() -> None:
         for x, p in zip(xs, packed):
-            packed_linear(x, p, None)
+            onednn_linear(x, p, None)
 
     return _best_of(run, repeats) * 1e3
 
 
 def c_kernel_pass_ms(kind: str, weights: list[torch.Tensor], rows: int,
                      repeats: int) -> float | None:
-    """`matmul_pass_ms` through one of the engine's C matmul kernels (`layers.cpu_linear`):
-    kind "small" (`small_linear` on the plain weights) or "panel" (`panel_linear` on weights
-    repacked by `pack_panels`). None when that kernel is not available here."""
-    from batchgen_data.layers import cpu_linear as cl
+    """`matmul_pass_ms` through one of the engine's C matmul kernels (`kernels/cpu/linear.py`):
+    kind "small" (`small_linear` on the plain weights), "panel" (`panel_linear` on weights
+    repacked by `pack_panels`) or "panel_torch" (`panel_matmul`, torch's batched matmul on the
+    same panels: what the engine runs beyond `PANEL_MAX_ROWS` rows). None when that kernel is
+    not available here."""
+    from batchgen_data.kernels.cpu import linear as cl
 
     if kind == "small":
         if not cl.small_gemm_available():
@@ -97,8 +99,10 @@ def c_kernel_pass_ms(kind: str, weights: list[torch.Tensor], rows: int,
             return None
         prepared = [cl.pack_panels(w) for w in weights]
 
+        panel_fn = cl.panel_linear if kind == "panel" else cl.panel_matmul
+
         def call(x, p, w):  # type: ignore[no-untyped-def]
-            return cl.panel_linear(x, p, None, w.shape[0])
+            return panel_fn(x, p, None, w.shape[0])
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
 
     def run() -> None:
@@ -114,7 +118,7 @@ def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head
     block layout."""
     from types import SimpleNamespace
 
-    from batchgen_data.layers import cpu_attention
+    from batchgen_data.kernels.cpu import attention as cpu_attention
     from batchgen_data.layers.attention import _decode_torch
 
     bs = 16
@@ -130,7 +134,7 @@ def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head
     scale = head_dim ** -0.5
     out = {"torch": round(_best_of(lambda: _decode_torch(q, k_cache, v_cache, meta, scale),
                                    repeats * 4) * 1e3, 3)}
-    if cpu_attention.available(k_cache):
+    if cpu_attention.supports(head_dim):
         out["c_kernel"] = round(_best_of(lambda: cpu_attention.paged_decode(
             q, k_cache, v_cache, tables, lens, scale), repeats * 4) * 1e3, 3)
     return out
@@ -193,15 +197,17 @@ def main() -> None:
     with torch.inference_mode():
         gflops = max(matmul_gflops(mats, rows, args.repeats) for rows in (32, 256))
         weights_ms = weights_pass_ms(params, args.repeats)
-        row_counts = (1, 2, 4, 5, 8, 12, 16, 24, 32, 64)
+        row_counts = (1, 2, 4, 5, 8, 12, 16, 24, 32, 64, 128, 256)
         rows_ms = {rows: round(matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
                    for rows in row_counts}
         packed_ms = {rows: round(packed_matmul_pass_ms(mats + [embed], rows, args.repeats), 1)
                      for rows in row_counts}
         small_ms: dict[int, float] = {}
         panel_ms: dict[int, float] = {}
-        for kind, table in (("small", small_ms), ("panel", panel_ms)):
-            for rows in row_counts:
+        panel_torch_ms: dict[int, float] = {}
+        for kind, table in (("small", small_ms), ("panel", panel_ms),
+                            ("panel_torch", panel_torch_ms)):
+            for rows in (r for r in row_counts if kind != "small" or r <= 64):
                 ms = c_kernel_pass_ms(kind, mats + [embed], rows, args.repeats)
                 if ms is not None:
                     table[rows] = round(ms, 1)
@@ -225,6 +231,9 @@ def main() -> None:
     print("the same with the C panel kernel: "
           + (", ".join(f"{r}: {ms} ms" for r, ms in panel_ms.items()) or "not available here"),
           flush=True)
+    print("the same with torch's batched matmul on the panels (rows > 64 in the engine): "
+          + (", ".join(f"{r}: {ms} ms" for r, ms in panel_torch_ms.items())
+             or "not available here"), flush=True)
     print("one layer's decode attention (seqs x context): "
           + ", ".join(f"{k}: {v}" for k, v in attn_ms.items()), flush=True)
 
@@ -252,6 +261,7 @@ def main() -> None:
                       "matmul_ms_by_rows": rows_ms, "packed_matmul_ms_by_rows": packed_ms,
                       "small_kernel_matmul_ms_by_rows": small_ms,
                       "panel_kernel_matmul_ms_by_rows": panel_ms,
+                      "panel_torch_matmul_ms_by_rows": panel_torch_ms,
                       "decode_attention_ms": attn_ms}))
 
 

@@ -55,14 +55,14 @@ def main() -> None:
         model, stack = runner.model, runner.cpu_stack
         with torch.inference_mode():
             kv0 = runner.kv.clone()
-            a = stack.run(inp.input_ids, inp.positions, inp.meta)
+            a = stack.run(inp)
             kv_a = runner.kv.clone()
             runner.kv.copy_(kv0)
             b = model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
             equal = bool(torch.equal(a, b) and torch.equal(kv_a, runner.kv))
             t_stack, t_layers = [], []
             for i in range(args.repeat):  # interleaved, alternating which goes first
-                pair = [(t_stack, lambda: stack.run(inp.input_ids, inp.positions, inp.meta)),
+                pair = [(t_stack, lambda: stack.run(inp)),
                         (t_layers, lambda: model(inp.input_ids, inp.positions, runner.kv_caches,
                                                  inp.meta))]
                 for out, fn in (pair if i % 2 == 0 else pair[::-1]):

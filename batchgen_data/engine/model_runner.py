@@ -2,8 +2,9 @@
 
 Holds the model weights and the per-layer KV caches, flattens the scheduled sequences into one
 batch (decodes first, then prefill/extend chunks), and returns hidden states at the positions
-whose next token must be sampled. It also moves KV between the cache and host memory for
-hold/resume and export/import.
+whose next token must be sampled: through the first whole-model fast path that serves the step
+(`fast_paths/`: CUDA graphs, the C decode stack), else through the model's own forward. It also
+moves KV between the cache and host memory for hold/resume and export/import.
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from batchgen_data.engine import prompt_logprobs
-from batchgen_data.engine.cuda_graphs import DecodeGraphs
+from batchgen_data.engine.fast_paths import FastPath, build_fast_paths
+from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
+from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
-from batchgen_data.layers import backend, cpu_attention
 from batchgen_data.layers.attention import AttentionMetadata
-from batchgen_data.layers.cpu_decode_stack import CpuDecodeStack
+from batchgen_data.layers.backend import LayerBackend
 
 
 @dataclass
@@ -36,10 +38,11 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 backend: LayerBackend) -> None:
         self.model = model
-        self.device = device
-        self.dtype = dtype
+        self.backend = backend  # the one the model's layers were built for
+        self.device = device = backend.device
+        self.dtype = dtype = backend.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         s = model.shape
@@ -47,18 +50,25 @@ class ModelRunner:
         self.kv = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
-        self.graphs: DecodeGraphs | None = None
-        # CPU fp32: decode attention runs in the compiled C kernel, which reads the paged cache
-        # directly; the torch path's gather index is then not needed
-        self._cpu_kernel = cpu_attention.available(self.kv)
-        # CPU fp32: pure-decode steps run all layers in one C call (None: not for this model)
-        self.cpu_stack = CpuDecodeStack.build(model, self.kv_caches) if device.type == "cpu" else None
+        self.fast_paths: list[FastPath] = []
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture pure-decode forwards; a no-op off CUDA or without the Triton kernels."""
-        if self.device.type == "cuda" and backend.use_triton(self.kv):
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
-                                       self.block_size, self.device)
+    def build_fast_paths(self, max_num_seqs: int, max_model_len: int,
+                         cuda_graphs: bool = True) -> None:
+        """Set up the fast paths this model and cache allow (captures CUDA graphs on a GPU)."""
+        self.fast_paths = build_fast_paths(self.model, self.kv_caches, self.backend, max_num_seqs,
+                                           max_model_len, self.block_size, cuda_graphs)
+
+    def fast_path(self, kind: type) -> FastPath | None:
+        """The fast path of this class in use, or None (for tests and benchmarks)."""
+        return next((p for p in self.fast_paths if isinstance(p, kind)), None)
+
+    @property
+    def cpu_stack(self) -> CpuDecodeStack | None:
+        return self.fast_path(CpuDecodeStack)  # type: ignore[return-value]
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.fast_path(DecodeGraphs)  # type: ignore[return-value]
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -112,11 +122,8 @@ class ModelRunner:
             max_decode_len=max(seq_lens[:num_decodes], default=0),
             max_prefill_len=max(prefill_q, default=0),
         )
-        if num_decodes and not backend.use_triton(self.kv):
-            if self._cpu_kernel:
-                meta.cpu_decode_kernel = True
-            else:  # the torch path's gather index
-                self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
+        if num_decodes and self.backend.torch_decode_attention:
+            self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
@@ -141,12 +148,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] float32 for the sequences in `inp.sample_seqs`."""
-        hidden = None
-        if self.graphs is not None:
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
-        elif self.cpu_stack is not None:
-            hidden = self.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
-        if hidden is None:
+        path = next((p for p in self.fast_paths if p.applies(inp)), None)
+        if path is not None:
+            hidden = path.run(inp)
+        else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if inp.prompt_rows is not None:
             inp.prompt_logprobs = prompt_logprobs.compute(hidden, self.model.compute_logits,

@@ -14,10 +14,14 @@ from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
-from batchgen_data.layers.cpu_linear import pack_model_linears
 
-_CPU_KV_BYTES = 2 << 30  # default KV budget in host RAM when running on the CPU
+# Default cap on the KV cache in host RAM on the CPU (below it, the cache holds every sequence
+# at full length). 512 MiB holds ~11.6k tokens of SmolLM2-135M (46 KB a token in fp32), which
+# keeps a default engine of that model near 1.5 GiB; raise `kv_cache_memory_bytes` for more.
+_CPU_KV_BYTES = 512 << 20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -30,6 +34,16 @@ class EngineParts:
     host: HostKVTier
     runner: ModelRunner
     stopper: StopChecker
+
+
+def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU kernels are fastest and exact in fp32
+    native = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    native = getattr(native, "__str__", lambda: "")().replace("torch.", "")
+    return torch.float16 if native == "float16" else torch.bfloat16
 
 
 def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
@@ -51,10 +65,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     hf_config = loader.load_config(path, config.trust_remote_code)
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
-    dtype = loader.pick_dtype(config.dtype, device, hf_config)
-    model = loader.build_model(hf_config, dtype, device)
-    loader.load_weights(model, path)
-    pack_model_linears(model, device, dtype)
+    dtype = pick_dtype(config.dtype, device, hf_config)
+    backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
+    model = loader.build_model(hf_config, dtype, device, backend)
+    loader.load_weights(model, path)  # each weight lands in its kernels' layout, once
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:
@@ -73,21 +87,28 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
     host = HostKVTier(cc.host_kv_cache_bytes, per_token)
-    runner = ModelRunner(model, num_blocks, cc.block_size, device, dtype)
-    if not config.enforce_eager:
-        runner.capture_cuda_graphs(sc.max_num_seqs, max_len)
+    runner = ModelRunner(model, num_blocks, cc.block_size, backend)
+    runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper)
 
 
+def _head_dim(hf_config: Any) -> int:
+    return (getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
 def _num_blocks(cc: Any, device: torch.device, per_token: int, max_len: int, max_seqs: int) -> int:
+    """Blocks for every sequence at full length (`max_seqs` x `max_len` tokens, plus one spare
+    block), capped by the memory budget: `kv_cache_memory_bytes` when set, else the GPU's free
+    memory down to `gpu_memory_utilization`, else `_CPU_KV_BYTES` of host RAM."""
     block_bytes = per_token * cc.block_size
+    need = max_seqs * -(-max_len // cc.block_size) * block_bytes + block_bytes
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - total * (1 - cc.gpu_memory_utilization))
     else:
-        # enough for every sequence at full length, capped by the host budget
-        budget = min(_CPU_KV_BYTES, max_seqs * max_len * per_token + block_bytes)
-    return max(2, budget // block_bytes)
+        budget = _CPU_KV_BYTES
+    return max(2, min(need, budget) // block_bytes)

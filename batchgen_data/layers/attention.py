@@ -2,9 +2,10 @@
 
 The batch is flattened: the first `num_decodes` tokens are single-token decodes (one per
 sequence), the rest are prefill/extend chunks of varying length whose cached prefix sits in the
-paged cache. On CUDA the Triton kernels run. On the CPU, decodes of an fp32 cache run in a small
-compiled C kernel (`cpu_attention`) when the runner found one, else (and for prefill chunks) a
-torch reference that gathers each sequence's blocks and runs dense attention.
+paged cache. The `Attention` layer picks its implementation when it is built: the Triton
+kernels on CUDA; on an fp32 CPU with its kernels, decodes in a small compiled C kernel
+(`batchgen_data.kernels.cpu.attention`) that reads the paged cache directly; otherwise (and for
+prefill chunks) a torch reference that gathers each sequence's blocks and runs dense attention.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen_data.layers import backend, cpu_attention
+from torch import nn
+
+from batchgen_data.layers.backend import current
 
 
 @dataclass
@@ -31,18 +34,28 @@ class AttentionMetadata:
     # torch path only, built once per step and shared by every layer:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
-    cpu_decode_kernel: bool = False  # decodes run in the compiled C kernel (fp32 CPU cache)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D]."""
-    if backend.use_triton(q):
-        return _attention_triton(q, k, v, k_cache, v_cache, meta, scale)
-    return _attention_torch(q, k, v, k_cache, v_cache, meta, scale)
+class Attention(nn.Module):
+    """Writes the new tokens' K/V into the paged cache and attends over it."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        b = current()
+        self.c_decode = b.c_attention
+        self._forward = _attention_triton if b.triton else _attention_torch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D].
+        Returns [T, H, D]."""
+        return self._forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.c_decode)
 
 
-def _attention_triton(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type: ignore[no-untyped-def]
     from batchgen_data.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -58,14 +71,15 @@ def _attention_triton(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[n
     return out
 
 
-def _attention_torch(q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type: ignore[no-untyped-def]
     num_kv = k_cache.shape[2]
     head_dim = k_cache.shape[3]
     k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
     nd = meta.num_decodes
     outs = []
-    if nd and meta.cpu_decode_kernel:
+    if nd and c_decode:
+        from batchgen_data.kernels.cpu import attention as cpu_attention
         outs.append(cpu_attention.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                                meta.seq_lens[:nd], scale))
     elif nd:

@@ -1,15 +1,26 @@
-"""Which implementation a layer uses: Triton kernels on CUDA, torch references elsewhere.
+"""Which implementation the layers use, chosen once when a model is built for a device and dtype.
 
-`force_triton()` is a test seam: it routes CPU tensors through the Triton kernels too (they run
-under ``TRITON_INTERPRET=1``), so the whole model's kernel path can be checked without a GPU.
+`LayerBackend.choose(device, dtype, cpu_kernels)` decides: the Triton kernels on CUDA; on the CPU
+the compiled C kernels (`batchgen_data.kernels.cpu`) where they run (fp32, a C compiler, the
+self-checks pass) and torch elsewhere. The model loader builds a model inside `building(backend)`,
+so every layer constructor reads the same choice (`current()`) and keeps its implementation for
+the model's life; the model code itself never branches on the backend.
+
+`force_triton()` is a test seam: models built inside it use the Triton kernels on CPU tensors too
+(they run under ``TRITON_INTERPRET=1``), so the whole model's kernel path can be checked without
+a GPU.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
+
+from batchgen_data import env
 
 _forced = False
 
@@ -23,16 +34,86 @@ def _triton_ok() -> bool:
     return triton_available()
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return (x.is_cuda or _forced) and _triton_ok()
+def use_triton(device: torch.device) -> bool:
+    """Whether a model built now for `device` runs the Triton kernels."""
+    return (device.type == "cuda" or _forced) and _triton_ok()
 
 
 @contextlib.contextmanager
 def force_triton(on: bool = True) -> Iterator[None]:
-    """Within the block, layers call the Triton kernels for CPU tensors as well (tests only)."""
+    """Models built within the block use the Triton kernels for CPU tensors too (tests only)."""
     global _forced
     prev, _forced = _forced, on
     try:
         yield
     finally:
         _forced = prev
+
+
+@dataclass(frozen=True)
+class LayerBackend:
+    """The implementation family of every layer of one model.
+
+    `triton`: the Triton kernels. `c_ops`: RMSNorm, the rotation and SiLU*up in C (fp32 CPU).
+    `c_attention`: decode attention over the paged cache in C (fp32 CPU). `linear`: the weight
+    layout of the linear layers, "plain" (torch), "onednn" or "panels" (see layers/linear.py).
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    triton: bool = False
+    c_ops: bool = False
+    c_attention: bool = False
+    linear: str = "plain"
+
+    @property
+    def torch_decode_attention(self) -> bool:
+        """Whether the attention layers decode on the torch path, which reads the gather index
+        (`AttentionMetadata.decode_blocks` / `decode_mask`) the runner builds once per step."""
+        return not (self.triton or self.c_attention)
+
+    @classmethod
+    def choose(cls, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
+               head_dim: int | None = None) -> "LayerBackend":
+        """The backend for a model on `device` in `dtype`; `cpu_kernels=False` keeps the CPU on
+        torch. The ``BATCHGEN_CPU_*`` variables can turn single CPU kernels off (test hooks)."""
+        if use_triton(device):
+            return cls(device, dtype, triton=True)
+        if device.type != "cpu" or not cpu_kernels:
+            return cls(device, dtype)
+        from batchgen_data.kernels.cpu import attention, linear, ops
+
+        fp32 = dtype == torch.float32
+        if fp32 and linear.panel_gemm_available():
+            layout = "panels"
+        elif dtype in (torch.float32, torch.bfloat16) and linear.onednn_available():
+            layout = "onednn"
+        else:
+            layout = "plain"
+        c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
+                       and attention.supports(head_dim))
+        return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
+                   linear=layout)
+
+
+_current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)
+
+
+@contextlib.contextmanager
+def building(backend: LayerBackend) -> Iterator[LayerBackend]:
+    """Layers constructed within the block take `backend` (the model loader wraps the model's
+    constructor in it)."""
+    token = _current.set(backend)
+    try:
+        yield backend
+    finally:
+        _current.reset(token)
+
+
+def current() -> LayerBackend:
+    """The backend of the model being built: the one set by `building`, else a torch-only
+    backend for the default device and dtype (a model built outside the loader)."""
+    chosen = _current.get()
+    if chosen is not None:
+        return chosen
+    return LayerBackend(torch.empty(0).device, torch.get_default_dtype())

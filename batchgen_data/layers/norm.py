@@ -1,11 +1,12 @@
-"""RMSNorm, computed in fp32 like the HF reference; the fused Triton kernel on CUDA."""
+"""RMSNorm, computed in fp32 like the HF reference: the fused Triton kernel on CUDA, one C loop
+on an fp32 CPU (no per-op dispatch for the few rows of a decode step), torch elsewhere."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen_data.layers import backend, cpu_ops
+from batchgen_data.layers.backend import current
 
 
 class RMSNorm(nn.Module):
@@ -13,19 +14,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        b = current()
+        self._forward = self._triton if b.triton else self._c if b.c_ops else self._torch
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if backend.use_triton(x):
-            from batchgen_data.kernels import fused_add_rms_norm, rms_norm
-            shape = x.shape
-            if residual is None:  # q/k norms see [T, H, D]: the kernel wants rows
-                return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
-            # in place: residual += x; x = norm(residual)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if cpu_ops.usable(x):  # fp32 on the CPU: one C loop, no per-op dispatch
-            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self._forward(x, residual)
+
+    def _triton(self, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from batchgen_data.kernels import fused_add_rms_norm, rms_norm
+        shape = x.shape
+        if residual is None:  # q/k norms see [T, H, D]: the kernel wants rows
+            return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+        # in place: residual += x; x = norm(residual)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _c(self, x: torch.Tensor, residual: torch.Tensor | None
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from batchgen_data.kernels.cpu import ops
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _torch(self, x: torch.Tensor, residual: torch.Tensor | None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
             residual = x

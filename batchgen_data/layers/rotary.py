@@ -1,5 +1,10 @@
 """Rotary position embedding (NeoX / Llama "rotate half" layout) with the scaling variants
-used by Llama 3.x, Qwen2 and Qwen3 configs: default, linear, dynamic-free llama3, yarn."""
+used by Llama 3.x, Qwen2 and Qwen3 configs: default, linear, dynamic-free llama3, yarn.
+
+The implementation is chosen when the layer is built: the Triton kernel on CUDA, an in-place C
+rotation on an fp32 CPU, torch elsewhere. When q and k are adjacent heads of one fused qkv row
+(the usual case) the C and torch paths rotate both in one pass.
+"""
 from __future__ import annotations
 
 import math
@@ -8,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen_data.layers import backend
+from batchgen_data.layers.backend import current
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -80,6 +85,8 @@ class RotaryEmbedding(nn.Module):
         # Every layer of one forward rotates at the same positions: the torch path looks the
         # cos/sin rows up once per positions tensor, not once per layer.
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        b = current()
+        self._forward = self._triton if b.triton else self._c if b.c_ops else self._torch
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memo = self._memo
@@ -89,19 +96,45 @@ class RotaryEmbedding(nn.Module):
         self._memo = (positions, cos, sin)
         return cos, sin
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Torch path: x [T, heads, D] (q and k heads may share one tensor) rotated by position."""
-        cos, sin = self._cos_sin(positions)
-        return _rotate(x, cos, sin)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [T, H, D], k [T, Hkv, D], positions [T]
-        if backend.use_triton(q):
-            from batchgen_data.kernels import apply_rotary
-            return apply_rotary(q, k, positions, self.cos_sin_cache)
+        """q [T, H, D] and k [T, Hkv, D] (views of one qkv row or not) rotated by position [T].
+        The C path rotates in place and returns its inputs."""
+        return self._forward(positions, q, k)
+
+    def _triton(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        from batchgen_data.kernels import apply_rotary
+        return apply_rotary(q, k, positions, self.cos_sin_cache)
+
+    def _c(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        from batchgen_data.kernels.cpu import ops
+        joint = _joint_view(q, k)
+        for x, heads in ([(joint, q.shape[1] + k.shape[1])] if joint is not None
+                         else [(q.flatten(1), q.shape[1]), (k.flatten(1), k.shape[1])]):
+            ops.rotate_(x, heads, q.shape[2], positions, self.cos_sin_cache)
+        return q, k
+
+    def _torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        joint = _joint_view(q, k)
+        if joint is None:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        qk = _rotate(joint.view(q.shape[0], -1, q.shape[2]), cos, sin)
+        return qk.split([q.shape[1], k.shape[1]], dim=1)
+
+
+def _joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, (H + Hkv) * D] view over q and k when k's heads follow q's in every row of one
+    tensor (both split off a fused qkv output), else None."""
+    d = q.shape[-1]
+    if (q.dim() != 3 or k.dim() != 3 or q.stride()[1:] != (d, 1) or k.stride() != q.stride()
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or k.data_ptr() != q.data_ptr() + q.shape[1] * d * q.element_size()):
+        return None
+    return q.as_strided((q.shape[0], (q.shape[1] + k.shape[1]) * d), (q.stride(0), 1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

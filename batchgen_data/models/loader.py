@@ -6,6 +6,7 @@ converted once to a cached safetensors directory by `default_model`).
 """
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.models.registry import resolve_architecture
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
@@ -36,16 +35,6 @@ def resolve_model_path(model: str | None) -> Path:
                      "cache); pass a directory with config.json and *.safetensors")
 
 
-def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU kernels are fastest and exact in fp32
-    native = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
-    native = getattr(native, "__str__", lambda: "")().replace("torch.", "")
-    return torch.float16 if native == "float16" else torch.bfloat16
-
-
 def load_config(path: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -56,16 +45,18 @@ def load_tokenizer(path: Path, trust_remote_code: bool) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(config: Any, dtype: torch.dtype, device: torch.device,
+                backend: LayerBackend | None = None) -> nn.Module:
+    """The model for `config`, its layers built for `backend` (default: the torch layers on
+    `device`). Its weights are uninitialised until `load_weights`."""
     cls = resolve_architecture(config)
-    with torch.device(device):
+    with torch.device(device), building(backend or LayerBackend(device, dtype)):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             model = cls(config)
         finally:
             torch.set_default_dtype(prev)
-    model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()
     return model.eval().requires_grad_(False)
 
 
@@ -92,12 +83,35 @@ def load_weights(model: nn.Module, path: Path) -> None:
     expected = set()
     for name in params:
         fused = name.rsplit(".", 2)[-2]
-        n_shards = len(_shard_sizes(model, fused)) if fused in ("qkv_proj", "gate_up_proj") else 0
+        n_shards = len(_shard_sizes(model, name)) if fused in ("qkv_proj", "gate_up_proj") else 0
         expected |= {f"{name}#{i}" for i in range(n_shards)} if n_shards else {name}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint at {path} lacks weights for {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
+    del params  # the plain weights must be unreferenced for finalize to free them
+    finalize(model)
+
+
+def finalize(model: nn.Module) -> None:
+    """Lets every layer move its loaded weights into its kernels' layout (one copy each), one
+    layer at a time so the peak grows by one weight at most, then hands the freed plain copies
+    back to the OS."""
+    with torch.no_grad():
+        for module in model.modules():
+            process = getattr(module, "process_weights_after_loading", None)
+            if process is not None:
+                process()
+    _release_free_memory()
+
+
+def _release_free_memory() -> None:
+    # glibc keeps freed large blocks in its heap once its mmap threshold has grown past their
+    # size; without a trim the dropped plain weights would still count in the process's RSS.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tensor: torch.Tensor
@@ -112,7 +126,7 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tenso
         fused, shard = _FUSED[m.group(2)]
         target = f"{m.group(1)}.{fused}.{m.group(3)}"
         param = params[target]
-        sizes = _shard_sizes(model, fused)
+        sizes = _shard_sizes(model, target)
         start = sum(sizes[:shard])
         param.data[start:start + sizes[shard]].copy_(tensor)
         return f"{target}#{shard}"
@@ -122,8 +136,6 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tenso
     return name
 
 
-def _shard_sizes(model: nn.Module, fused: str) -> list[int]:
-    s = model.shape
-    if fused == "qkv_proj":
-        return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
-    return [s.intermediate, s.intermediate]
+def _shard_sizes(model: nn.Module, param_name: str) -> list[int]:
+    """Row counts of the checkpoint shards fused into this parameter's layer."""
+    return model.get_submodule(param_name.rsplit(".", 1)[0]).shard_sizes

@@ -69,6 +69,25 @@ def test_greedy_matches_hf_with_per_layer_decode(arch: str, tiny_model_dir, hf_m
     assert run(llm, prompts, max_tokens) == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cpu_kernels_off_runs_torch_with_the_same_tokens(arch: str, tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
+    path = tiny_model_dir(arch)
+    hf = hf_model(path)
+    prompts = random_prompts(5, hf.config.vocab_size, 1, 30, seed=5)
+    max_tokens = [random.Random(i).randint(5, 24) for i in range(len(prompts))]
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(path), block_size=4, cpu_kernels=on)
+        runner = llm.engine.runner
+        if not on:  # every layer on torch: no C kernels, no packed weights, no fast path
+            b = runner.backend
+            assert (b.c_ops, b.c_attention, b.linear, runner.fast_paths) == (False, False, "plain", [])
+            assert all(lin.packed is None and lin.weight is not None
+                       for lin in runner.model.modules() if hasattr(lin, "layout"))
+        outs[on] = run(llm, prompts, max_tokens)
+    assert outs[True] == outs[False] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+
+
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
     path = tiny_model_dir("llama")
     hf = hf_model(path)

@@ -34,14 +34,15 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _run(path: str, forced: bool) -> tuple[list[list[int]], list[list[float]], int]:
-    llm = LLM(path, **ENGINE_KW)
+    with backend.force_triton(forced):  # the layers choose their kernels when built
+        llm = LLM(path, **ENGINE_KW)
+    assert llm.engine.runner.backend.triton == forced
     warm, batch = _workload(llm.engine.vocab_size)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=0)
               for m in MAX_TOKENS]
-    with backend.force_triton(forced):
-        llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in warm],
+                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                 for o in outs]
@@ -52,31 +53,23 @@ def _run(path: str, forced: bool) -> tuple[list[list[int]], list[list[float]], i
 def test_triton_path_matches_torch_path(arch: str, tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     path = str(tiny_model_dir(arch))
+    import batchgen_data.kernels as kernels
+
     calls: dict[str, int] = {}
-    real_use = backend.use_triton
+    for name in ("paged_decode_attention", "paged_prefill_attention", "apply_rotary",
+                 "fused_add_rms_norm", "silu_and_mul"):
+        real = getattr(kernels, name)
 
-    def counting_use(x: torch.Tensor) -> bool:
-        used = real_use(x)
-        calls[str(used)] = calls.get(str(used), 0) + 1
-        return used
+        def counting(*args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kw)
 
-    monkeypatch.setattr(backend, "use_triton", counting_use)
+        monkeypatch.setattr(kernels, name, counting)
     want_tokens, want_lp, want_hits = _run(path, forced=False)
-    assert calls.get("True", 0) == 0
+    assert calls == {}
     got_tokens, got_lp, got_hits = _run(path, forced=True)
-    assert calls.get("True", 0) > 0, "the Triton path was never taken"
+    assert len(calls) == 5, f"a Triton kernel was never called: {calls}"
     assert got_hits == want_hits > 0, "the workload must hit the prefix cache"
     assert got_tokens == want_tokens
     for got, want in zip(got_lp, want_lp):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
-
-
-def test_force_triton_is_scoped() -> None:
-    x = torch.zeros(1)
-    assert not backend.use_triton(x)
-    with backend.force_triton():
-        assert backend.use_triton(x)
-        with backend.force_triton(False):
-            assert not backend.use_triton(x)
-        assert backend.use_triton(x)
-    assert not backend.use_triton(x)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.engine.cuda_graphs import (
+from batchgen_data.engine.fast_paths.cuda_graphs import (
     BATCH_SIZES,
     DecodeGraphs,
     GraphBuffers,
@@ -19,7 +19,13 @@ from batchgen_data.engine.cuda_graphs import (
     padded_size,
 )
 from batchgen_data.layers import backend
+from batchgen_data.engine.model_runner import ModelInput
 from batchgen_data.layers.attention import AttentionMetadata
+
+
+def _input(n: int, meta: AttentionMetadata) -> ModelInput:
+    return ModelInput(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), meta,
+                      torch.arange(n), [], list(range(n)))
 
 
 @pytest.mark.parametrize("max_seqs, want", [
@@ -63,16 +69,17 @@ def test_buffers_load_pads_rows_and_keeps_width() -> None:
     assert g.block_tables.data_ptr() == buf.block_tables.data_ptr()
 
 
-def test_run_declines_steps_without_a_graph() -> None:
+def test_graphs_decline_steps_without_a_graph() -> None:
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.sizes, graphs.max_blocks = [1, 2], 4
     prefill = _decode_meta([1, 2], [[0], [1]], [2, 2])
     prefill.num_decodes = 1  # one decode and one prefill token
-    assert graphs.run(torch.zeros(2, dtype=torch.long), torch.zeros(2), prefill) is None
+    assert not graphs.applies(_input(2, prefill))
     three = _decode_meta([1, 2, 3], [[0]] * 3, [1] * 3)
-    assert graphs.run(torch.zeros(3, dtype=torch.long), torch.zeros(3), three) is None
+    assert not graphs.applies(_input(3, three))
     wide = _decode_meta([1], [[0] * 5], [70])
-    assert graphs.run(torch.zeros(1, dtype=torch.long), torch.zeros(1), wide) is None
+    assert not graphs.applies(_input(1, wide))
+    assert graphs.applies(_input(2, _decode_meta([1, 2], [[0], [1]], [2, 2])))
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]
@@ -96,19 +103,21 @@ def test_engine_through_graph_buffers_matches_eager(tiny_model_dir) -> None:  # 
     max_tokens = [2, 6, 3, 5, 4]  # the decode batch shrinks 5 -> 4 -> 3 -> 2 -> 1
     want, want_lp = _generate(LLM(path, **kw), prompts, max_tokens)
 
-    llm = LLM(path, **kw)
+    with backend.force_triton():  # the model's layers are built for the Triton kernels
+        llm = LLM(path, **kw)
     runner = llm.engine.runner
-    with backend.force_triton():
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 5, 64, 4, runner.device,
-                                     capture=eager_capture)
-        assert runner.graphs.sizes == [1, 2, 4, 5]
-        replays = {b: 0 for b in runner.graphs.sizes}
-        for b, fn in list(runner.graphs._replay.items()):
-            def counted(b: int = b, fn=fn) -> None:  # type: ignore[no-untyped-def]
-                replays[b] += 1
-                fn()
-            runner.graphs._replay[b] = counted
-        got, got_lp = _generate(llm, prompts, max_tokens)
+    assert runner.backend.triton and runner.fast_paths == []  # no CUDA here: nothing captured
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 5, 64, 4, runner.device,
+                          capture=eager_capture)
+    runner.fast_paths = [graphs]
+    assert runner.graphs is graphs and graphs.sizes == [1, 2, 4, 5]
+    replays = {b: 0 for b in graphs.sizes}
+    for b, fn in list(graphs._replay.items()):
+        def counted(b: int = b, fn=fn) -> None:  # type: ignore[no-untyped-def]
+            replays[b] += 1
+            fn()
+        graphs._replay[b] = counted
+    got, got_lp = _generate(llm, prompts, max_tokens)
     assert got == want
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4)
     assert all(replays[b] > 0 for b in (4, 5)), replays

@@ -6,30 +6,28 @@ runs SDPA over it, so each layer moves the KV three times (read, write, read). T
 between the query heads of its KV group. At 5-32 sequences this made decode attention
 1.2-1.7x faster in our runs (`benchmarks/cpu_floor.py` times both).
 
-The kernel is built on first use by `cpu_kernels` (the system C compiler, cached per CPU). No
-compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0``, or a non-fp32 cache: the torch
-path runs instead.
+The kernel is built on first use by `build.library()` (the system C compiler, cached per CPU).
+No compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` (a test hook) or a non-fp32
+cache: the layer keeps the torch path (`batchgen_data.layers.backend` decides).
 """
 from __future__ import annotations
 
 import torch
 
-from batchgen_data import env
-from batchgen_data.layers import cpu_kernels
+from batchgen_data.kernels.cpu import build as cpu_kernels
 
 
-def available(kv: torch.Tensor) -> bool:
-    """Whether decode attention over this KV cache ([..., Hkv, head_dim]) runs in the C kernel."""
-    if kv.device.type != "cpu" or kv.dtype != torch.float32 or not env.cpu_attention_kernel():
-        return False
+def supports(head_dim: int) -> bool:
+    """Whether decode attention with heads of `head_dim` runs in the C kernel here (the library
+    built; the caller checks that the cache is fp32 on the CPU)."""
     lib = cpu_kernels.library()
-    return lib is not None and bool(lib.bg_paged_decode_supports(kv.shape[-1]))
+    return lib is not None and bool(lib.bg_paged_decode_supports(head_dim))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] fp32; caches [num_blocks, block_size, Hkv, D]; tables [B, W] and lens [B]
-    int32. Returns [B, H, D]. Call only when `available(k_cache)`."""
+    int32. Returns [B, H, D]. Call only when `supports(head_dim)`."""
     lib = cpu_kernels.library()
     assert lib is not None
     q = q.contiguous()

@@ -16,7 +16,7 @@
  *   seq_lens [num_seqs]               int32 tokens to attend to (the new one included)
  *   out      [num_seqs, num_heads, head_dim]
  * Returns 0, -1 when a buffer could not be allocated, -2 for an unsupported head size.
- * Built and loaded by batchgen_data/layers/cpu_attention.py (plain C: no torch headers, so the
+ * Built and loaded by kernels/cpu/attention.py (plain C: no torch headers, so the
  * build takes well under a second).
  */
 #include <math.h>

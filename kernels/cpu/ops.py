@@ -4,12 +4,12 @@ CPU.
 A decode step runs these on a few rows, where torch's per-op dispatch and allocation cost more
 than the arithmetic: in the engine's steps an RMSNorm call took ~60 us and the rotation a few
 tens more, 61 + 30 times a step, i.e. ~10% of a one-sequence step. The kernels are in
-`csrc/norm_rope.c`, built by `cpu_kernels`. The rotation is bitwise equal to the torch path;
+`csrc/norm_rope.c`, built by `build.library()`. The rotation is bitwise equal to the torch path;
 the RMSNorm sums its mean of squares in another order, and SiLU's exp is a vector polynomial,
 so they agree to float rounding. SiLU * up is one pass instead of torch's three (chunk, silu,
 mul): in a 2,048-token prefill step here torch's silu and mul took ~2 ms each per layer. A
 first-use self-check compares all three with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off
-(read once per process).
+(a test hook, read when a model is built).
 """
 from __future__ import annotations
 
@@ -20,28 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_data import env
-from batchgen_data.layers import cpu_kernels
+from batchgen_data.kernels.cpu import build as cpu_kernels
 
 log = logging.getLogger(__name__)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether `add_rms_norm` / `rotate_` run for this activation (CPU, fp32, kernels built).
-
-    ``BATCHGEN_CPU_FUSED_OPS`` is read once per process (this runs ~90 times a step); call
-    `refresh()` after changing it."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _enabled()
-
-
-@functools.lru_cache(maxsize=None)
-def _enabled() -> bool:
+def available() -> bool:
+    """Whether `add_rms_norm`, `rotate_` and `silu_mul` run here: the kernels built and agree
+    with torch on a first-use self-check, and ``BATCHGEN_CPU_FUSED_OPS`` (a test hook) does not
+    turn them off. Callers run them on fp32 CPU tensors only."""
     return env.cpu_fused_ops() and _checked()
-
-
-def refresh() -> None:
-    """Forget the cached switch and self-check (tests, or after changing the environment)."""
-    _enabled.cache_clear()
-    _checked.cache_clear()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -1,5 +1,6 @@
-"""The one-call CPU decode step (`layers/cpu_decode_stack.py`, `csrc/decode_stack.c`) against
-the per-layer path it stands in for, on tiny Llama / Qwen2 / Qwen3 models."""
+"""The one-call CPU decode step (`engine/fast_paths/cpu_decode_stack.py`,
+`kernels/cpu/csrc/decode_stack.c`) against the per-layer path it stands in for, on tiny Llama /
+Qwen2 / Qwen3 models."""
 from __future__ import annotations
 
 import random
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.layers import cpu_linear
-from batchgen_data.layers.cpu_decode_stack import CpuDecodeStack
+from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
+from batchgen_data.kernels.cpu import linear as cpu_linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.small_gemm_available(),
+pytestmark = pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
                                 reason="no C kernels with AVX-512 here")
 
 
@@ -34,7 +35,8 @@ def _both_paths(eng):  # type: ignore[no-untyped-def]
     inp = runner.prepare(eng.schedule_decode())
     kv0 = runner.kv.clone()
     with torch.inference_mode():
-        got = runner.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
+        assert runner.cpu_stack.applies(inp)
+        got = runner.cpu_stack.run(inp)
         kv_got = runner.kv.clone()
         runner.kv.copy_(kv0)
         want = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
@@ -42,11 +44,12 @@ def _both_paths(eng):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 14])  # 9 and 14: the panel matmuls
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 14])
 def test_stack_matches_the_per_layer_path(arch: str, rows: int, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     eng = _engine_at_decode(tiny_model_dir(arch), rows, block_size=4)
     stack = eng.runner.cpu_stack
     assert stack is not None and stack.max_rows == cpu_linear.PANEL_MAX_ROWS
+    assert eng.runner.fast_paths == [stack]
     served = stack.steps
     assert served > 0  # the engine's own decode steps went through it
     inp, got, want, kv_got, kv_want = _both_paths(eng)
@@ -64,12 +67,12 @@ def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type
     inp = runner.prepare(eng.schedule_decode())
     # a step with a prefill chunk in it
     inp.meta.num_decodes -= 1
-    assert stack.run(inp.input_ids, inp.positions, inp.meta) is None
+    assert not stack.applies(inp)
     inp.meta.num_decodes += 1
     stack.max_rows = 2  # more rows than it takes
-    assert stack.run(inp.input_ids, inp.positions, inp.meta) is None
+    assert not stack.applies(inp)
     stack.max_rows = 8
-    assert stack.run(inp.input_ids, inp.positions, inp.meta) is not None
+    assert stack.applies(inp) and stack.run(inp).shape[0] == 3
 
 
 def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -79,20 +82,26 @@ def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: 
     kv0 = runner.kv.clone()
     bad = inp.positions.clone()
     bad[1] = runner.model.rotary.cos_sin_cache.shape[0]
+    good, inp.positions = inp.positions, bad
     with pytest.raises(ValueError, match="out of range"):
-        runner.cpu_stack.run(inp.input_ids, bad, inp.meta)
+        runner.cpu_stack.run(inp)
+    inp.positions = good
     slots = inp.meta.slot_mapping.clone()
     inp.meta.slot_mapping = slots.clone().fill_(runner.kv.shape[2] * runner.kv.shape[3])
     with pytest.raises(ValueError, match="out of range"):
-        runner.cpu_stack.run(inp.input_ids, inp.positions, inp.meta)
+        runner.cpu_stack.run(inp)
     assert torch.equal(runner.kv, kv0)  # nothing was written
 
 
-@pytest.mark.parametrize("env_name", ["BATCHGEN_CPU_DECODE_STACK", "BATCHGEN_CPU_SMALL_GEMM"])
-def test_stack_can_be_turned_off(env_name: str, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("env_name", ["BATCHGEN_CPU_DECODE_STACK", "BATCHGEN_CPU_SMALL_GEMM", None])
+def test_stack_can_be_turned_off(env_name: str | None, monkeypatch: pytest.MonkeyPatch,
                                  tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(env_name, "0")
-    llm = LLM(str(tiny_model_dir("qwen2")))
+    kw = {}
+    if env_name is None:  # the engine setting
+        kw["cpu_kernels"] = False
+    else:  # the test hooks
+        monkeypatch.setenv(env_name, "0")
+    llm = LLM(str(tiny_model_dir("qwen2")), **kw)
     assert llm.engine.runner.cpu_stack is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -102,4 +111,5 @@ def test_stack_can_be_turned_off(env_name: str, monkeypatch: pytest.MonkeyPatch,
 def test_stack_needs_fp32(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
     assert llm.engine.runner.cpu_stack is None
-    assert CpuDecodeStack.build(llm.engine.runner.model, llm.engine.runner.kv_caches) is None
+    runner = llm.engine.runner
+    assert CpuDecodeStack.build(runner.model, runner.kv_caches, runner.backend) is None

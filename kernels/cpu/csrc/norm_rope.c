@@ -10,7 +10,7 @@
  * rounding. The rotation is the "rotate half" form, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin,
  * with the same separate multiplies and add as torch's (the build does not contract them into
  * FMAs: -std=c11 keeps -ffp-contract=off), so it is bitwise equal to the torch path.
- * Built and loaded by batchgen_data/layers/cpu_kernels.py.
+ * Built and loaded by kernels/cpu/build.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -14,7 +14,7 @@
  * The matmuls are the small-row kernel (small_gemm.c) or, when `use_panels`, the panel kernel
  * (panel_gemm.c) on the panel copies; attention is paged_decode.c; norms, the rotation and SiLU
  * are norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
- * Built and loaded by batchgen_data/layers/cpu_kernels.py; driven by cpu_decode_stack.py.
+ * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/engine/fast_paths/cpu_decode_stack.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -12,7 +12,7 @@
  * Layouts (C-contiguous): X [M, K], W [N, K], bias [N] or NULL, Y [M, N].
  * Needs AVX-512F; `bg_small_gemm_supported()` says whether this build has it. The summation
  * order differs from MKL's, so results match F.linear to float rounding, not bit for bit.
- * Built and loaded by batchgen_data/layers/cpu_kernels.py.
+ * Built and loaded by kernels/cpu/build.py.
  */
 #include <stdint.h>
 

@@ -1,5 +1,5 @@
-"""Builds and loads this package's C kernels for the CPU (`layers/csrc/*.c`, with the
-shared `*.h`).
+"""Builds and loads the C kernels for the CPU (`csrc/*.c` next to this file, with the shared
+`*.h`).
 
 The kernels are plain C (no torch headers) and build in about a second with the system C
 compiler (``$CC``, else ``cc``) into one shared library under ``<cache_dir>/cpu_kernels/``. The

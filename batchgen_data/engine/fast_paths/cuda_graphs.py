@@ -1,4 +1,5 @@
-"""CUDA graphs for pure-decode steps: one captured forward per padded batch size.
+"""CUDA graphs for pure-decode steps (a runner fast path): one captured forward per padded batch
+size.
 
 A decode step of a small model is launch bound: hundreds of tiny kernels whose Python and
 driver overhead outlasts their GPU time. So the forward is captured once per batch size in
@@ -18,10 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen_data.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.model_runner import ModelInput
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -130,15 +135,17 @@ class DecodeGraphs:
 
                 self._replay[b], self._out[b] = capture(forward, pool)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a pure-decode step, or None when no graph fits it."""
-        n = input_ids.shape[0]
-        if meta.num_decodes != n or meta.block_tables.shape[1] > self.max_blocks:
-            return None
+    def applies(self, inp: ModelInput) -> bool:
+        """A pure-decode step that one of the captured sizes holds."""
+        n, meta = inp.input_ids.shape[0], inp.meta
+        return (meta.num_decodes == n and meta.block_tables.shape[1] <= self.max_blocks
+                and padded_size(n, self.sizes) is not None)
+
+    def run(self, inp: ModelInput) -> torch.Tensor:
+        """Hidden states [n, hidden] of a pure-decode step that `applies`."""
+        n = inp.input_ids.shape[0]
         b = padded_size(n, self.sizes)
-        if b is None:
-            return None
-        self.buffers.load(input_ids, positions, meta, b)
+        assert b is not None
+        self.buffers.load(inp.input_ids, inp.positions, inp.meta, b)
         self._replay[b]()
         return self._out[b][:n]

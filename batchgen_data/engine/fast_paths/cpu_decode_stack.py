@@ -1,28 +1,33 @@
-"""A pure-decode step of a Llama-family model as one C call (fp32, CPU).
+"""A pure-decode step of a Llama-family model as one C call (fp32, CPU): a runner fast path.
 
 Driven layer by layer from Python, a decode step over a few sequences spends much of its time on
-module calls, views and small allocations around the C kernels. `CpuDecodeStack` hands the whole layer stack to `csrc/decode_stack.c`, which calls the
-same kernels (small-row or panel matmuls, RMSNorm, rotation, SiLU, paged decode attention) in
-the same order, so its hidden states and KV writes are bit for bit those of the per-layer path.
-At 1-5 sequences of SmolLM2-135M shape this took a decode step's forward from 28-46 ms to
-17-27 ms here (`benchmarks/step_trace.py` shows the engine's step times).
+module calls, views and small allocations around the C kernels. `CpuDecodeStack` hands the whole
+layer stack to `kernels/cpu/csrc/decode_stack.c`, which calls the same kernels (panel matmuls,
+RMSNorm, rotation, SiLU, paged decode attention) in the same order, so its hidden states and KV
+writes are bit for bit those of the per-layer path. At 1-5 sequences of SmolLM2-135M shape this
+took a decode step's forward from 28-46 ms to 17-27 ms here (`benchmarks/step_trace.py` shows the
+engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most
-`max_rows` of them (`SMALL_GEMM_MAX_ROWS`, or `PANEL_MAX_ROWS` when every weight has its panel
-copy). Other steps, models it cannot take (not fp32, weights not packed, no kernels, a model
-class other than the Llama family), or ``BATCHGEN_CPU_DECODE_STACK=0`` keep the per-layer path.
-The model runner asks it first, as it asks CUDA graphs on a GPU.
+`PANEL_MAX_ROWS` of them. Other steps, models it cannot take (a backend without the C
+kernels or the panel layout, a model class other than the Llama family), or
+``BATCHGEN_CPU_DECODE_STACK=0`` (a test hook) keep the per-layer path.
 """
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen_data import env
-from batchgen_data.layers import cpu_attention, cpu_kernels, cpu_ops
-from batchgen_data.layers.attention import AttentionMetadata
-from batchgen_data.layers.cpu_linear import PANEL_MAX_ROWS, SMALL_GEMM_MAX_ROWS, PackedLinear
+from batchgen_data.kernels.cpu import build as cpu_kernels
+from batchgen_data.kernels.cpu.linear import PANEL_MAX_ROWS
+from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.model_runner import ModelInput
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ def _addr(t: torch.Tensor | None) -> int:
 
 class CpuDecodeStack:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_rows: int) -> None:
+                 max_rows: int = PANEL_MAX_ROWS) -> None:
         lib = cpu_kernels.library()
         assert lib is not None
         self.lib = lib
@@ -56,26 +61,30 @@ class CpuDecodeStack:
             row += self._linear(mlp.gate_up_proj) + self._linear(mlp.down_proj)
             row += [kc.data_ptr(), vc.data_ptr()]
             rows.append(row)
-        self.scale = float(model.layers[0].self_attn.scale)
+        self.scale = float(model.layers[0].self_attn.attn.scale)
         self.table = torch.tensor(rows, dtype=torch.int64)
         assert self.table.shape[1] == lib.bg_decode_stack_layer_slots()
         self._kv_caches = kv_caches  # the table points into them (and into self.model)
         self.steps = 0  # decode steps this stack served
 
     @staticmethod
-    def _linear(lin: PackedLinear) -> list[int]:
-        return [_addr(lin.weight), _addr(lin.panel_weight), _addr(lin.bias)]
+    def _linear(lin: Linear) -> list[int]:
+        # [plain weight, panels, bias]: the stack runs the panel kernel only (use_panels = 1)
+        return [0, _addr(lin.packed), _addr(lin.bias)]
 
     @classmethod
-    def build(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-              ) -> "CpuDecodeStack | None":
+    def build(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              backend: LayerBackend) -> "CpuDecodeStack | None":
         """The stack for this model and cache, or None when it cannot run them (see module doc)."""
         from batchgen_data.models.llama import LlamaForCausalLM
 
         if not env.cpu_decode_stack() or not isinstance(model, LlamaForCausalLM):
             return None
+        if not (backend.device.type == "cpu" and backend.dtype == torch.float32
+                and backend.c_ops and backend.c_attention and backend.linear == "panels"):
+            return None
         k0 = kv_caches[0][0] if kv_caches else None
-        if k0 is None or not cpu_attention.available(k0) or not cpu_ops.usable(k0):
+        if k0 is None or k0.dtype != torch.float32 or k0.device.type != "cpu":
             return None
         if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return None
@@ -85,8 +94,9 @@ class CpuDecodeStack:
         linears = [m for layer in model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not all(isinstance(m, PackedLinear) and m.small_gemm for m in linears):
-            return None  # weights not packed, not fp32, or no small-row kernel here
+        if not all(isinstance(m, Linear) and m.layout == "panels" and m.packed is not None
+                   for m in linears):
+            return None  # weights not in the panel layout
         norms = [w for layer in model.layers for w in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             *((layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
@@ -96,17 +106,18 @@ class CpuDecodeStack:
         if not all((m.bias is None or (m.bias.dtype == torch.float32 and m.bias.is_contiguous()))
                    for m in linears):
             return None
-        panels = all(m.panel_weight is not None for m in linears)
-        return cls(model, kv_caches, PANEL_MAX_ROWS if panels else SMALL_GEMM_MAX_ROWS)
+        return cls(model, kv_caches)
+
+    def applies(self, inp: ModelInput) -> bool:
+        """A pure-decode step of at most `max_rows` sequences."""
+        rows = inp.input_ids.shape[0]
+        return inp.meta.num_decodes == rows and 0 < rows <= self.max_rows
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> torch.Tensor | None:
-        """Final-normed hidden states [T, hidden], or None when this step is not one it serves."""
+    def run(self, inp: ModelInput) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a step that `applies`."""
+        input_ids, positions, meta = inp.input_ids, inp.positions, inp.meta
         rows = input_ids.shape[0]
-        if (meta.num_decodes != rows or rows == 0 or rows > self.max_rows
-                or not meta.cpu_decode_kernel or input_ids.device.type != "cpu"):
-            return None
         s = self.shape
         x = self.model.embed_tokens(input_ids)
         if not x.is_contiguous():
@@ -124,7 +135,7 @@ class CpuDecodeStack:
             tables.shape[1], self.cos_sin.data_ptr(), self.cos_sin.shape[0], self.num_slots,
             work.data_ptr(), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             self.block_size, float(s.eps), self.scale,
-            int(rows > SMALL_GEMM_MAX_ROWS),  # the per-layer path's routing, by rows
+            1,  # use_panels: the weights are kept in the panel layout only
             torch.get_num_threads())
         if rc == -3:
             raise ValueError("decode step with a position, cache slot or sequence length out of "

@@ -12,7 +12,7 @@
  * Layouts (C-contiguous): X [M, K], packed [ceil(N / 48), K, 48], bias [N] or NULL, Y [M, N].
  * Needs AVX-512F; `bg_panel_gemm_supported()` says whether this build has it. Results match
  * F.linear to float rounding (another summation order), not bit for bit.
- * Built and loaded by batchgen_data/layers/cpu_kernels.py.
+ * Built and loaded by kernels/cpu/build.py.
  */
 #include <stdint.h>
 #include <string.h>

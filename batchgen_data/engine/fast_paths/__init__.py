@@ -1,0 +1,43 @@
+"""Whole-model fast paths of the model runner: other ways to run one step's forward.
+
+Each one serves only some steps (pure decodes up to some batch size) and produces the same
+hidden states as the model's own forward for them:
+    cuda_graphs.DecodeGraphs         captured CUDA graphs of decode steps (Triton path on CUDA)
+    cpu_decode_stack.CpuDecodeStack  a decode step's whole layer stack as one C call (fp32 CPU)
+`build_fast_paths` picks those that can run for a model and its cache; `ModelRunner.run` asks
+them, in order, in one place, and runs the model's forward when none applies.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.model_runner import ModelInput
+    from batchgen_data.layers.backend import LayerBackend
+
+
+class FastPath(Protocol):
+    def applies(self, inp: ModelInput) -> bool:
+        """Whether this path serves the step (checked on host-side values only)."""
+
+    def run(self, inp: ModelInput) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the step; call only if `applies(inp)`."""
+
+
+def build_fast_paths(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     backend: LayerBackend, max_num_seqs: int, max_model_len: int,
+                     block_size: int, cuda_graphs: bool = True) -> list[FastPath]:
+    """The fast paths that can run `model` over `kv_caches` on `backend` (maybe none)."""
+    from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
+    from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs
+
+    paths: list[FastPath] = []
+    if cuda_graphs and backend.triton and backend.device.type == "cuda":
+        paths.append(DecodeGraphs(model, kv_caches, max_num_seqs, max_model_len, block_size,
+                                  backend.device))
+    stack = CpuDecodeStack.build(model, kv_caches, backend)
+    if stack is not None:
+        paths.append(stack)
+    return paths

@@ -1,0 +1,87 @@
+"""Linear layers whose weight is kept once, in the layout of the kernels that multiply it.
+
+The layout is chosen when the model is built (`backend.current().linear`) and applied by
+`process_weights_after_loading()`, which the loader calls once the checkpoint is in:
+  * "plain": the [out, in] weight and `F.linear` (CUDA, and the CPU without its kernels);
+  * "onednn": oneDNN's blocked layout for every row count (CPU, fp32/bf16, no AVX-512);
+  * "panels": 48-column panels (CPU, fp32, AVX-512): the C panel kernel up to `PANEL_MAX_ROWS`
+    rows (every decode step of a batch up to that size), torch's batched matmul on the same
+    panels beyond (prefill chunks, bigger decode batches).
+Earlier versions kept the plain weight next to the packed copies (three copies of every weight
+while they fit 2 GiB); one copy is what keeps an engine of the default model near its weights'
+size in memory (`benchmarks/engine_memory.py`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen_data.layers.backend import current
+
+
+class Linear(nn.Module):
+    """y = x W^T + b for x [..., in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.layout = current().linear
+        # the weight in `layout` ("onednn", "panels") once loaded
+        self.register_buffer("packed", None, persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        """Moves the loaded weight into the layout's form and drops the plain copy."""
+        if self.layout == "plain" or self.weight is None:
+            return
+        from batchgen_data.kernels.cpu import linear as cpu_linear
+
+        weight = self.weight.detach()
+        self.packed = (cpu_linear.pack_panels(weight) if self.layout == "panels"
+                       else cpu_linear.pack_onednn(weight))
+        self.weight = None
+        if self.bias is not None and not self.bias.is_contiguous():
+            self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_forward(x, self.packed, self.bias, self.out_features, self.layout)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, layout={self.layout}")
+
+
+def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int, layout: str) -> torch.Tensor:
+    """`F.linear` of x [..., in] with a weight packed for `layout` ("onednn" or "panels")."""
+    from batchgen_data.kernels.cpu import linear as cpu_linear
+
+    if layout == "onednn":
+        return cpu_linear.onednn_linear(x, packed, bias)
+    if x.numel() // x.shape[-1] <= cpu_linear.PANEL_MAX_ROWS:
+        return cpu_linear.panel_linear(x, packed, bias, out_features)
+    return cpu_linear.panel_matmul(x, packed, bias, out_features)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input fused along the output (e.g. gate|up): the
+    checkpoint's shard i fills rows [sum(shard_sizes[:i]), sum(shard_sizes[:i + 1]))."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias)
+        self.shard_sizes = list(shard_sizes)
+
+
+class QKVLinear(MergedLinear):
+    """The fused q|k|v projection of attention with `num_heads` query and `num_kv_heads` key
+    and value heads of `head_dim`."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden, [q, kv, kv], bias)
+        self.q_size, self.kv_size = q, kv

@@ -1,0 +1,11 @@
+"""C kernels for the CPU (fp32), with their builder and checked launchers.
+
+The sources are in `csrc/` (plain C, no torch headers); `build.library()` compiles them once per
+machine with the system C compiler and loads them through ctypes, or returns None (no compiler,
+a failed build) so every caller keeps its torch path. Launchers validate shapes and dtypes:
+    attention.py  decode attention straight from the paged KV cache
+    ops.py        residual add + RMSNorm, the rotary embedding, SiLU * up
+    linear.py     matmuls on the oneDNN, panel and plain weight layouts
+`csrc/decode_stack.c` (a whole decode step in one call) is driven by the runner's fast path
+`batchgen_data.engine.fast_paths.cpu_decode_stack`. Nothing here knows about models.
+"""

@@ -1,0 +1,44 @@
+"""Shared skips and references for the CPU C-kernel tests."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen_data.kernels.cpu import linear as cpu_linear
+from batchgen_data.kernels.cpu import ops
+
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                              reason="no C compiler")
+needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="no oneDNN linear ops")
+needs_small_gemm = pytest.mark.skipif(not cpu_linear.small_gemm_available(),
+                                      reason="no C compiler or no AVX-512 here")
+needs_panels = pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
+                                  reason="no C compiler or no AVX-512 here")
+needs_fused_ops = pytest.mark.skipif(not ops.available(), reason="no C compiler")
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+    """Dense attention of each decode query over its sequence's blocks."""
+    outs = []
+    bs = k_cache.shape[1]
+    for i, n in enumerate(lens.tolist()):
+        blocks = tables[i, :-(-n // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n]  # [n, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:n]
+        o = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1),
+                                           scale=scale, enable_gqa=True)
+        outs.append(o[:, 0])
+    return torch.stack(outs)
+
+
+def torch_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The panel layout built with torch ([ceil(N / 48), K, 48], zero-padded)."""
+    out_f, in_f = weight.shape
+    p = -(-out_f // 48)
+    padded = torch.zeros(p * 48, in_f)
+    padded[:out_f] = weight
+    return padded.view(p, 48, in_f).transpose(1, 2).contiguous()

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import ray
 
 from batchgen_data.connectors.common import to_python
-from batchgen_data.connectors.ray_data import BatchGenPredictor
+from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming
 from batchgen_data.report import summarize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
+    enable_row_streaming()  # finished rows leave the engines one by one
     try:
         summary = run(args)
     finally:

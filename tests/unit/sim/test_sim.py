@@ -225,7 +225,7 @@ def test_migration_bound_floor_is_below_every_simulated_schedule() -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     from migration_bound import one_actor, packing_floor
 
     shape = EngineShape(8, max_num_batched_tokens=2048, block_size=16, max_finishes=1)

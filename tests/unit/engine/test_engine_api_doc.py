@@ -36,7 +36,7 @@ def table_names(text: str) -> list[str]:
 def documented_calls(title: str) -> list[re.Match[str]]:
     blocks = re.findall(r"```python\n(.*?)```", section(title), flags=re.S)
     lines = [ln.strip() for b in blocks for ln in b.splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith(("from ", "import "))]
+    lines = [ln for ln in lines if ln and not ln.startswith(("from ", "import ", "#"))]
     calls = [CALL.match(ln) for ln in lines]
     assert all(calls), [ln for ln, c in zip(lines, calls) if c is None]
     return calls  # type: ignore[return-value]

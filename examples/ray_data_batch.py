@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_stre
 from batchgen_data.report import summarize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
+ENGINE_MEMORY_BYTES = 2 << 30
 
 
 def load_rows(data_dir: Path, limit: int | None) -> pd.DataFrame:
@@ -78,7 +80,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # 2 engines; each serves 4 input batches at once so its scheduler always has work.
         # Half a CPU each leaves room for Ray's own tasks on small machines.
         compute=ray.data.ActorPoolStrategy(size=args.actors, max_concurrent_calls_per_actor=4),
-        num_cpus=0.5, num_gpus=args.gpus_per_actor or None)
+        num_cpus=0.5, num_gpus=args.gpus_per_actor or None,
+        # what one engine of the default model holds (1.47 GiB, benchmarks/engine_memory.py)
+        # plus the Ray worker: Ray places actors by it and its memory check stays quiet
+        memory=ENGINE_MEMORY_BYTES)
     # Rows stream out of the engines one block each; this step also regroups them into
     # 128-row blocks, so the Parquet files are not one row each.
     ds = ds.map_batches(prompt_as_text, batch_size=128, batch_format="pandas", num_cpus=0.25)
@@ -103,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    # a live progress bar on a terminal; piped into a log, Ray Data would print a 14-line
+    # progress report every 10 s instead, so it is off there
+    ray.data.DataContext.get_current().enable_progress_bars = sys.stdout.isatty()
     enable_row_streaming()  # finished rows leave the engines one by one
     try:
         summary = run(args)

@@ -30,7 +30,7 @@ from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_stre
 from batchgen_data.report import summarize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-ENGINE_MEMORY_BYTES = 2 << 30
+ENGINE_MEMORY_BYTES = 5 << 29  # 2.5 GiB
 
 
 def load_rows(data_dir: Path, limit: int | None) -> pd.DataFrame:
@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Half a CPU each leaves room for Ray's own tasks on small machines.
         compute=ray.data.ActorPoolStrategy(size=args.actors, max_concurrent_calls_per_actor=4),
         num_cpus=0.5, num_gpus=args.gpus_per_actor or None,
-        # what one engine of the default model holds (1.47 GiB, benchmarks/engine_memory.py)
-        # plus the Ray worker: Ray places actors by it and its memory check stays quiet
+        # an actor's peak (~1.7 GB: the engine of the default model, 1.47 GiB by
+        # benchmarks/engine_memory.py, plus the Ray worker) with the 25% headroom Ray Data's
+        # memory check asks for: Ray places actors by it and the check stays quiet
         memory=ENGINE_MEMORY_BYTES)
     # Rows stream out of the engines one block each; this step also regroups them into
     # 128-row blocks, so the Parquet files are not one row each.

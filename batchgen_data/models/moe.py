@@ -1,0 +1,72 @@
+"""The decoder stack of mixture-of-experts models: `DecoderForCausalLM` whose MLPs are `FusedMoE`.
+
+Where expert-level batching happens: the scheduler suspends every sequence coroutine at its next
+model call, and `ModelRunner.prepare` flattens all the sequences scheduled in a step (decodes and
+prompt chunks alike) into one token batch. `forward` below runs that batch layer by layer, so at
+each MoE layer the tokens of *every* sequence suspended at that point of the step reach
+`FusedMoE` together, and each expert multiplies all of its tokens in one matmul. The scheduler's
+per-expert budget (`SchedulerConfig.max_tokens_per_expert`, docs/moe.md) sizes that batch.
+
+Architectures differ only in their config names and in which layers are sparse; each file
+(`qwen3_moe.py`, `qwen2_moe.py`, `mixtral.py`) says so through the hooks here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen_data.layers.moe import FusedMoE
+from batchgen_data.models.llama import DecoderForCausalLM, DecoderShape, LlamaMLP
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """The routing numbers of an MoE config (what the scheduler's per-expert budget reads)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's width
+    norm_topk_prob: bool
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} with {self.num_experts} experts: "
+                             "need 1 <= num_experts_per_tok <= num_experts")
+
+
+class MoeForCausalLM(DecoderForCausalLM):
+    """A decoder whose sparse layers' MLP is a `FusedMoE` (the others keep a dense MLP)."""
+
+    def __init__(self, config: Any) -> None:
+        self.moe = self.moe_shape(config)  # read by make_mlp during the base constructor
+        super().__init__(config)
+        self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
+
+    @staticmethod
+    def moe_shape(config: Any) -> MoeShape:
+        raise NotImplementedError
+
+    def is_sparse(self, config: Any, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` routes to experts (HF's rule for Qwen2/Qwen3-MoE)."""
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        only_dense = getattr(config, "mlp_only_layers", None) or []
+        return layer_idx not in only_dense and (layer_idx + 1) % step == 0
+
+    def shared_expert(self, config: Any, shape: DecoderShape) -> nn.Module | None:
+        return None
+
+    def make_mlp(self, config: Any, shape: DecoderShape, layer_idx: int) -> nn.Module:
+        if not self.is_sparse(config, layer_idx):
+            return LlamaMLP(shape, bias=False)
+        m = self.moe
+        return FusedMoE(shape.hidden, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob,
+                        shared_expert=self.shared_expert(config, shape))
+
+    def take_expert_tokens(self) -> torch.Tensor:
+        """Tokens each expert of each MoE layer received since the last call: [layers, E]."""
+        if not self.moe_layers:
+            return torch.zeros(0, self.moe.num_experts, dtype=torch.long)
+        return torch.stack([layer.take_expert_tokens() for layer in self.moe_layers]).cpu()

@@ -39,6 +39,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # "auto": keep KV in host memory when the tier has room, else recompute on resume.
     preemption_mode: str = "auto"
+    # MoE models: mean tokens per expert one step may give (None: only max_num_batched_tokens
+    # bounds the step; see docs/moe.md). Dense models ignore it.
+    max_tokens_per_expert: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +50,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: use auto, swap or recompute")
+        if self.max_tokens_per_expert is not None and self.max_tokens_per_expert < 1:
+            raise ValueError(f"max_tokens_per_expert={self.max_tokens_per_expert!r}: must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,8 @@ class FusedMoE(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H] holds this step's tokens of every scheduled sequence (each one a coroutine
+        # suspended at its model call): here they meet as one batch per expert
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
         if self._gpu_experts is not None:
             # graph-capturable count: a fixed-size scatter, no host sync

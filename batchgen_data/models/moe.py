@@ -2,13 +2,14 @@
 
 Where expert-level batching happens: the scheduler suspends every sequence coroutine at its next
 model call, and `ModelRunner.prepare` flattens all the sequences scheduled in a step (decodes and
-prompt chunks alike) into one token batch. `forward` below runs that batch layer by layer, so at
-each MoE layer the tokens of *every* sequence suspended at that point of the step reach
-`FusedMoE` together, and each expert multiplies all of its tokens in one matmul. The scheduler's
+prompt chunks alike) into one token batch. The forward (`DecoderForCausalLM.forward`) runs that
+batch layer by layer, so at each MoE layer the tokens of *every* sequence suspended at that point
+of the step reach `FusedMoE.forward` together, and each expert multiplies all of its tokens in
+one matmul. The scheduler's
 per-expert budget (`SchedulerConfig.max_tokens_per_expert`, docs/moe.md) sizes that batch.
 
-Architectures differ only in their config names and in which layers are sparse; each file
-(`qwen3_moe.py`, `qwen2_moe.py`, `mixtral.py`) says so through the hooks here.
+The architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) differ only in their config names, in which
+layers are sparse and in Qwen2-MoE's shared expert; each is a small subclass at the end.
 """
 from __future__ import annotations
 
@@ -70,3 +71,47 @@ class MoeForCausalLM(DecoderForCausalLM):
         if not self.moe_layers:
             return torch.zeros(0, self.moe.num_experts, dtype=torch.long)
         return torch.stack([layer.take_expert_tokens() for layer in self.moe_layers]).cpu()
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """Qwen3's attention (per-head q/k RMSNorm); `norm_topk_prob` renormalises the chosen
+    weights; `decoder_sparse_step` / `mlp_only_layers` keep some layers dense."""
+
+    qk_norm = True
+
+    @staticmethod
+    def moe_shape(config: Any) -> MoeShape:
+        return MoeShape(config.num_experts, config.num_experts_per_tok,
+                        config.moe_intermediate_size, bool(config.norm_topk_prob))
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen2's attention (q/k/v biased, o not); routed experts plus one shared expert that every
+    token passes, scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: Any) -> None:
+        self.qkv_bias = bool(getattr(config, "qkv_bias", True))  # HF reads it, default on
+        super().__init__(config)
+
+    @staticmethod
+    def moe_shape(config: Any) -> MoeShape:
+        return MoeShape(config.num_experts, config.num_experts_per_tok,
+                        config.moe_intermediate_size, bool(config.norm_topk_prob))
+
+    def shared_expert(self, config: Any, shape: DecoderShape) -> nn.Module | None:
+        width = getattr(config, "shared_expert_intermediate_size", 0)
+        return LlamaMLP(shape, bias=False, intermediate=width) if width else None
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mistral's attention; every layer a mixture of `num_local_experts` experts of width
+    `intermediate_size`, the top-k weights always renormalised. Checkpoints name the block
+    `block_sparse_moe` and the projections w1 (gate), w3 (up), w2 (down): `moe_weights.py`."""
+
+    @staticmethod
+    def moe_shape(config: Any) -> MoeShape:
+        return MoeShape(config.num_local_experts, config.num_experts_per_tok,
+                        config.intermediate_size, True)
+
+    def is_sparse(self, config: Any, layer_idx: int) -> bool:
+        return True

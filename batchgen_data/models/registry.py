@@ -6,9 +6,8 @@ from typing import Any
 from torch import nn
 
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from batchgen_data.models.mixtral import MixtralForCausalLM
-from batchgen_data.models.qwen2_moe import Qwen2MoeForCausalLM
-from batchgen_data.models.qwen3_moe import Qwen3MoeForCausalLM
+from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                      Qwen3MoeForCausalLM)
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -98,7 +98,7 @@ class RouterCounter:
 
 def ours_expert_load(system: Any) -> tuple[int, float, int, int]:
     load = system.llm.engine.stats.tokens_per_expert
-    return load.steps, load.mean_sum, load.min_sum, load.max_sum
+    return load.layer_steps, load.mean_sum, load.min_sum, load.max_sum
 
 
 def run_one(system: Any, workload: str, requests: list[BenchRequest], args: argparse.Namespace,

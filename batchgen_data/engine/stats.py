@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 @dataclass
 class ExpertLoad:
     """How many tokens each expert received per step (MoE models): the expert batch sizes that
-    expert-level batching is about. Per step, over every (MoE layer, expert) pair: the mean,
-    the least and the most loaded expert; summed over steps, averaged by `summary()`."""
+    expert-level batching is about. For each step and MoE layer: the mean over its experts, and
+    its least and most loaded expert; `summary()` averages them over layers and steps (the unit
+    of HF's per-router-call figures in benchmarks/moe_throughput.py)."""
 
-    steps: int = 0
+    layer_steps: int = 0  # (step, MoE layer) pairs recorded
     mean_sum: float = 0.0
     min_sum: int = 0
     max_sum: int = 0
@@ -27,19 +28,19 @@ class ExpertLoad:
         """One step's counts [moe_layers, experts]; an empty tensor (dense model) is skipped."""
         if counts.numel() == 0:
             return
-        self.steps += 1
-        self.mean_sum += counts.float().mean().item()
-        self.min_sum += int(counts.min())
-        self.max_sum += int(counts.max())
+        self.layer_steps += counts.shape[0]
+        self.mean_sum += counts.float().mean(dim=1).sum().item()
+        self.min_sum += int(counts.min(dim=1).values.sum())
+        self.max_sum += int(counts.max(dim=1).values.sum())
 
     def summary(self) -> dict[str, float] | None:
-        """{"mean", "min", "max"} tokens per expert averaged over steps, and "steps"; None
-        before any MoE step."""
-        if not self.steps:
+        """{"mean", "min", "max"} tokens per expert per step and layer, and "layer_steps";
+        None before any MoE step."""
+        if not self.layer_steps:
             return None
-        n = self.steps
+        n = self.layer_steps
         return {"mean": self.mean_sum / n, "min": self.min_sum / n, "max": self.max_sum / n,
-                "steps": n}
+                "layer_steps": n}
 
 
 @dataclass

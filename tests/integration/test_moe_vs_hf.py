@@ -127,7 +127,10 @@ def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ig
     if arch == "qwen2_moe":  # 16 experts, top-2: one-sequence decode steps leave most idle
         assert any(int((c == 0).sum()) >= num_layers * 8 for c in steps)
     summary = llm.engine.stats.as_dict()["tokens_per_expert"]
-    assert summary["steps"] == len(steps) and summary["min"] <= summary["mean"] <= summary["max"]
+    assert summary["layer_steps"] == len(steps) * num_layers
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+    total = sum(int(c.sum()) for c in steps)
+    assert summary["mean"] == pytest.approx(total / moe.num_experts / (len(steps) * num_layers))
 
 
 def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: ignore[no-untyped-def]

@@ -1,10 +1,13 @@
-"""The scheduler's per-expert token budget for MoE models (docs/moe.md)."""
+"""The scheduler's per-expert token budget for MoE models and the engine's tokens-per-expert
+statistics (docs/moe.md)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import step_token_budget
+from batchgen_data.engine.stats import EngineStats
 
 
 def test_dense_models_and_unset_budgets_keep_max_num_batched_tokens() -> None:
@@ -27,3 +30,14 @@ def test_per_expert_budget_sets_the_step_budget(per_expert: int, experts: int, t
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_tokens_per_expert"):
         SchedulerConfig(max_tokens_per_expert=0)
+
+
+def test_tokens_per_expert_averages_each_layer_of_each_step() -> None:
+    stats = EngineStats()
+    assert stats.as_dict()["tokens_per_expert"] is None
+    stats.tokens_per_expert.record(torch.zeros(0, 0, dtype=torch.long))  # a dense step
+    assert stats.as_dict()["tokens_per_expert"] is None
+    stats.tokens_per_expert.record(torch.tensor([[4, 0, 2, 2], [1, 1, 1, 5]]))
+    stats.tokens_per_expert.record(torch.tensor([[0, 0, 0, 8], [2, 2, 2, 2]]))
+    assert stats.as_dict()["tokens_per_expert"] == {
+        "mean": 2.0, "min": (0 + 1 + 0 + 2) / 4, "max": (4 + 5 + 8 + 2) / 4, "layer_steps": 4}

@@ -67,6 +67,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
     # CPU: the compiled C kernels and packed weight layouts where they run (False: torch only)
     cpu_kernels: bool = True
+    # MoE models: run attention in micro-batches of this many sequences while each MoE layer
+    # still takes the whole step's tokens (None: one attention batch; see docs/moe.md)
+    attention_micro_batch_seqs: int | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -77,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r}: must be >= 1")
+        if self.attention_micro_batch_seqs is not None and self.attention_micro_batch_seqs < 1:
+            raise ValueError(f"attention_micro_batch_seqs={self.attention_micro_batch_seqs!r}: "
+                             "must be >= 1")
         if not isinstance(self.cpu_kernels, bool):
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -92,14 +92,26 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attend(x, residual, positions, kv_cache, meta)
+        return self.mlp(x), residual
+
+    def attend(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               parts: list[tuple[slice, AttentionMetadata]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP's input: norm, attention (per micro-batch of `parts`, token
+        rows and their metadata, when given) and the post-attention norm."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if parts is None:
+            x = self.self_attn(x, positions, kv_cache, meta)
+        else:
+            x = torch.cat([self.self_attn(x[rows], positions[rows], kv_cache, sub)
+                           for rows, sub in parts])
+        return self.post_attention_layernorm(x, residual)
 
 
 class DecoderForCausalLM(nn.Module):

@@ -5,7 +5,8 @@ model call, and `ModelRunner.prepare` flattens all the sequences scheduled in a 
 prompt chunks alike) into one token batch. The forward (`DecoderForCausalLM.forward`) runs that
 batch layer by layer, so at each MoE layer the tokens of *every* sequence suspended at that point
 of the step reach `FusedMoE.forward` together, and each expert multiplies all of its tokens in
-one matmul. The scheduler's
+one matmul. With `attention_micro_batch_seqs` set, `MoeForCausalLM.forward` runs each layer's
+attention in micro-batches of sequences and still the MoE once over the whole step. The scheduler's
 per-expert budget (`SchedulerConfig.max_tokens_per_expert`, docs/moe.md) sizes that batch.
 
 The architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) differ only in their config names, in which
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers.attention import AttentionMetadata
+from batchgen_data.layers.micro_batch import split_by_sequences
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.models.llama import DecoderForCausalLM, DecoderShape, LlamaMLP
 
@@ -45,6 +48,26 @@ class MoeForCausalLM(DecoderForCausalLM):
         self.moe = self.moe_shape(config)  # read by make_mlp during the base constructor
         super().__init__(config)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
+        # sequences per attention micro-batch (None: the whole step at once); set by the engine
+        # from `attention_micro_batch_seqs`
+        self.attention_micro_batch_seqs: int | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        limit = self.attention_micro_batch_seqs
+        parts = split_by_sequences(meta, limit) if limit else None
+        if parts is not None and len(parts) == 1:
+            parts = None
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer.attend(x, residual, positions, kv_cache, meta, parts)
+            # attention ran per micro-batch; the MLP (the experts) runs once over every
+            # sequence of the step: the expert batch is the whole step's tokens
+            x = layer.mlp(x)
+        x, _ = self.norm(x, residual)
+        return x
 
     @staticmethod
     def moe_shape(config: Any) -> MoeShape:

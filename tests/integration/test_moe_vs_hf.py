@@ -176,3 +176,36 @@ def test_per_expert_budget_bounds_the_step(moe_model) -> None:  # type: ignore[n
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
     assert 0 < max(widths) <= 6
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.MonkeyPatch,
+                                             cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
+    from batchgen_data.layers import micro_batch
+    from batchgen_data.models import moe
+
+    path, hf = moe_model("qwen3_moe")
+    groups: list[list[int]] = []
+    split = micro_batch.split_by_sequences
+
+    def spy(meta, max_seqs):  # type: ignore[no-untyped-def]
+        parts = split(meta, max_seqs)
+        groups.append([len(sub.query_lens_host) for _, sub in parts])
+        return parts
+
+    monkeypatch.setattr(moe, "split_by_sequences", spy)
+    # small chunks: steps mix decodes and prefill chunks, cut into groups of two sequences
+    llm = LLM(str(path), attention_micro_batch_seqs=2, max_num_batched_tokens=9, block_size=4,
+              cpu_kernels=cpu_kernels)
+    prompts = prompts_with_shared_prefix(seed=8)
+    max_tokens = [random.Random(i).randint(4, 12) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(m) for m in max_tokens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m)
+                                                      for p, m in zip(prompts, max_tokens)]
+    assert any(len(g) >= 2 for g in groups) and all(max(g) <= 2 for g in groups)
+
+
+def test_micro_batches_are_for_moe_models_only(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="MoE models only"):
+        LLM(str(tiny_model_dir("llama")), attention_micro_batch_seqs=2)

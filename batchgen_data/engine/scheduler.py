@@ -83,7 +83,7 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.host = host
-        # (num_experts, top_k) of an MoE model, else None
+        # tokens per step; `moe_routing` is (num_experts, top_k) of an MoE model, else None
         self.token_budget = step_token_budget(config, moe_routing)
         self.waiting: deque[Sequence] = deque()
         self.held: deque[Sequence] = deque()  # held for memory: resumed before new work

@@ -56,9 +56,9 @@ class MoeForCausalLM(DecoderForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
                 ) -> torch.Tensor:
         limit = self.attention_micro_batch_seqs
-        parts = split_by_sequences(meta, limit) if limit else None
-        if parts is not None and len(parts) == 1:
-            parts = None
+        # (captured CUDA-graph steps leave the host lists empty: they run as one batch)
+        split = limit is not None and len(meta.query_lens_host) > limit
+        parts = split_by_sequences(meta, limit) if split else None
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -39,6 +39,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # "auto": keep KV in host memory when the tier has room, else recompute on resume.
     preemption_mode: str = "auto"
+    # MoE models: mean tokens per expert one step may give (None: only max_num_batched_tokens
+    # bounds the step; see docs/moe.md). Dense models ignore it.
+    max_tokens_per_expert: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +50,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be >= 1")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: use auto, swap or recompute")
+        if self.max_tokens_per_expert is not None and self.max_tokens_per_expert < 1:
+            raise ValueError(f"max_tokens_per_expert={self.max_tokens_per_expert!r}: must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
     # CPU: the compiled C kernels and packed weight layouts where they run (False: torch only)
     cpu_kernels: bool = True
+    # MoE models: run attention in micro-batches of this many sequences while each MoE layer
+    # still takes the whole step's tokens (None: one attention batch; see docs/moe.md)
+    attention_micro_batch_seqs: int | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -72,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r}: must be >= 1")
+        if self.attention_micro_batch_seqs is not None and self.attention_micro_batch_seqs < 1:
+            raise ValueError(f"attention_micro_batch_seqs={self.attention_micro_batch_seqs!r}: "
+                             "must be >= 1")
         if not isinstance(self.cpu_kernels, bool):
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -42,7 +42,9 @@ class Engine:
         self.vocab_size = p.model.shape.vocab
         self.pool = p.pool
         self.host = p.host
-        self.scheduler = Scheduler(config.scheduler, p.pool, p.host)
+        moe = getattr(p.model, "moe", None)  # MoE models: their routing sizes the step budget
+        self.scheduler = Scheduler(config.scheduler, p.pool, p.host,
+                                   (moe.num_experts, moe.top_k) if moe is not None else None)
         self.runner: ModelRunner = p.runner
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
@@ -145,6 +147,7 @@ class Engine:
             self._retire(seq)
         finished.extend(self._collect_finished(done))
         self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0)
+        self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return finished
 

@@ -57,6 +57,7 @@ class ModelRunner:
         """Set up the fast paths this model and cache allow (captures CUDA graphs on a GPU)."""
         self.fast_paths = build_fast_paths(self.model, self.kv_caches, self.backend, max_num_seqs,
                                            max_model_len, self.block_size, cuda_graphs)
+        self.take_expert_tokens()  # graph captures ran the MoE layers: not a step's tokens
 
     def fast_path(self, kind: type) -> FastPath | None:
         """The fast path of this class in use, or None (for tests and benchmarks)."""
@@ -159,6 +160,12 @@ class ModelRunner:
         if not inp.sample_seqs:
             return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_index])
+
+    def take_expert_tokens(self) -> torch.Tensor:
+        """Tokens per expert of each MoE layer since the last call, [moe_layers, experts]
+        (empty for a dense model)."""
+        take = getattr(self.model, "take_expert_tokens", None)
+        return take() if take is not None else torch.zeros(0, 0, dtype=torch.long)
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
     def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:

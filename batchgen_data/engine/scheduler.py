@@ -64,11 +64,27 @@ class SchedulerOutput:
         return len(self.seqs)
 
 
+def step_token_budget(config: SchedulerConfig, moe_routing: tuple[int, int] | None) -> int:
+    """Tokens one step may compute. For an MoE model with E experts and top-k routing a step of
+    T tokens gives each expert T * k / E tokens on average, so a budget of
+    `max_tokens_per_expert` per expert allows E / k times as many tokens per step, capped by
+    `max_num_batched_tokens` (docs/moe.md). Dense models, and MoE ones without a per-expert
+    budget, keep `max_num_batched_tokens`."""
+    if moe_routing is None or config.max_tokens_per_expert is None:
+        return config.max_num_batched_tokens
+    num_experts, top_k = moe_routing
+    per_step = config.max_tokens_per_expert * num_experts // top_k
+    return max(1, min(config.max_num_batched_tokens, per_step))
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, host: HostKVTier) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, host: HostKVTier,
+                 moe_routing: tuple[int, int] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.host = host
+        # tokens per step; `moe_routing` is (num_experts, top_k) of an MoE model, else None
+        self.token_budget = step_token_budget(config, moe_routing)
         self.waiting: deque[Sequence] = deque()
         self.held: deque[Sequence] = deque()  # held for memory: resumed before new work
         self.running: list[Sequence] = []
@@ -100,7 +116,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -203,7 +219,7 @@ class Scheduler:
         """Would the next `schedule()` compute one token for every running sequence and admit
         nobody? Whether the running ones have the blocks to grow is left to the caller."""
         run = self.running
-        if not run or len(run) > self.config.max_num_batched_tokens:
+        if not run or len(run) > self.token_budget:
             return False
         if any(s.num_pending_tokens != 1 for s in run):
             return False
@@ -211,7 +227,7 @@ class Scheduler:
         if not queue or len(run) >= self.config.max_num_seqs:
             return True
         head = queue[0]
-        n = min(head.num_pending_tokens, self.config.max_num_batched_tokens - len(run))
+        n = min(head.num_pending_tokens, self.token_budget - len(run))
         # the admission test of `_admit`; free blocks only shrink while the running ones decode
         return not self._can_grow(head, n, keep_free=self.watermark)
 

@@ -69,6 +69,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
     model = loader.build_model(hf_config, dtype, device, backend)
     loader.load_weights(model, path)  # each weight lands in its kernels' layout, once
+    if config.attention_micro_batch_seqs is not None:
+        if not hasattr(model, "attention_micro_batch_seqs"):
+            raise ValueError("attention_micro_batch_seqs applies to MoE models only")
+        model.attention_micro_batch_seqs = config.attention_micro_batch_seqs
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:

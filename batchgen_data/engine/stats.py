@@ -7,7 +7,40 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from batchgen_data.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ExpertLoad:
+    """How many tokens each expert received per step (MoE models): the expert batch sizes that
+    expert-level batching is about. For each step and MoE layer: the mean over its experts, and
+    its least and most loaded expert; `summary()` averages them over layers and steps (the unit
+    of HF's per-router-call figures in benchmarks/moe_throughput.py)."""
+
+    layer_steps: int = 0  # (step, MoE layer) pairs recorded
+    mean_sum: float = 0.0
+    min_sum: int = 0
+    max_sum: int = 0
+
+    def record(self, counts: torch.Tensor) -> None:
+        """One step's counts [moe_layers, experts]; an empty tensor (dense model) is skipped."""
+        if counts.numel() == 0:
+            return
+        self.layer_steps += counts.shape[0]
+        self.mean_sum += counts.float().mean(dim=1).sum().item()
+        self.min_sum += int(counts.min(dim=1).values.sum())
+        self.max_sum += int(counts.max(dim=1).values.sum())
+
+    def summary(self) -> dict[str, float] | None:
+        """{"mean", "min", "max"} tokens per expert per step and layer, and "layer_steps";
+        None before any MoE step."""
+        if not self.layer_steps:
+            return None
+        n = self.layer_steps
+        return {"mean": self.mean_sum / n, "min": self.min_sum / n, "max": self.max_sum / n,
+                "layer_steps": n}
 
 
 @dataclass
@@ -24,6 +57,8 @@ class EngineStats:
     # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
     # recomputing a moved sequence's KV would cost here (0.0 until such a step ran)
     prefill_s_per_token: float = 0.0
+    # MoE models: tokens per expert per step (`ExpertLoad.summary()` in `as_dict`)
+    tokens_per_expert: ExpertLoad = field(default_factory=ExpertLoad)
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:
@@ -40,6 +75,7 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["batch_seqs_hist"] = dict(self.batch_seqs_hist)
+        d["tokens_per_expert"] = self.tokens_per_expert.summary()
         return d
 
 

@@ -67,10 +67,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: DecoderShape, bias: bool) -> None:
+    def __init__(self, shape: DecoderShape, bias: bool, intermediate: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(shape.hidden, [shape.intermediate] * 2, bias=bias)
-        self.down_proj = Linear(shape.intermediate, shape.hidden, bias=bias)
+        width = intermediate or shape.intermediate
+        self.gate_up_proj = MergedLinear(shape.hidden, [width] * 2, bias=bias)
+        self.down_proj = Linear(width, shape.hidden, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,29 +79,44 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, shape: DecoderShape, rotary: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    """Attention then `mlp`: a dense MLP (`LlamaMLP`) or a mixture of experts (`FusedMoE`)."""
+
+    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.eps)
         self.self_attn = LlamaAttention(shape, rotary, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.eps)
-        self.mlp = LlamaMLP(shape, bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attend(x, residual, positions, kv_cache, meta)
+        return self.mlp(x), residual
+
+    def attend(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               parts: list[tuple[slice, AttentionMetadata]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP's input: norm, attention (per micro-batch of `parts`, token
+        rows and their metadata, when given) and the post-attention norm."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if parts is None:
+            x = self.self_attn(x, positions, kv_cache, meta)
+        else:
+            x = torch.cat([self.self_attn(x[rows], positions[rows], kv_cache, sub)
+                           for rows, sub in parts])
+        return self.post_attention_layernorm(x, residual)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2 (`qkv_bias=True`) and Qwen3 (`qk_norm=True`)."""
+class DecoderForCausalLM(nn.Module):
+    """The decoder stack shared by the dense models and the MoE ones (`models/moe.py`): each
+    layer's MLP comes from `make_mlp`."""
 
     qkv_bias = False
     qk_norm = False
@@ -116,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, s.head_dim, s.max_positions)
         self.embed_tokens = VocabEmbedding(s.vocab, s.hidden, tied_head=self.tie_word_embeddings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, s, self.rotary, qkv_bias, o_bias, self.qk_norm)
-            for _ in range(s.num_layers))
+            LlamaDecoderLayer(s, self.rotary, qkv_bias, o_bias, self.qk_norm,
+                              self.make_mlp(config, s, i))
+            for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden, s.eps)
         self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, s.vocab)
 
@@ -136,6 +153,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return self.embed_tokens.as_head(hidden).float()
         return self.lm_head(hidden).float()
+
+    def make_mlp(self, config: Any, shape: DecoderShape, layer_idx: int) -> nn.Module:
+        return LlamaMLP(shape, bias=bool(getattr(config, "mlp_bias", False)))
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Also serves Qwen2 (`qkv_bias=True`) and Qwen3 (`qk_norm=True`)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from batchgen_data.layers.backend import LayerBackend, building
+from batchgen_data.models import moe_weights
 from batchgen_data.models.registry import resolve_architecture
 
 def resolve_model_path(model: str | None) -> Path:
@@ -77,11 +78,13 @@ def load_weights(model: nn.Module, path: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                target = _load_one(model, params, key, f.get_tensor(key))
-                if target:
-                    loaded.add(target)
+                loaded |= _load_one(model, params, key, f.get_tensor(key))
     expected = set()
     for name in params:
+        experts = moe_weights.expected_marks(model, name)
+        if experts is not None:
+            expected |= experts
+            continue
         fused = name.rsplit(".", 2)[-2]
         n_shards = len(_shard_sizes(model, name)) if fused in ("qkv_proj", "gate_up_proj") else 0
         expected |= {f"{name}#{i}" for i in range(n_shards)} if n_shards else {name}
@@ -115,12 +118,16 @@ def _release_free_memory() -> None:
 
 
 def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tensor: torch.Tensor
-              ) -> str | None:
+              ) -> set[str]:
+    """Copy one checkpoint tensor into the model; returns what it filled (see `load_weights`)."""
     if "rotary_emb" in key:
-        return None
-    name = key[len("model."):] if key.startswith("model.") else key
+        return set()
+    name = moe_weights.rename(key[len("model."):] if key.startswith("model.") else key)
     if name == "lm_head.weight" and model.lm_head is None:
-        return None  # tied to the embedding
+        return set()  # tied to the embedding
+    experts = moe_weights.load_expert_weight(params, name, tensor)
+    if experts is not None:
+        return experts
     m = _NAME.match(name)
     if m and m.group(2) in _FUSED:
         fused, shard = _FUSED[m.group(2)]
@@ -129,11 +136,11 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tenso
         sizes = _shard_sizes(model, target)
         start = sum(sizes[:shard])
         param.data[start:start + sizes[shard]].copy_(tensor)
-        return f"{target}#{shard}"
+        return {f"{target}#{shard}"}
     if name not in params:
         raise ValueError(f"unexpected weight {key!r} in checkpoint")
     params[name].data.copy_(tensor)
-    return name
+    return {name}
 
 
 def _shard_sizes(model: nn.Module, param_name: str) -> list[int]:

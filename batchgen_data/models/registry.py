@@ -6,15 +6,25 @@ from typing import Any
 from torch import nn
 
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                      Qwen3MoeForCausalLM)
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
+# their attention may be windowed by `sliding_window`, which the engine does not implement
+_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
+_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def supported_architectures() -> list[str]:
@@ -28,8 +38,11 @@ def resolve_architecture(config: Any) -> type[nn.Module]:
         names.append(_BY_MODEL_TYPE[model_type])
     for name in names:
         if name in _REGISTRY:
-            if name == "MistralForCausalLM" and getattr(config, "sliding_window", None):
-                raise ValueError("sliding-window attention (Mistral) is not supported")
+            if name in _SLIDING and getattr(config, "sliding_window", None):
+                raise ValueError(f"sliding-window attention ({name}) is not supported")
+            if name in _MOE and getattr(config, "use_sliding_window", False):
+                raise ValueError(f"sliding-window attention ({name}, use_sliding_window) is not "
+                                 "supported")
             return _REGISTRY[name]
     raise ValueError(f"unsupported architecture {names or model_type!r}; "
                      f"supported: {supported_architectures()}")

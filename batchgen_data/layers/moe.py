@@ -1,0 +1,146 @@
+"""Mixture-of-experts layer: a router and E SwiGLU experts run as one batched operation.
+
+`FusedMoE` mirrors HF's sparse MoE blocks (Qwen2/Qwen3-MoE, Mixtral): softmax over the router
+logits, the top-k experts of each token, their weights renormalised when `norm_topk_prob`, and
+out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the chosen experts e.
+The experts' weights are kept stacked in the layout the GPU kernels take (see
+docs/moe.md): `w13` [E, 2I, H] (rows 0..I-1 gate_proj, I..2I-1 up_proj) and `w2` [E, H, I].
+Qwen2-MoE's shared expert (a dense MLP that every token passes, scaled by a sigmoid gate) is an
+optional part of the layer, so the checkpoint's names (`mlp.shared_expert.*`) map one to one.
+
+Which implementation runs is decided once, when the layer is built (`layers.backend`): the Triton
+grouped GEMM (`batchgen_data.kernels.fused_moe.fused_experts`) on the Triton backend, else
+`cpu_fused_experts`, which sorts the (token, expert) pairs by expert and runs one matmul per
+expert that received tokens, so each expert's weights are read once per step however many
+sequences sent it tokens. That is where expert-level batching pays: the step's tokens of every
+sequence suspended at this layer arrive here as one batch (see `models/moe.py`).
+
+Every call also counts the tokens each expert received (`expert_tokens`, summed until the engine
+takes them with `take_expert_tokens`) for the engine's `tokens_per_expert` statistics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from batchgen_data.layers.activation import SiluAndMul
+from batchgen_data.layers.backend import current
+from batchgen_data.layers.linear import Linear
+
+# (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] f32, topk_ids [T, k] i64)
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     torch.Tensor]
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing as HF computes it: (weights [T, k] float32, ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def cpu_fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' output [T, H] for routed tokens: one gate/up and one down matmul per expert
+    that received tokens (none per token). `act` maps [n, 2I] to [n, I] (default SiLU(gate) *
+    up); `counts` [E], if given, are the tokens per expert (`bincount` of `topk_ids`)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    flat = topk_ids.reshape(-1)  # [T*k]: pair p is token p // k's j-th choice
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+    if counts is None:
+        counts = torch.bincount(flat, minlength=num_experts)
+    token_of = order // top_k  # [T*k] token of each sorted pair
+    x = hidden.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
+    out = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue  # an expert without tokens costs nothing, not even a weight read
+        rows = slice(start, start + n)
+        gate_up = torch.mm(x[rows], w13[e].t())  # [n, 2I]
+        inter = act(gate_up) if act is not None else _silu_mul(gate_up)  # [n, I]
+        out[rows] = torch.mm(inter, w2[e].t())  # [n, H]
+        start += n
+    weights = topk_weights.reshape(-1).index_select(0, order)  # [T*k] float32
+    # HF scales each expert's output by its routing weight (in float32 for Mixtral) before the sum
+    scaled = (out.float() * weights[:, None]).to(hidden.dtype)
+    result = torch.zeros_like(hidden)
+    result.index_add_(0, token_of, scaled)
+    return result
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _triton_experts() -> ExpertsFn:
+    try:
+        from batchgen_data.kernels.fused_moe import fused_experts
+    except ImportError as e:
+        raise ImportError("the Triton backend needs batchgen_data.kernels.fused_moe.fused_experts "
+                          f"for MoE layers, and it could not be imported ({e})") from e
+    return fused_experts
+
+
+class FusedMoE(nn.Module):
+    """Router + `num_experts` SwiGLU experts of width `intermediate` (+ an optional shared
+    expert with a sigmoid gate); x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k}: must be in [1, num_experts="
+                             f"{num_experts}]")
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = Linear(hidden, num_experts)  # the router (HF's `mlp.gate`)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1) if shared_expert is not None else None
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.long),
+                             persistent=False)
+        self.triton = current().triton
+        # resolved now so that a missing kernel fails when the model is built, not mid-step
+        self._gpu_experts: ExpertsFn | None = _triton_experts() if self.triton else None
+        # the CPU path reuses the activation kernel the backend picked for the dense MLPs
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H] holds this step's tokens of every scheduled sequence (each one a coroutine
+        # suspended at its model call): here they meet as one batch per expert
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        if self._gpu_experts is not None:
+            # graph-capturable count: a fixed-size scatter, no host sync
+            flat = ids.reshape(-1)
+            self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+            out = self._gpu_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            self.expert_tokens += counts
+            out = cpu_fused_experts(x, self.w13, self.w2, weights, ids, self.act, counts)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            out = out + gate * self.shared_expert(x)
+        return out
+
+    def take_expert_tokens(self) -> torch.Tensor:
+        """Tokens each expert received since the last call ([E] int64), and a fresh count."""
+        counts = self.expert_tokens.clone()
+        self.expert_tokens.zero_()
+        return counts
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"norm_topk_prob={self.norm_topk_prob}, triton={self.triton}")

@@ -1,0 +1,211 @@
+"""MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral) give HF `generate`'s greedy tokens (fp32, CPU):
+mixed prompt lengths, small prefill chunks, forced preemption, prefix-cache hits, steps where
+most experts get no token, `norm_topk_prob` off, dense layers mixed in, and a running sequence
+exported from one engine and imported into another."""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from batchgen_data import LLM, SamplingParams
+
+# tiny configs: hidden 64, 2-3 layers, a few experts of width 32
+_COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+               tie_word_embeddings=False)
+CONFIGS: dict[str, Callable[[int], object]] = {
+    # layer 1 dense (mlp_only_layers), renormalised top-2 of 8
+    "qwen3_moe": lambda vocab: __import__("transformers").Qwen3MoeConfig(
+        vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], head_dim=16, **_COMMON),
+    # 16 experts and top-2 (most idle in a decode step), weights not renormalised, shared expert
+    "qwen2_moe": lambda vocab: __import__("transformers").Qwen2MoeConfig(
+        vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+        num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=48,
+        **_COMMON),
+    "mixtral": lambda vocab: __import__("transformers").MixtralConfig(
+        vocab_size=vocab, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        **_COMMON),
+}
+
+
+def build_moe_model(arch: str, path: Path, vocab: int) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(sorted(CONFIGS).index(arch) + 10)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch](vocab)).eval()
+    # random init gives near-flat logits and router scores; widen them so that greedy and
+    # top-k ties are vanishingly rare
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Factory: arch -> (model dir, HF model), built once per module."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def make(arch: str) -> tuple[Path, object]:
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            tok_src = tiny_model_dir("llama")  # reuse the session's tiny tokenizer
+            for f in tok_src.glob("*token*"):
+                shutil.copy(f, path / f.name)
+            build_moe_model(arch, path, vocab=300)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[arch] = (path, hf)
+        return cache[arch]
+
+    return make
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def prompts_with_shared_prefix(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(13)]
+    mixed = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    return mixed + [system + [rng.randrange(3, 300) for _ in range(rng.randint(1, 6))]
+                    for _ in range(2)]
+
+
+CASES = {
+    "plain": dict(block_size=4),
+    "tiny_chunks": dict(max_num_batched_tokens=7, block_size=4),
+    "preemption": dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ignore[no-untyped-def]
+    path, hf = moe_model(arch)
+    llm = LLM(str(path), **CASES[case])
+    prompts = prompts_with_shared_prefix(seed=len(case))
+    max_tokens = [random.Random(i).randint(4, 16) for i in range(len(prompts))]
+    steps: list[torch.Tensor] = []
+    load = llm.engine.stats.tokens_per_expert
+    record = load.record
+    load.record = lambda counts: (steps.append(counts), record(counts))  # type: ignore[method-assign]
+    # the shared-prefix prompts run after the first batch: their prefix blocks are cache hits
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]],
+                         [greedy(m) for m in max_tokens[:5]], use_tqdm=False)
+    hits = llm.engine.pool.hits
+    last = llm.generate([{"prompt_token_ids": prompts[5]}], [greedy(max_tokens[5])],
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in first + last]
+    assert got == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    if case == "preemption":
+        assert llm.engine.stats.num_preemptions > 0
+    assert llm.engine.pool.hits > hits  # the last prompt reused the system prefix
+    moe = llm.engine.runner.model.moe
+    num_layers = len(llm.engine.runner.model.moe_layers)
+    assert num_layers == (2 if arch == "qwen3_moe" else 3)
+    assert all(c.shape == (num_layers, moe.num_experts) for c in steps)
+    # every routed pair is counted once per MoE layer: tokens * top_k
+    assert sum(int(c.sum()) for c in steps) == llm.engine.stats.computed_tokens * moe.top_k * num_layers
+    if arch == "qwen2_moe":  # 16 experts, top-2: one-sequence decode steps leave most idle
+        assert any(int((c == 0).sum()) >= num_layers * 8 for c in steps)
+    summary = llm.engine.stats.as_dict()["tokens_per_expert"]
+    assert summary["layer_steps"] == len(steps) * num_layers
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+    total = sum(int(c.sum()) for c in steps)
+    assert summary["mean"] == pytest.approx(total / moe.num_experts / (len(steps) * num_layers))
+
+
+def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: ignore[no-untyped-def]
+    path, hf = moe_model("qwen2_moe")
+    prompts = prompts_with_shared_prefix(seed=3)[:4]
+    outs = LLM(str(path), cpu_kernels=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(10), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("include_kv", [False, True])
+def test_export_import_mid_generation(moe_model, include_kv: bool) -> None:  # type: ignore[no-untyped-def]
+    import pickle
+
+    path, _ = moe_model("qwen3_moe")
+    prompts = prompts_with_shared_prefix(seed=4)[:3]
+    params = [greedy(14), SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=5,
+                                          ignore_eos=True), greedy(9)]
+    ref = LLM(str(path)).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                  use_tqdm=False)
+    src, dst = LLM(str(path)).engine, LLM(str(path), block_size=8).engine
+    rids = [src.submit(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(4):
+        assert not src.step()
+    states = [pickle.loads(pickle.dumps(src.export(r, include_kv=include_kv))) for r in rids]
+    assert all(len(s["seqs"][0]["output_token_ids"]) > 0 for s in states)
+    for st in states:
+        dst.import_(st)
+    done = {}
+    while dst.has_unfinished():
+        for o in dst.step():
+            done[o.request_id] = o.outputs[0].token_ids
+    assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_per_expert_budget_bounds_the_step(moe_model) -> None:  # type: ignore[no-untyped-def]
+    path, hf = moe_model("mixtral")  # 4 experts, top-2: 3 tokens per expert -> 6 per step
+    llm = LLM(str(path), max_tokens_per_expert=3, block_size=4)
+    assert llm.engine.scheduler.token_budget == 6
+    widths: list[int] = []
+    llm.engine.on_step = lambda shape: widths.append(shape.num_new_tokens)
+    prompts = prompts_with_shared_prefix(seed=6)[:3]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
+    assert 0 < max(widths) <= 6
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.MonkeyPatch,
+                                             cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
+    from batchgen_data.layers import micro_batch
+    from batchgen_data.models import moe
+
+    path, hf = moe_model("qwen3_moe")
+    groups: list[list[int]] = []
+    split = micro_batch.split_by_sequences
+
+    def spy(meta, max_seqs):  # type: ignore[no-untyped-def]
+        parts = split(meta, max_seqs)
+        groups.append([len(sub.query_lens_host) for _, sub in parts])
+        return parts
+
+    monkeypatch.setattr(moe, "split_by_sequences", spy)
+    # small chunks: steps mix decodes and prefill chunks, cut into groups of two sequences
+    llm = LLM(str(path), attention_micro_batch_seqs=2, max_num_batched_tokens=9, block_size=4,
+              cpu_kernels=cpu_kernels)
+    prompts = prompts_with_shared_prefix(seed=8)
+    max_tokens = [random.Random(i).randint(4, 12) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(m) for m in max_tokens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m)
+                                                      for p, m in zip(prompts, max_tokens)]
+    assert any(len(g) >= 2 for g in groups) and all(max(g) <= 2 for g in groups)
+
+
+def test_micro_batches_are_for_moe_models_only(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="MoE models only"):
+        LLM(str(tiny_model_dir("llama")), attention_micro_batch_seqs=2)

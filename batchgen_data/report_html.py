@@ -38,15 +38,9 @@ def write_html(source: RunRecord | Any, path: str | Path) -> Path:
 
 def _record_from_rows(rows: Any) -> RunRecord:
     """A record with one finished entry per output row (no times, no engine samples)."""
-    import pyarrow as pa
-
-    if isinstance(rows, pa.Table):
-        rows = rows.to_pylist()
     record = RunRecord(title="batchgen_data job")
-    for row in rows:
-        record.add_finished("job", int(row.get("num_generated_tokens") or 0), row.get("error"),
-                            t=record.start)
-    record.end = record.start
+    record.add_rows(rows)
+    record.end = time.time()
     return record
 
 
@@ -60,10 +54,11 @@ def render(record: RunRecord) -> str:
     parts = [f"<h1>{escape(record.title)}</h1>",
              f'<p class="note">started {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0))}'
              f", {t_max:.1f} s</p>", _summary(record, t_max, errors)]
-    parts.append("<h2>Active sequences per actor</h2>" + _key() + "".join(
-        _actor_section(record, actor, t0, t_max) for actor in record.actors()
-        if any(s.actor == actor for s in record.samples)) or
-        '<p class="note">no engine samples in this record</p>')
+    timelines = "".join(_actor_section(record, actor, t0, t_max) for actor in record.actors()
+                        if any(s.actor == actor for s in record.samples))
+    parts.append("<h2>Active sequences per actor</h2>" + (
+        _key() + timelines if timelines else
+        '<p class="note">no engine samples in this record</p>'))
     parts.append("<h2>Throughput</h2>" + _throughput(record, t0, t_max))
     parts.append("<h2>Output length</h2>" + report_svg.histogram(
         [f.generated_tokens for f in good], "generated tokens per row"))
@@ -92,7 +87,7 @@ def _summary(record: RunRecord, t_max: float, errors: Counter) -> str:
 def _key() -> str:
     c = report_svg.COLORS
     items = [("running", c["running"]), ("waiting", c["waiting"]), ("held", c["held"]),
-             ("idle", c["idle"]), ("exported ▼", c["export"]), ("imported ▲", c["import"])]
+             ("idle", c["idle"]), ("starting", c["loading"]), ("exported ▼", c["export"]), ("imported ▲", c["import"])]
     return '<p class="key">' + "".join(f'<span style="background:{col}"></span>{escape(k)}'
                                        for k, col in items) + "</p>"
 
@@ -100,22 +95,21 @@ def _key() -> str:
 def _actor_section(record: RunRecord, actor: str, t0: float, t_max: float) -> str:
     samples = sorted((s for s in record.samples if s.actor == actor), key=lambda s: s.t)
     series = [(s.t - t0, s.running, s.waiting, s.held) for s in samples]
+    loading = series[0][0] if series else t_max  # before its first step: building the engine
     idle = idle_spans(series, t_max)
     moves = [(t - t0, kind) for t, a, kind in record.migrations if a == actor]
     idle_s = sum(b - a for a, b in idle)
-    title = f"{actor}: idle {idle_s:.1f} s of {t_max:.1f} s, {len(moves)} migrations"
-    return f"<h3>{escape(title)}</h3>" + report_svg.timeline(series, idle, moves, t_max, title)
+    title = (f"{actor}: started after {loading:.1f} s, then idle {idle_s:.1f} s of "
+             f"{max(t_max - loading, 0):.1f} s, {len(moves)} migrations")
+    return f"<h3>{escape(title)}</h3>" + report_svg.timeline(series, idle, moves, t_max, title,
+                                                          loading)
 
 
 def idle_spans(series: list[tuple[float, int, int, int]], t_max: float
                ) -> list[tuple[float, float]]:
-    """Stretches with no active sequence: before the first sample (the engine was starting),
-    between a sample with none and the next, and after the last sample if it had none."""
+    """Stretches after the engine's first step with no active sequence: from a sample with
+    none to the next sample (or to the end)."""
     spans: list[tuple[float, float]] = []
-    if not series:
-        return [(0.0, t_max)]
-    if series[0][0] > 0:
-        spans.append((0.0, series[0][0]))
     for i, (t, running, waiting, held) in enumerate(series):
         if running + waiting + held == 0:
             nxt = series[i + 1][0] if i + 1 < len(series) else t_max

@@ -67,6 +67,14 @@ class RunRecord:
             self.finished.append(Finished(time.time() if t is None else t, actor,
                                           generated_tokens, kind))
 
+    def add_rows(self, rows: Any, actor: str = "job") -> None:
+        """One finished entry per connector output row (a pyarrow Table or row dicts), for a
+        job whose rows were not recorded as they finished: all are stamped now."""
+        if hasattr(rows, "to_pylist"):
+            rows = rows.to_pylist()
+        for row in rows:
+            self.add_finished(actor, int(row.get("num_generated_tokens") or 0), row.get("error"))
+
     def merge(self, part: dict[str, Any]) -> None:
         """Add a part shipped from another process (`to_part`)."""
         with self._lock:
@@ -79,6 +87,15 @@ class RunRecord:
             return {"samples": [tuple(_values(s)) for s in self.samples],
                     "migrations": list(self.migrations),
                     "finished": [tuple(_values(f)) for f in self.finished]}
+
+    def drain(self) -> dict[str, Any]:
+        """`to_part`, emptying the record: what an engine ships, once."""
+        with self._lock:
+            part = {"samples": [tuple(_values(s)) for s in self.samples],
+                    "migrations": list(self.migrations),
+                    "finished": [tuple(_values(f)) for f in self.finished]}
+            self.samples, self.migrations, self.finished = [], [], []
+        return part
 
     def actors(self) -> list[str]:
         return sorted({s.actor for s in self.samples} | {f.actor for f in self.finished})
@@ -101,10 +118,10 @@ class EngineSampler:
 
     def __call__(self, engine: Any) -> None:
         now = time.time()
-        load = engine.load()
-        busy = load.num_active > 0
+        busy = engine.num_unfinished() > 0  # cheap; `load()` walks every live request
         if now - self._last_t < self.interval_s and busy == self._last_busy:
             return
         self._last_t, self._last_busy = now, busy
+        load = engine.load()
         self.record.add_sample(Sample(now, self.actor, load.waiting, load.running, load.held,
                                       engine.stats.generated_tokens))

@@ -10,7 +10,7 @@ from html import escape
 
 W, H = 760, 150  # plot area
 ML, MR, MT, MB = 56, 16, 14, 30  # margins: left (y labels), right, top, bottom (x labels)
-COLORS = {"running": "#2f6fb0", "waiting": "#f2a541", "held": "#9b59b6", "idle": "#e6e6e6",
+COLORS = {"running": "#2f6fb0", "waiting": "#f2a541", "held": "#9b59b6", "idle": "#d9d9d9", "loading": "#f1ecd9",
           "export": "#c0392b", "import": "#27ae60", "bar": "#2f6fb0", "error": "#c0392b",
           "line": "#16a085"}
 
@@ -41,9 +41,11 @@ def _num(v: float) -> str:
 
 
 def timeline(series: Sequence[tuple[float, int, int, int]], idle: Sequence[tuple[float, float]],
-             migrations: Sequence[tuple[float, str]], t_max: float, title: str) -> str:
+             migrations: Sequence[tuple[float, str]], t_max: float, title: str,
+             loading: float = 0.0) -> str:
     """One actor: stacked steps of running / waiting / held sequences over time (seconds from
-    the start), grey bands where the engine had nothing to do, a marker per migration."""
+    the start), a band until its first step (`loading`: building the engine), grey bands where
+    it had nothing to do, a marker per migration."""
     t_max = max(t_max, 1e-6)
     y_max = max([r + w + h for _, r, w, h in series] + [1])
 
@@ -53,8 +55,10 @@ def timeline(series: Sequence[tuple[float, int, int, int]], idle: Sequence[tuple
     def y(v: float) -> float:
         return MT + H - H * v / y_max
 
-    parts = [f'<rect x="{x(a):.1f}" y="{MT}" width="{max(x(b) - x(a), 0.5):.1f}" height="{H}" '
-             f'fill="{COLORS["idle"]}"><title>idle {b - a:.1f}s</title></rect>' for a, b in idle]
+    parts = [f'<rect x="{ML}" y="{MT}" width="{x(loading) - ML:.1f}" height="{H}" '
+             f'fill="{COLORS["loading"]}"><title>starting {loading:.1f}s</title></rect>']
+    parts += [f'<rect x="{x(a):.1f}" y="{MT}" width="{max(x(b) - x(a), 0.5):.1f}" height="{H}" '
+              f'fill="{COLORS["idle"]}"><title>idle {b - a:.1f}s</title></rect>' for a, b in idle]
     for layer, color in (("held", COLORS["held"]), ("waiting", COLORS["waiting"]),
                          ("running", COLORS["running"])):
         top = {"running": lambda s: s[1], "waiting": lambda s: s[1] + s[2],

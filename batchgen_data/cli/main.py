@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,9 @@ class Job:
     def emit(self, o: Outcome) -> None:
         self.output.write(self._line(o))
         self.progress.update(o.error is not None, o.generated_tokens)
-        self.record.add_finished(o.actor, o.generated_tokens, o.error)
+        # the kind of an error, for the report, without the input line it happened on
+        kind = None if o.error is None else re.sub(r"^line \d+: ", "", o.error)
+        self.record.add_finished(o.actor, o.generated_tokens, kind)
 
     def _line(self, o: Outcome) -> dict[str, Any]:
         item = o.item

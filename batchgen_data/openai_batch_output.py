@@ -17,6 +17,8 @@ from typing import Any
 
 # OpenAI's finish reasons; "abort" (a cancelled request) has no counterpart and reads as "stop"
 _FINISH = {"stop": "stop", "length": "length"}
+# a logprob the engine did not report (JSON has no -Infinity); OpenAI uses the same floor
+_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def _chat_token(tok: int, lps: dict[int, float], num_top: int,
         return {"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8"))}
 
     top = sorted(lps.items(), key=lambda kv: -kv[1])[:num_top]
-    return {**entry(tok, lps.get(tok, float("-inf"))),
+    return {**entry(tok, lps.get(tok, _FLOOR)),
             "top_logprobs": [entry(t, lp) for t, lp in top]}
 
 
@@ -90,7 +92,7 @@ def _text_choice(i: int, c: Choice, token_text: Callable[[int], str] | None) -> 
             offsets.append(at)
             at += len(t)
         logprobs = {"tokens": tokens,
-                    "token_logprobs": [float(lps.get(t, float("-inf")))
+                    "token_logprobs": [float(lps.get(t, _FLOOR))
                                        for t, lps in zip(c.token_ids, c.logprobs)],
                     "top_logprobs": [{token_text(t): float(lp) for t, lp in
                                       sorted(lps.items(), key=lambda kv: -kv[1])[:c.num_top]}

@@ -100,7 +100,7 @@ def _actor_section(record: RunRecord, actor: str, t0: float, t_max: float) -> st
     moves = [(t - t0, kind) for t, a, kind in record.migrations if a == actor]
     idle_s = sum(b - a for a, b in idle)
     title = (f"{actor}: started after {loading:.1f} s, then idle {idle_s:.1f} s of "
-             f"{max(t_max - loading, 0):.1f} s, {len(moves)} migrations")
+             f"{max(t_max - loading, 0):.1f} s, migrations: {len(moves)}")
     return f"<h3>{escape(title)}</h3>" + report_svg.timeline(series, idle, moves, t_max, title,
                                                           loading)
 

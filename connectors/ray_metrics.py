@@ -8,6 +8,7 @@ dashboard like any Ray application metric:
     batchgen_kv_cache_usage, batchgen_prefix_cache_hit_rate, batchgen_preemptions   gauges
     batchgen_generated_tokens, batchgen_computed_tokens, batchgen_finished_requests,
     batchgen_migrations{direction=exported|imported}   counters
+    batchgen_tokens_per_expert{stat=...}   gauge, for an MoE model whose engine reports it
 
 When the job keeps a run report (the command's `--report`, or `RunCollector.start(job_id)` in a
 Python job) the same samples, and the migrations, also go to the job's `RunCollector` actor,
@@ -74,6 +75,8 @@ class StatsExport:
             ("finished_requests", "requests finished"))}
         self.moves = Counter("batchgen_migrations", "requests moved between engines",
                              tag_keys=("actor", "direction"))
+        self.experts = Gauge("batchgen_tokens_per_expert", "tokens routed to one expert per step",
+                             tag_keys=("actor", "stat"))
         self._last: dict[str, int] = {}
         self._last_t = float("-inf")
         self.interval_s = interval_s
@@ -107,6 +110,11 @@ class StatsExport:
                             ("computed_tokens", st.computed_tokens),
                             ("finished_requests", st.num_finished)):
             self._add(self.counters[name], name, value, tags)
+        experts = getattr(st, "tokens_per_expert", None)  # MoE engines only
+        if isinstance(experts, dict):
+            for stat, value in experts.items():
+                if isinstance(value, (int, float)):
+                    self.experts.set(value, tags={**tags, "stat": str(stat)})
         counts = getattr(self.migration, "counts", None) or {}
         for direction in ("exported", "imported"):
             before = self._last.get(direction, 0)

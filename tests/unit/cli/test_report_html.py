@@ -28,7 +28,7 @@ def test_report_has_every_section_inline(tmp_path: Path) -> None:
     assert "<script" not in html and not re.search(r'(src|href)="(http|/)', html)
     assert "prompt has N tokens" in html  # errors grouped by kind
     assert "1 exported, 1 imported" in html
-    assert html.count("<h3>") == 2 and "a2: started after 3.0 s, then idle 4.0 s of 7.0 s" in html
+    assert html.count("<h3>") == 2 and "a2: started after 3.0 s, then idle 4.0 s of 7.0 s, migrations: 1" in html
 
 
 def test_idle_spans_join_gaps_and_run_to_the_end() -> None:

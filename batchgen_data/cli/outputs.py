@@ -86,8 +86,10 @@ class TableOutput(LineLog):
             raise ValueError(f"output {str(path)!r}: a table input is written as one of "
                              f"{TABLE_SUFFIXES}")
         self.final = path
-        super().__init__(path.with_name(path.name + ".partial.jsonl"), resume,
-                         lambda row: row.get(ROW_KEY))
+        side = path.with_name(path.name + ".partial.jsonl")
+        if resume and path.exists() and not side.exists():
+            _unfinish(path, side)  # a finished run: its rows are the side file, in input order
+        super().__init__(side, resume, lambda row: row.get(ROW_KEY))
 
     def finish(self) -> pa.Table:
         self.close()
@@ -111,6 +113,15 @@ class TableOutput(LineLog):
                     f.write(json.dumps(r, ensure_ascii=False) + "\n")
         os.remove(self.path)
         return table
+
+
+def _unfinish(final: Path, side: Path) -> None:
+    from batchgen_data.cli.inputs import read_table
+
+    rows = read_table(final).to_pylist()
+    with side.open("w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({**row, ROW_KEY: i}, ensure_ascii=False, default=str) + "\n")
 
 
 def _flat_for_csv(table: pa.Table) -> pa.Table:

@@ -52,6 +52,10 @@ def test_table_output_is_written_in_input_order(tmp_path: Path) -> None:
     assert pq.read_table(final).to_pylist() == [{"prompt": "a", "generated_text": "A"},
                                                 {"prompt": "b", "generated_text": "B"}]
     assert not (tmp_path / "out.parquet.partial.jsonl").exists()
+    done = TableOutput(final, resume=True)  # the run had finished: nothing is left to do
+    assert done.done == {"0", "1"}
+    done.finish()
+    assert pq.read_table(final).num_rows == 2
 
 
 def test_batch_input_duplicates_and_table_detection(tmp_path: Path) -> None:

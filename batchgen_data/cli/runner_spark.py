@@ -4,7 +4,8 @@ The active SparkSession is used when there is one (spark-submit, a notebook); ot
 local one with `--actors` cores, one engine per Python worker. `generate_df` reads one input
 column, and a Spark column has one type, so prompts, chat messages and token ids run as up to
 three DataFrames, one after the other; rows of each stream back through `toLocalIterator` as
-Spark finishes its partitions. As on Ray, a `/v1/completions` prompt is tokenized here and
+Spark finishes its partitions; each task adds its engine's samples to an accumulator, the
+report's timelines (`connectors/spark_metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here and
 `n > 1` or logprobs need `--runner local`.
 """
 from __future__ import annotations
@@ -67,12 +68,16 @@ class SparkRunner(RayRunner):
             groups.setdefault(column, []).append((row[KEY], row[column], row["sampling_params"]))
         if not groups:
             return
+        from batchgen_data.connectors.spark_metrics import stats_accumulator
+
         spark = self._session()
+        stats = stats_accumulator(spark)  # each task adds its engine's samples
         for column, rows in groups.items():
             schema = f"{KEY} string, {column} {_TYPES[column]}, sampling_params string"
             df = spark.createDataFrame(rows, schema).repartition(self.actors)
-            out = generate_df(df, prompt_col=column, id_col=KEY,
+            out = generate_df(df, prompt_col=column, id_col=KEY, stats=stats,
                               sampling_params=self.default_params, **self.engine_kwargs)
             self.submitted += len(rows)
             for r in out.toLocalIterator():
                 emit(outcome_from_row(by_key[r[KEY]], r.asDict(recursive=True), actor="spark"))
+        self.record.merge(stats.value)

@@ -1,4 +1,5 @@
-"""`batchgen-data run --runner spark` on a small table: a table out, same text as local."""
+"""`batchgen-data run --runner spark` on a small table: a table out, same text as local, and
+engine timelines collected per Spark task."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ def test_spark_runner_writes_the_table_local_writes(tmp_path: Path, spark: objec
         {"id": 1, "prompt": "What is the capital of France?"},
         {"id": 2, "prompt": "Name a colour."},
         {"id": 3, "prompt": ""}]))
-    _job(str(src), "-o", str(tmp_path / "spark.parquet"), "--runner", "spark")
+    _job(str(src), "-o", str(tmp_path / "spark.parquet"), "--runner", "spark", "--report",
+         str(tmp_path / "r.html"))
     _job(str(src), "-o", str(tmp_path / "local.parquet"), "--runner", "local")
     got = pq.read_table(tmp_path / "spark.parquet").to_pylist()
     want = pq.read_table(tmp_path / "local.parquet").to_pylist()
@@ -34,3 +36,5 @@ def test_spark_runner_writes_the_table_local_writes(tmp_path: Path, spark: objec
     cols = ("generated_text", "num_prompt_tokens", "finish_reason", "error")
     assert [{c: r[c] for c in cols} for r in got] == [{c: r[c] for c in cols} for r in want]
     assert got[2]["error"] == "prompt is empty" and got[0]["generated_text"]
+    # per-task engine samples reached the driver through the accumulator: a timeline
+    assert "<h3>" in (tmp_path / "r.html").read_text()

@@ -1,7 +1,8 @@
 """Engine configuration: one frozen dataclass per concern, validated on construction.
 
 `make_engine_config` is the single place that turns user kwargs (vLLM names where they exist)
-into configs; an unknown kwarg raises TypeError listing the valid names.
+into configs; an unknown kwarg raises TypeError listing the valid names. vLLM's other common
+engine arguments are mapped, accepted or refused first (`engine_args`).
 """
 from __future__ import annotations
 
@@ -101,9 +102,13 @@ def engine_kwarg_names() -> list[str]:
 
 def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Split flat user kwargs into the config sections; unknown names raise TypeError."""
+    from batchgen_data.engine_args import translate_vllm_args, vllm_arg_names
+
+    kwargs = translate_vllm_args(kwargs, set(engine_kwarg_names()))
     unknown = sorted(set(kwargs) - set(engine_kwarg_names()))
     if unknown:
-        raise TypeError(f"unknown engine argument(s) {unknown}; valid: {engine_kwarg_names()}")
+        raise TypeError(f"unknown engine argument(s) {unknown}; valid: {engine_kwarg_names()}, "
+                        f"and vLLM's {vllm_arg_names()} (batchgen_data/engine_args.py)")
     sections = {}
     for key, cls in _SECTIONS.items():
         own = {f.name for f in fields(cls)}

@@ -123,3 +123,11 @@ def summarize(rows: pa.Table | Iterable[Mapping[str, Any]],
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
+
+
+def write_html(source: Any, path: str) -> Any:
+    """The self-contained HTML run report of a `RunRecord`, or of output rows alone
+    (`batchgen_data.report_html.write_html`); returns the path written."""
+    from batchgen_data.report_html import write_html as write
+
+    return write(source, path)

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from batchgen_data.connectors.common import RequestBuilder, attach_outputs, to_arrow
+from batchgen_data.connectors.ray_metrics import start_stats_export
 from batchgen_data.connectors.ray_migration import MigrationOptions, start_migration
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.devices import pick_device
@@ -94,6 +95,8 @@ class BatchGenPredictor:
         # engines of one job share a coordinator: same Ray job and same predictor config
         fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items())))
         self.migration = start_migration(self.driver, fingerprint, options) if migration else None
+        # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
+        self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)
 
     def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
         """Build the engine and its driver (tests and benchmarks override this seam)."""
@@ -132,6 +135,8 @@ class BatchGenPredictor:
     def __del__(self) -> None:
         if getattr(self, "migration", None) is not None:
             self.migration.stop()
+        if getattr(self, "stats_export", None) is not None:
+            self.stats_export.stop()
         driver = getattr(self, "driver", None)
         if driver is not None:
             driver.shutdown(timeout=1.0)

@@ -7,7 +7,9 @@
     out = processor(ds)
 
 Field names follow `ray.data.llm.vLLMEngineProcessorConfig` where the idea carries over; the
-differences are listed in docs/ray_data.md. Building a processor imports Ray and installs the
+differences are listed in docs/ray_data.md. The postprocess function sees the output fields
+`ray.data.llm`'s vLLM stage gives (`generated_tokens`, `num_input_tokens`, ...) besides this
+project's own, so a postprocess written for Ray's processor runs unchanged (`with_vllm_fields`). Building a processor imports Ray and installs the
 row-streaming rule (`ray_blocks`) in this driver process, where Ray Data plans the job.
 """
 from __future__ import annotations
@@ -133,7 +135,7 @@ class Processor:
                  postprocess_map_kwargs: dict[str, Any] | None = None) -> None:
         self.config = config
         self.preprocess = preprocess
-        self.postprocess = postprocess
+        self.postprocess = None if postprocess is None else _VllmFieldsThen(postprocess)
         # light row functions: a quarter CPU each, so they run beside the engine actors
         self.preprocess_map_kwargs = {"num_cpus": 0.25, **(preprocess_map_kwargs or {})}
         self.postprocess_map_kwargs = {"num_cpus": 0.25, **(postprocess_map_kwargs or {})}
@@ -153,6 +155,37 @@ class Processor:
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds
+
+
+# ray.data.llm's vLLM stage (ray/llm/_internal/batch/stages/vllm_engine_stage.py, Ray 2.60:
+# vLLMOutputData and the stage's own columns) → this project's column holding the same value;
+# None: there is no such value here, so the field is present and null
+VLLM_FIELDS: dict[str, str | None] = {
+    "generated_tokens": "generated_token_ids", "num_input_tokens": "num_prompt_tokens",
+    "prompt": None, "prompt_token_ids": None, "embeddings": None, "metrics": None,
+    "logprobs": None, "prompt_logprobs": None, "request_id": None, "batch_uuid": None,
+    "time_taken_llm": None, "params": None}
+
+
+def with_vllm_fields(row: Row) -> Row:
+    """`row` plus the fields `ray.data.llm`'s vLLM stage outputs; a field the row already has
+    (its input `prompt`, say) is kept as it is."""
+    out = dict(row)
+    for name, ours in VLLM_FIELDS.items():
+        if name not in out:
+            out[name] = row.get(ours) if ours is not None else None
+    return out
+
+
+class _VllmFieldsThen:
+    """The user's postprocess, called on the row with vLLM's field names added (a class, not a
+    closure, so Ray can pickle it by reference)."""
+
+    def __init__(self, fn: Callable[[Row], Row]) -> None:
+        self.fn = fn
+
+    def __call__(self, row: Row) -> Row:
+        return self.fn(with_vllm_fields(row))
 
 
 def quiet_small_input_warning(predictor_name: str) -> None:

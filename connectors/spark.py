@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
@@ -94,18 +95,22 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
                 model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
-                apply_chat_template: bool = True, **engine_kwargs: Any) -> "DataFrame":
+                apply_chat_template: bool = True, stats: Any = None,
+                **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
     The result has all input columns plus the output columns. `id_col` names a column that
     identifies rows: it seeds sampling (when no seed is given) and lets callers join results
     back; without it the prompt is the seed key. `apply_chat_template` as in `batchgen_udf`.
+    `stats`: a `spark_metrics.stats_accumulator(spark)` that each task adds its engine's
+    samples to (for `report_html`).
     """
     for col in (prompt_col, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
-    settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs, apply_chat_template)
+    settings = replace(TaskSettings.create(model, sampling_params, on_error, max_in_flight,
+                                           debug_stats, engine_kwargs, apply_chat_template),
+                       stats=stats)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
 
@@ -134,6 +139,14 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
         keys = batch.column(id_col).to_pylist() if id_col is not None else values
         return session.submit(rows, keys)
 
+    try:
+        yield from _finished_batches(settings, session, submit, batches)
+    finally:
+        session.finish()
+
+
+def _finished_batches(settings: TaskSettings, session: spark_task.TaskSession, submit: Any,
+                      batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     for done in in_completion_order(batches, submit, settings.max_in_flight, session.abandon):
         # finished rows grouped by the input batch they came from, so columns are taken once
         groups: dict[int, tuple[pa.RecordBatch, list[int], list[Future]]] = {}

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen_data import env
-from batchgen_data.connectors import common, spark_engine_cache
+from batchgen_data.connectors import common, spark_engine_cache, spark_metrics
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark_engine_cache import EngineSpec
 from batchgen_data.connectors.spark_streaming import BatchSizeProbe
@@ -38,6 +38,7 @@ class TaskSettings:
     max_in_flight: int = 512
     debug_stats: bool = False
     apply_chat_template: bool = True
+    stats: Any = None  # a spark_metrics.stats_accumulator: engine samples, added per task
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
@@ -114,7 +115,14 @@ class TaskSession:
                 on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver))
             if self.settings.debug_stats:
                 self._probe = BatchSizeProbe(driver.engine)
+            if self.settings.stats is not None:
+                spark_metrics.watch(driver)
         return self._rows
+
+    def finish(self) -> None:
+        """The task's end: its engine's samples go to the job's accumulator, if it keeps one."""
+        if self.settings.stats is not None and self._rows is not None:
+            self.settings.stats.add(spark_metrics.drain(self._rows.driver))
 
     def submit(self, rows: list[dict[str, Any]], keys: list[Any]) -> list[Future]:
         """One Future per row (a row error is a finished Future holding it); `keys` seed

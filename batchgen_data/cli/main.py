@@ -1,0 +1,164 @@
+"""`batchgen-data run INPUT -o OUTPUT`: a batch job from the shell.
+
+    batchgen-data run requests.jsonl -o results.jsonl                  # OpenAI Batch in and out
+    batchgen-data run prompts.parquet -o out.parquet --runner local    # a table in, a table out
+    batchgen-data run requests.jsonl -o results.jsonl --resume --report run.html
+
+The default runner is Ray (a local Ray, or the cluster RAY_ADDRESS names) when Ray is
+installed, else `local`. docs/cli.md describes every flag and the file formats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchgen_data.cli.inputs import ROW_KEY, InputFile, WorkItem, read_input
+from batchgen_data.cli.outcome import Outcome, Runner
+from batchgen_data.cli.outputs import BatchOutput, LineLog, TableOutput
+from batchgen_data.cli.progress import Progress
+from batchgen_data.connectors.common import OUTPUT_COLUMNS
+from batchgen_data.openai_batch_output import error_line, success_line
+from batchgen_data.report_record import RunRecord
+
+RUNNERS = ("local", "ray", "spark")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchgen-data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a batch file through the engine")
+    run.add_argument("input", help="OpenAI Batch .jsonl, or a .jsonl/.parquet/.csv table with a "
+                                   "prompt, messages or prompt_token_ids column")
+    run.add_argument("-o", "--output", required=True, help="OpenAI Batch output .jsonl (batch "
+                     "input) or .parquet/.jsonl/.csv (table input)")
+    run.add_argument("--model", default=None, help="local model directory or cached hub id "
+                     "(default: the embedded SmolLM2-135M-Instruct)")
+    run.add_argument("--runner", choices=RUNNERS, default=None,
+                     help="default: ray when installed, else local")
+    run.add_argument("--actors", type=int, default=1, help="engines (Ray actors) to run")
+    run.add_argument("--max-tokens", type=int, default=256,
+                     help="max_tokens of a request that sets none (default 256)")
+    run.add_argument("--report", default=None, help="write a self-contained HTML run report")
+    run.add_argument("--resume", action="store_true",
+                     help="skip requests already in OUTPUT (after a crash or a kill)")
+    run.add_argument("--engine-kwargs", default="{}", type=json.loads,
+                     help='engine arguments as JSON, vLLM names accepted: \'{"max_num_seqs": 64}\'')
+    run.add_argument("--progress-interval", type=float, default=None,
+                     help="seconds between progress lines when stderr is not a terminal")
+    return parser
+
+
+def default_runner() -> str:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "local"
+    return "ray"
+
+
+def make_runner(args: argparse.Namespace, record: RunRecord) -> Runner:
+    defaults = {"max_tokens": args.max_tokens}
+    if args.runner == "local":
+        from batchgen_data.cli.runner_local import LocalRunner
+
+        return LocalRunner(args.model, dict(args.engine_kwargs), defaults, record)
+    if args.runner == "ray":
+        from batchgen_data.cli.runner_ray import RayRunner
+
+        return RayRunner(args.model, dict(args.engine_kwargs), defaults, record, args.actors)
+    from batchgen_data.cli.runner_spark import SparkRunner
+
+    return SparkRunner(args.model, dict(args.engine_kwargs), defaults, record, args.actors)
+
+
+class Job:
+    """One run of the command: reads, skips what is done, runs the rest, writes as it goes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.input: InputFile = read_input(args.input, args.max_tokens)
+        out = Path(args.output)
+        self.output: LineLog = (BatchOutput(out, args.resume) if self.input.is_batch
+                                else TableOutput(out, args.resume))
+        self.todo = [i for i in self.input.items if i.key not in self.output.done]
+        self.record = RunRecord(title=f"batchgen-data run {Path(args.input).name}")
+        self.progress = Progress(self.input.total, self.input.total - len(self.todo),
+                                 interval_s=args.progress_interval)
+        self.runner: Runner | None = None
+        self.model_name = args.model or "SmolLM2-135M-Instruct"
+
+    def run(self) -> int:
+        failed = [i for i in self.todo if i.error is not None]
+        runnable = [i for i in self.todo if i.error is None]
+        for item in failed:  # bad input lines: answered at once, nothing to run
+            self.emit(Outcome(item, error=item.error, error_code=item.error_code))
+        if runnable:
+            self.runner = make_runner(self.args, self.record)
+            self.runner.run(runnable, self.emit)
+        self.record.end = time.time()
+        if isinstance(self.output, TableOutput):
+            self.output.finish()
+        else:
+            self.output.close()
+        self.progress.close()
+        if self.args.report:
+            from batchgen_data.report_html import write_html
+
+            write_html(self.record, self.args.report)
+        sys.stderr.write(f"[batchgen] done: {len(runnable)} run, {len(failed)} bad input, "
+                         f"{self.input.total - len(self.todo)} already in {self.args.output}\n")
+        return 0
+
+    def emit(self, o: Outcome) -> None:
+        self.output.write(self._line(o))
+        self.progress.update(o.error is not None, o.generated_tokens)
+        # the kind of an error, for the report, without the input line it happened on
+        kind = None if o.error is None else re.sub(r"^line \d+: ", "", o.error)
+        self.record.add_finished(o.actor, o.generated_tokens, kind)
+
+    def _line(self, o: Outcome) -> dict[str, Any]:
+        item = o.item
+        if item.request is None:
+            return self._table_row(item, o)
+        custom_id = item.request.custom_id
+        if o.error is not None:
+            return error_line(custom_id, o.error_code or "invalid_request", o.error)
+        token_text = self.runner.token_text if self.runner is not None else None
+        return success_line(custom_id or item.key, item.request.is_chat,
+                            item.request.model or self.model_name, o.choices, o.prompt_tokens,
+                            token_text)
+
+    @staticmethod
+    def _table_row(item: WorkItem, o: Outcome) -> dict[str, Any]:
+        row = {k: v for k, v in item.row.items() if k not in OUTPUT_COLUMNS}
+        c = o.choices[0] if o.choices else None
+        row.update(generated_text=c.text if c else "",
+                   generated_token_ids=list(c.token_ids) if c else [],
+                   num_prompt_tokens=o.prompt_tokens if c else 0,
+                   num_generated_tokens=len(c.token_ids) if c else 0,
+                   finish_reason=c.finish_reason if c else None, error=o.error)
+        row[ROW_KEY] = item.extra[ROW_KEY]
+        return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.runner is None:
+        args.runner = default_runner()
+    if args.actors < 1:
+        raise SystemExit(f"--actors={args.actors}: must be >= 1")
+    try:
+        job = Job(args)
+    except (FileNotFoundError, ValueError) as e:
+        sys.stderr.write(f"batchgen-data: {e}\n")
+        return 2
+    return job.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""`--runner local`: one engine in this process, results streamed as they finish.
+
+Requests are built exactly as the Python API builds them, so the same seed gives the same
+text: a chat request is `LLM.chat`'s rendering, a `/v1/completions` prompt is `LLM.generate`'s
+(sent as written), and a table row goes through the connectors' `RequestBuilder`. An unseeded
+sampled request is seeded from its prompt tokens, as the connectors seed one, so the local and
+the Ray runner agree. `n > 1` and logprobs come back in full here.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from batchgen_data.cli.inputs import WorkItem
+from batchgen_data.cli.outcome import Emit, Outcome
+from batchgen_data.connectors.common import RequestBuilder, RowError, encode_prompt, seeded
+from batchgen_data.openai_batch_output import Choice
+from batchgen_data.report_record import EngineSampler, RunRecord
+from batchgen_data.sampling_params import SamplingParams
+
+ACTOR = "local"
+
+
+class LocalRunner:
+    def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
+                 default_params: dict[str, Any] | None = None, record: RunRecord | None = None,
+                 max_in_flight: int | None = None) -> None:
+        from batchgen_data.engine.driver import EngineDriver  # torch: only when a run starts
+        from batchgen_data.engine.engine import Engine
+
+        self.record = record if record is not None else RunRecord()
+        self.engine = Engine.from_kwargs(model, **engine_kwargs)
+        self.driver = EngineDriver(self.engine)
+        self.driver.step_hooks.append(EngineSampler(self.record, ACTOR))
+        self.builder = RequestBuilder.from_engine(self.engine, default_params)
+        # rows in the engine at once: enough to keep its batch full, few enough that a huge
+        # input is read as it goes rather than queued whole
+        self.max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
+        self.submitted = 0  # requests handed to the engine (tests count them)
+        self._ids = 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def run(self, items: Iterable[WorkItem], emit: Emit) -> None:
+        pending: dict[Future, WorkItem] = {}
+        source: Iterator[WorkItem] = iter(items)
+        exhausted = False
+        try:
+            while pending or not exhausted:
+                while not exhausted and len(pending) < self.max_in_flight:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    fut = self._submit(item, emit)
+                    if fut is not None:
+                        pending[fut] = item
+                if pending:
+                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        emit(self._outcome(pending.pop(fut), fut))
+        finally:
+            self.driver.shutdown()
+
+    def _submit(self, item: WorkItem, emit: Emit) -> Future | None:
+        try:
+            ids, params, text = self._request(item)
+            self._ids += 1
+            fut = self.driver.submit(ids, params, request_id=f"cli-{self._ids}", prompt=text)
+        except (RowError, ValueError, TypeError) as e:
+            emit(Outcome(item, error=_message(item, e), error_code="invalid_request", actor=ACTOR))
+            return None
+        self.submitted += 1
+        return fut
+
+    def _request(self, item: WorkItem) -> tuple[list[int], SamplingParams, str | None]:
+        if item.request is None:  # a table row: the connectors' own rules
+            req = self.builder.build(item.row)
+            return req.prompt_token_ids, seeded(req.params, self.engine.config.seed,
+                                                req.prompt_token_ids), req.prompt
+        row = item.row
+        column = next(c for c in ("messages", "prompt_token_ids", "prompt") if c in row)
+        ids, text = encode_prompt(row[column], self.engine.tokenizer, column, as_chat=False)
+        params = SamplingParams.from_dict(dict(row["sampling_params"]))
+        self.engine.check_request(ids, params)
+        return ids, seeded(params, self.engine.config.seed, ids), text
+
+    def _outcome(self, item: WorkItem, fut: Future) -> Outcome:
+        exc = fut.exception()
+        if exc is not None:
+            return Outcome(item, error=_message(item, exc), error_code="generation_failed",
+                           actor=ACTOR)
+        out = fut.result()
+        num_top = int(item.row.get("sampling_params", {}).get("logprobs") or 0) \
+            if isinstance(item.row.get("sampling_params"), dict) else 0
+        choices = [Choice(c.text, list(c.token_ids), c.finish_reason, c.logprobs, num_top)
+                   for c in out.outputs]
+        return Outcome(item, choices, len(out.prompt_token_ids), actor=ACTOR)
+
+
+def _message(item: WorkItem, exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    line = item.request.line if item.request is not None else None
+    return f"line {line}: {text}" if line is not None else text

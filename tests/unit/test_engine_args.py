@@ -1,0 +1,44 @@
+"""vLLM engine arguments: mapped, accepted as what the engine always does, or refused."""
+from __future__ import annotations
+
+import pytest
+
+from batchgen_data.config import make_engine_config
+
+
+def test_ray_quickstart_engine_kwargs_work() -> None:
+    cfg = make_engine_config(None, enable_chunked_prefill=True, max_num_batched_tokens=4096,
+                             max_model_len=16384)
+    assert cfg.scheduler.max_num_batched_tokens == 4096 and cfg.max_model_len == 16384
+
+
+def test_mapped_arguments() -> None:
+    cfg = make_engine_config(None, swap_space=2, num_gpu_blocks_override=64)
+    assert cfg.cache.host_kv_cache_bytes == 2 << 30 and cfg.cache.num_kv_blocks == 64
+    with pytest.raises(TypeError, match="same setting"):
+        make_engine_config(None, swap_space=1, host_kv_cache_bytes=5)
+
+
+def test_no_ops_are_accepted() -> None:
+    cfg = make_engine_config(None, tensor_parallel_size=1, disable_log_stats=True,
+                             tokenizer_mode="auto", kv_cache_dtype="auto", quantization=None,
+                             enforce_eager=True, gpu_memory_utilization=0.5)
+    assert cfg.enforce_eager and cfg.cache.gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"tensor_parallel_size": 2}, "more engines"),
+    ({"pipeline_parallel_size": 4}, "one device"),
+    ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
+    ({"quantization": "awq"}, "quantized"),
+    ({"enable_lora": True}, "LoRA"),
+    ({"revision": "main"}, "nothing is downloaded"),
+])
+def test_refused_values_say_why(kw: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        make_engine_config(None, **kw)
+
+
+def test_unknown_names_still_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="unknown engine argument.*tensor_parallel_size"):
+        make_engine_config(None, tensor_paralel_size=1)

@@ -56,6 +56,7 @@ def _scan_kernel(counts_ptr, expert_ids_ptr, total_ptr, num_chunks, num_experts,
     padded = (running + block_size - 1) // block_size * block_size  # [BLOCK_E]
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    tl.debug_barrier()  # the offsets stored above are read back, maybe by other threads
     for c in range(num_chunks):
         row = counts_ptr + c * num_experts + experts
         tl.store(row, tl.load(row, mask=emask, other=0) + starts, mask=emask)

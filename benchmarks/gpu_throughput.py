@@ -15,7 +15,8 @@
 6. MoE (when the engine has Qwen3-MoE; skipped with a record saying so otherwise): a random
    bf16 model with Qwen3-30B-A3B's layer shape (`--moe-layers` of its 48 layers), the bf16
    top-5 check, then ours vs HF static and continuous batching on 256 requests of U[100, 1024]
-   in and out, with tokens/s and tokens per expert per step for each system.
+   in and out, with tokens/s and tokens per expert per step for each system; and the fused
+   MoE kernel alone against the per-expert torch loop (benchmarks/moe_kernel_bench.py).
 
 Prints a table and JSON lines; writes everything to $OUT/gpu_throughput.json when OUT is set.
 Needs only torch, triton, transformers and this project (no ray, no pyspark).
@@ -263,6 +264,13 @@ def moe_case(report: Report, p: Profile, args: argparse.Namespace) -> bool:
         attempt(report, {"bench": "moe_throughput", "system": "ours"}, run_engine, report, p,
                 model_dir, requests, False, bench="moe_throughput")
         free_device(device)
+        if device.type == "cuda":  # the kernel alone, one layer's shape, 1-8192 tokens
+            import moe_kernel_bench
+
+            for row in attempt(report, {"bench": "fused_moe"}, moe_kernel_bench.measure,
+                               moe_kernel_bench.parse_args([])) or []:
+                report.add(row)
+            free_device(device)
     hf_baselines(report, "moe_throughput", p, model_dir, requests, systems, deadline, None)
     shutil.rmtree(model_dir, ignore_errors=True)
     return check is not None and check["top5_ok"]

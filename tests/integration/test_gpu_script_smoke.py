@@ -60,3 +60,17 @@ def _check_moe_case(records: list[dict]) -> None:
     for r in runs.values():
         assert "error" not in r and r["finished"] == "4/4", r
         assert r["tokens_per_expert"]["mean"] > 0, r
+
+
+def test_moe_kernel_bench_quick() -> None:
+    # the fused-MoE kernel benchmark on tiny shapes through the Triton interpreter
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/moe_kernel_bench.py", "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["tokens"] for r in rows] == [3, 40]
+    assert all(r["max_abs_err"] < 1e-4 and r["ours_ms"] > 0 for r in rows), rows

@@ -112,21 +112,29 @@ class Sampler:
 
     @staticmethod
     def _penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
+        """Repetition, frequency and presence penalties, in place, touching only the tokens a
+        row has seen: [N, L] work for L prompt + output ids, no [N, V] count or mask."""
         if b.output_ids is None:
             return
-        n, vocab = logits.shape
-        counts = torch.zeros(n, vocab + 1, device=logits.device)
-        counts.scatter_add_(1, b.output_ids, torch.ones_like(b.output_ids, dtype=counts.dtype))
-        counts = counts[:, :vocab]
+        vocab = logits.shape[1]
+        ids = b.output_ids if b.prompt_ids is None else torch.cat([b.output_ids, b.prompt_ids], 1)
+        tok = ids.sort(-1).values  # [N, L] padding (= vocab) last
+        # padding re-writes the row's smallest id with the very value computed for it; a row
+        # with no ids at all writes column 0 back unchanged
+        tok = torch.where(tok < vocab, tok, tok[:, :1])
+        empty = tok >= vocab
+        tok = tok.masked_fill(empty, 0)
+        val = logits.gather(1, tok)  # [N, L]
+        new = val
         if b.prompt_ids is not None:
-            seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
-            seen.scatter_(1, b.prompt_ids, True)
-            seen = seen[:, :vocab] | (counts > 0)
             rep = b.repetition
-            penalised = torch.where(logits > 0, logits / rep, logits * rep)
-            logits.copy_(torch.where(seen, penalised, logits))
+            new = torch.where(val > 0, val / rep, val * rep)
         if b.use_freq_presence:
-            logits -= b.frequency * counts + b.presence * (counts > 0).float()
+            out = b.output_ids.sort(-1).values  # [N, Lo]
+            counts = (torch.searchsorted(out, tok, right=True)
+                      - torch.searchsorted(out, tok)).float()  # output occurrences of each id
+            new = new - (b.frequency * counts + b.presence * (counts > 0).float())
+        logits.scatter_(1, tok, torch.where(empty, val, new))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, chosen: torch.Tensor, want: list[int | None]

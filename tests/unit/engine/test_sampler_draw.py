@@ -142,3 +142,49 @@ def test_peak_memory_on_a_128k_vocabulary(kind: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     grew = int(proc.stdout.split()[-1])
     assert grew < rows * vocab * 8 // 2, f"peak grew by {grew / 2**20:.1f} MiB"
+
+
+def _old_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The previous [N, V] penalty path, as the oracle."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, s in enumerate(seqs):
+        p = s.params
+        counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].float()
+        seen = counts > 0
+        seen[torch.tensor(s.prompt_token_ids, dtype=torch.long)] = True
+        row = out[i]
+        if any(q.repetition_penalty != 1 for q in (x.params for x in seqs)):
+            rep = p.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / rep, row * rep), row))
+        if any(q.frequency_penalty or q.presence_penalty for q in (x.params for x in seqs)):
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=0)],
+    [SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
+     SamplingParams(temperature=0, presence_penalty=-0.5)],
+    [SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=0.3),
+     SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0),
+     SamplingParams(temperature=0)],
+])
+def test_penalties_touch_only_seen_tokens_as_before(params: list[SamplingParams]) -> None:
+    vocab = 50
+    seqs = _seqs(params)
+    for i, s in enumerate(seqs):  # repeats, prompt/output overlap, and a row with no output
+        s.token_ids.extend([[7, 7, 3, 9, 7, 1], [2, 40, 40], []][i % 3])
+    logits = torch.randn(len(seqs), vocab) * 3
+    seen_logits: list[torch.Tensor] = []
+    real_argmax = torch.Tensor.argmax
+
+    def spy(self: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        seen_logits.append(self.clone())
+        return real_argmax(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "argmax", spy)
+        Sampler(set())(logits, seqs)
+    assert torch.equal(seen_logits[0], _old_penalties(logits, seqs))

@@ -3,11 +3,22 @@
 Offline (`LLM`), "auto" means any GPU this process can see. Under a cluster scheduler (a Ray
 actor, a Spark task) "auto" means the GPU the scheduler assigned, and the CPU when it assigned
 none, so that concurrent workers never share one GPU unasked (each engine sizes its KV cache to
-the whole device). torch is imported only to ask whether CUDA is available.
+the whole device).
+
+Torch ops follow their tensors' device, but Triton launches, CUDA graph capture and the
+default stream follow the *current* device, which stays cuda:0 unless someone changes it. An
+engine on cuda:1 (a Spark task given GPU 1 with CUDA_VISIBLE_DEVICES unset, or two engines in
+one process) therefore resolves its device to an index once (`resolve_device`) and enters it
+(`device_scope`) around its forwards and graph captures. torch is imported lazily.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, ContextManager
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cuda_is_available() -> bool:
@@ -44,3 +55,27 @@ def pick_device(requested: str = "auto", assigned_gpus: Sequence[str | int] | No
         return f"cuda:{int(addr)}" if addr.isdigit() else "cuda:0"
     # no assignment, but the cluster manager limited this worker to some GPUs: they are ours
     return "cuda:0" if visible else "cpu"
+
+
+def resolve_device(name: str) -> torch.device:
+    """The engine's device with its index: "cuda" becomes the current CUDA device, and a CUDA
+    index this process cannot see is a ValueError (not a crash at the first launch)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < count:
+        raise ValueError(f"device={name!r}: this process sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def device_scope(device: torch.device) -> ContextManager[object]:
+    """Make `device` current for Triton launches, graph capture and streams (CUDA), or nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)

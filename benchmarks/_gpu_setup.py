@@ -1,5 +1,6 @@
-"""Set-up for the GPU benchmark: run profiles, the random Qwen2.5-0.5B-shaped model, and the
-correctness check against HF that runs before anything is timed."""
+"""Set-up for the GPU benchmark: run profiles, the random Qwen2.5-0.5B-shaped model (and the
+Qwen3-30B-A3B-shaped MoE one), and the correctness check against HF that runs before anything
+is timed."""
 from __future__ import annotations
 
 import gc
@@ -21,7 +22,7 @@ class Profile:
     output_len: tuple[int, int]
     hf_time_limit: float
     budget_s: float  # HF baselines are skipped or shortened to end the run by then
-    model: dict[str, int]  # Qwen2Config sizes
+    model: dict[str, Any]  # config sizes (Qwen2Config, or Qwen3MoeConfig when arch="qwen3_moe")
     engine_kwargs: dict[str, Any]
     check_prompt_lens: tuple[int, ...]
     check_tokens: int
@@ -30,6 +31,7 @@ class Profile:
     # the simulator's cost-model fit: runs (prompt, sequences, output tokens), preset name,
     # transfer rates (not measured: spec figures) and the engine shape vLLM picks by default
     sim_calibration: dict[str, Any] = field(default_factory=dict)
+    arch: str = "qwen2"  # "qwen2" or "qwen3_moe"
 
     @classmethod
     def h200(cls) -> "Profile":
@@ -47,7 +49,8 @@ class Profile:
                    name="h200-qwen0.5b-measured",
                    transfer=dict(pcie_bytes_per_s=50e9, link_bytes_per_s=25e9),
                    shape=dict(max_num_seqs=1024, max_num_batched_tokens=16384))
-        return cls("cuda", "bfloat16", 4, 256, (100, 1024), (100, 1024), 60.0, 270.0,
+        # 250 s here and 160 s for the MoE case keep run_gpu.sh under its 450 s timeout
+        return cls("cuda", "bfloat16", 4, 256, (100, 1024), (100, 1024), 60.0, 250.0,
                    qwen25_05b, engine, (40, 300, 900), 24, check_kv_bytes=1 << 30,
                    sim_calibration=sim)
 
@@ -65,6 +68,31 @@ class Profile:
         return cls("cpu", "float32", 1, 6, (5, 24), (3, 10), 20.0, 50.0, tiny, engine,
                    (7, 20), 6, cb_config={"num_blocks": 16, "page_size": 64},
                    sim_calibration=sim)
+
+    @classmethod
+    def h200_moe(cls, layers: int = 8) -> "Profile":
+        """Qwen3-30B-A3B's layer shape (128 experts, top-8, expert width 768) with `layers` of
+        its 48 layers: all 48 are 61 GB in bf16, which would not fit this machine's disk (the
+        script saves the model for the engine to load) next to HF's copy on the GPU."""
+        qwen3_30b_a3b = dict(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                             norm_topk_prob=True, vocab_size=151936, max_position_embeddings=4096)
+        engine = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
+                      kv_cache_memory_bytes=8 << 30)
+        return cls("cuda", "bfloat16", 4, 256, (100, 1024), (100, 1024), 25.0, 160.0,
+                   qwen3_30b_a3b, engine, (40, 300), 16, check_kv_bytes=1 << 30,
+                   arch="qwen3_moe")
+
+    @classmethod
+    def quick_moe(cls) -> "Profile":
+        tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                    norm_topk_prob=True, vocab_size=512, max_position_embeddings=256)
+        engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+        return cls("cpu", "float32", 1, 4, (5, 16), (3, 8), 15.0, 40.0, tiny, engine, (7,), 4,
+                   cb_config={"num_blocks": 16, "page_size": 64}, arch="qwen3_moe")
 
     @property
     def vocab(self) -> int:
@@ -94,18 +122,24 @@ def _save_word_tokenizer(path: Path, vocab: int) -> None:
 
 
 def build_model_dir(path: Path, p: Profile, device: torch.device) -> Path:
-    """Random Qwen2 weights (seed 0) in the benchmark dtype, tied embeddings, q/k/v bias, rope
-    theta 1e6, and no EOS token, so every system generates exactly max_tokens."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Random weights (seed 0) in the benchmark dtype, rope theta 1e6, and no EOS token, so
+    every system generates exactly max_tokens. Qwen2: tied embeddings, q/k/v bias; Qwen3-MoE:
+    untied, as Qwen3-30B-A3B."""
+    import transformers
 
-    cfg = Qwen2Config(**p.model, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                      use_sliding_window=False, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=0)
+    common = dict(rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if p.arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**p.model, tie_word_embeddings=False, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(**p.model, tie_word_embeddings=True,
+                                       use_sliding_window=False, **common)
+        cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
-    model.to(getattr(torch, p.dtype)).save_pretrained(str(path))
+        model = cls(cfg).to(getattr(torch, p.dtype))
+    model.save_pretrained(str(path))
     _save_word_tokenizer(path, p.vocab)
     del model
     return path
@@ -119,7 +153,7 @@ def load_hf(path: Path, dtype: str, device: torch.device) -> Any:
     return model.to(device).eval()
 
 
-def _free(device: torch.device) -> None:
+def free_device(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -156,7 +190,7 @@ def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device) -
         total += len(toks)
         exact += ref.tolist() == toks
     del hf
-    _free(device)
+    free_device(device)
     return {"bench": "check", "dtype": dtype, "exact_greedy_match": f"{exact}/{len(prompts)}",
             "top5_positions": f"{in_top5}/{total}", "top5_ok": in_top5 == total,
             "cuda_graph_sizes": graphs.sizes if graphs is not None else None}

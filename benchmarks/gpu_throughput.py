@@ -12,21 +12,26 @@
    up to 2k tokens, decode batches of 1-256 sequences at 128 and 1024 tokens of context) and
    writes the fitted preset to $OUT/sim_preset_<device>.json, for
    `python -m batchgen_data.sim --preset that.json` on any machine.
+6. MoE (when the engine has Qwen3-MoE; skipped with a record saying so otherwise): a random
+   bf16 model with Qwen3-30B-A3B's layer shape (`--moe-layers` of its 48 layers), the bf16
+   top-5 check, then ours vs HF static and continuous batching on 256 requests of U[100, 1024]
+   in and out, with tokens/s and tokens per expert per step for each system; and the fused
+   MoE kernel alone against the per-expert torch loop (benchmarks/moe_kernel_bench.py).
 
 Prints a table and JSON lines; writes everything to $OUT/gpu_throughput.json when OUT is set.
 Needs only torch, triton, transformers and this project (no ray, no pyspark).
 
-    PYTHONPATH=. python benchmarks/gpu_throughput.py          # the H200 run, < 5 minutes
+    PYTHONPATH=. python benchmarks/gpu_throughput.py          # the H200 run, < 7.5 minutes
     PYTHONPATH=. python benchmarks/gpu_throughput.py --quick  # CPU smoke run of the same steps
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -40,11 +45,17 @@ import torch
 from batchgen_data import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_setup import Profile, build_model_dir, check_against_hf, load_hf  # noqa: E402
+from _gpu_moe import HFExpertCounter, expert_load_mark, expert_load_since, moe_available  # noqa: E402
+from _gpu_report import Report  # noqa: E402
+from _gpu_setup import (  # noqa: E402
+    Profile,
+    build_model_dir,
+    check_against_hf,
+    free_device,
+    load_hf,
+)
 from _hf_baselines import Outcome, Request, hf_continuous, hf_static  # noqa: E402
 
-COLUMNS = ["system", "finished", "output_tokens", "wall_s", "tok_s", "tok_s_finished",
-           "vs_hf_static", "vs_hf_cb", "error"]
 
 
 def make_requests(p: Profile, vocab: int, seed: int) -> list[Request]:
@@ -70,14 +81,18 @@ def run_ours(llm: Any, requests: list[Request]) -> Outcome:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
               for r in requests]
-    steps0 = llm.engine.stats.num_steps
+    stats = llm.engine.stats
+    steps0, load0 = stats.num_steps, expert_load_mark(stats)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     runner = llm.engine.runner
-    return Outcome([list(o.outputs[0].token_ids) for o in outs], wall, {
-        "engine_steps": llm.engine.stats.num_steps - steps0,
-        "cuda_graph_sizes": runner.graphs.sizes if runner.graphs is not None else None})
+    extra = {"engine_steps": stats.num_steps - steps0,
+             "cuda_graph_sizes": runner.graphs.sizes if runner.graphs is not None else None}
+    load = expert_load_since(stats, load0)
+    if load is not None:
+        extra["tokens_per_expert"] = load
+    return Outcome([list(o.outputs[0].token_ids) for o in outs], wall, extra)
 
 
 def kernel_bandwidth(p: Profile) -> list[dict[str, Any]]:
@@ -102,49 +117,15 @@ def environment(device: torch.device) -> dict[str, Any]:
             "ray_or_pyspark_imported": sorted(m for m in ("ray", "pyspark") if m in sys.modules)}
 
 
-class Report:
-    """Collects records; rewrites $OUT/gpu_throughput.json after each phase, so a run cut
-    short by a timeout still leaves what it measured."""
-
-    def __init__(self) -> None:
-        out = os.environ.get("OUT")
-        self.path = Path(out) / "gpu_throughput.json" if out else None
-        self.records: list[dict[str, Any]] = []
-
-    def add(self, rec: dict[str, Any]) -> None:
-        self.records.append(rec)
-        print(json.dumps(rec), file=sys.stderr, flush=True)
-        self.save()
-
-    def save(self) -> None:
-        if self.path is not None:
-            self.path.write_text(json.dumps(self.records, indent=1))
-
-    def table(self) -> None:
-        rows = [r for r in self.records if r.get("bench") == "throughput"]
-        base = {r["system"]: r.get("tok_s_finished") for r in rows}
-        for r in rows:
-            for b in ("hf_static", "hf_cb"):
-                ok = base.get(b) and "tok_s" in r
-                r[f"vs_{b}"] = round(r["tok_s"] / base[b], 2) if ok else None
-        self.save()
-        cells = [[str(r.get(c, "-"))[:60] for c in COLUMNS] for r in rows]
-        widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(COLUMNS)]
-        print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
-        for x in cells:
-            print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
-        print("HF runs are time-boxed: tok_s_finished counts only requests that finished; "
-              "vs_* divide our tok_s by the baseline's tok_s_finished.")
-        for r in self.records:
-            print(json.dumps(r))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few requests")
     ap.add_argument("--hf-time-limit", type=float, default=None, help="seconds per HF baseline")
-    ap.add_argument("--systems", default="ours,sim,hf_static,hf_cb",
-                    help="sim: fit the cluster simulator's cost model on this device")
+    ap.add_argument("--systems", default="ours,sim,hf_static,hf_cb,moe",
+                    help="sim: fit the cluster simulator's cost model on this device; "
+                         "moe: the Qwen3-MoE case (ours and the listed HF systems)")
+    ap.add_argument("--moe-layers", type=int, default=8,
+                    help="layers of the Qwen3-30B-A3B-shaped model (of 48)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -166,12 +147,13 @@ def attempt(report: Report, what: dict[str, Any], fn: Any, *args: Any, **kw: Any
 
 
 def run_engine(report: Report, p: Profile, model_dir: Path, requests: list[Request],
-               eager: bool) -> bool:
+               eager: bool, bench: str = "throughput") -> bool:
     llm = LLM(str(model_dir), device=p.device, dtype=p.dtype, enforce_eager=eager,
               **p.engine_kwargs)
     for w in warmup_requests(requests):  # one prompt per step: each prefill tile compiles
         run_ours(llm, [w])
-    report.add(record("ours" + ("_eager" if eager else ""), requests, run_ours(llm, requests)))
+    rec = record("ours" + ("_eager" if eager else ""), requests, run_ours(llm, requests))
+    report.add({**rec, "bench": bench})
     del llm
     gc.collect()
     return True
@@ -194,53 +176,116 @@ def sim_calibration(p: Profile, model_dir: Path) -> dict[str, Any]:
             **diag}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    p = Profile.quick() if args.quick else Profile.h200()
+def hf_baselines(report: Report, bench: str, p: Profile, model_dir: Path,
+                 requests: list[Request], systems: list[str], deadline: float,
+                 time_limit: float | None) -> None:
+    """HF static `generate` and continuous batching, each time-boxed to end by `deadline`;
+    MoE records also get HF's tokens per expert per step."""
+    names = [n for n in ("hf_static", "hf_cb") if n in systems]
+    if not names:
+        return
+    device = torch.device(p.device)
+    hf = load_hf(model_dir, p.dtype, device)
+    for name in names:
+        fn = hf_static if name == "hf_static" else hf_continuous
+        what = {"bench": bench, "system": name}
+        if deadline - time.monotonic() < 20:
+            report.add({**what, "error": "skipped: time budget spent"})
+            continue
+        kw = {"cb_config": p.cb_config} if name == "hf_cb" else {}
+        if attempt(report, what, fn, hf, warmup_requests(requests), 600, **kw) is None:
+            continue
+        counter = HFExpertCounter(p.model["num_experts_per_tok"]).attach(hf) \
+            if p.arch == "qwen3_moe" else None
+        limit = min(time_limit or p.hf_time_limit, deadline - time.monotonic() - 10)
+        out = attempt(report, what, fn, hf, requests, max(limit, 5.0), **kw)
+        if counter is not None:
+            counter.detach()
+            if out is not None:
+                out.extra["tokens_per_expert"] = counter.summary()
+        if out is not None:
+            report.add({**record(name, requests, out), "bench": bench})
+    del hf
+    free_device(device)
+
+
+def dense_case(report: Report, p: Profile, args: argparse.Namespace) -> bool:
+    """Checks (fp32 greedy, bf16 top-5), then throughput, bandwidth, simulator fit and HF."""
     deadline = time.monotonic() + p.budget_s
     device = torch.device(p.device)
-    torch.set_num_threads(p.threads)
-    report = Report()
-    report.add(environment(device))  # after every import the engine needs
     model_dir = build_model_dir(Path(tempfile.mkdtemp(prefix="gpu_bench_")), p, device)
     requests = make_requests(p, p.vocab, args.seed)
-
     checks = [attempt(report, {"bench": "check", "dtype": dtype}, check_against_hf,
                       model_dir, p, dtype, device) for dtype in dict.fromkeys(["float32", p.dtype])]
     for c in checks:
         if c is not None:
             report.add(c)
-    ok = all(c is not None and c["top5_ok"] for c in checks)
     systems = args.systems.split(",")
     if "ours" in systems:
         what = {"bench": "throughput", "system": "ours"}
         if attempt(report, what, run_engine, report, p, model_dir, requests, False) is None \
                 and device.type == "cuda":  # no number at all is the worst outcome
             attempt(report, what, run_engine, report, p, model_dir, requests, True)
+        free_device(device)
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             for row in attempt(report, {"bench": "decode_attention"}, kernel_bandwidth, p) or []:
                 report.add(row)
         if "sim" in systems:
             rec = attempt(report, {"bench": "sim_calibration"}, sim_calibration, p, model_dir)
             if rec is not None:
                 report.add(rec)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    hf = load_hf(model_dir, p.dtype, device) if {"hf_static", "hf_cb"} & set(systems) else None
-    for name, fn in (("hf_static", hf_static), ("hf_cb", hf_continuous)):
-        what = {"bench": "throughput", "system": name}
-        if name not in systems or deadline - time.monotonic() < 20:
-            if name in systems:
-                report.add({**what, "error": "skipped: time budget spent"})
-            continue
-        kw = {"cb_config": p.cb_config} if name == "hf_cb" else {}
-        if attempt(report, what, fn, hf, warmup_requests(requests), 600, **kw) is None:
-            continue
-        limit = min(args.hf_time_limit or p.hf_time_limit, deadline - time.monotonic() - 10)
-        out = attempt(report, what, fn, hf, requests, max(limit, 5.0), **kw)
-        if out is not None:
-            report.add(record(name, requests, out))
+            free_device(device)
+    hf_baselines(report, "throughput", p, model_dir, requests, systems, deadline,
+                 args.hf_time_limit)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return all(c is not None and c["top5_ok"] for c in checks)
+
+
+def moe_case(report: Report, p: Profile, args: argparse.Namespace) -> bool:
+    """The Qwen3-MoE case: bf16 top-5 check, then ours vs HF with tokens per expert. True
+    when it passed or was skipped (a record says why)."""
+    if not moe_available():
+        report.add({"bench": "moe_check", "skipped": "batchgen_data.models has no qwen3_moe"})
+        return True
+    deadline = time.monotonic() + p.budget_s
+    device = torch.device(p.device)
+    model_dir = attempt(report, {"bench": "moe_check"}, build_model_dir,
+                        Path(tempfile.mkdtemp(prefix="gpu_bench_moe_")), p, device)
+    if model_dir is None:
+        return False
+    free_device(device)
+    check = attempt(report, {"bench": "moe_check", "dtype": p.dtype}, check_against_hf,
+                    model_dir, p, p.dtype, device)
+    if check is not None:
+        report.add({**check, "bench": "moe_check"})
+    requests = make_requests(p, p.vocab, args.seed)
+    systems = args.systems.split(",")
+    if "ours" in systems:
+        attempt(report, {"bench": "moe_throughput", "system": "ours"}, run_engine, report, p,
+                model_dir, requests, False, bench="moe_throughput")
+        free_device(device)
+        if device.type == "cuda":  # the kernel alone, one layer's shape, 1-8192 tokens
+            import moe_kernel_bench
+
+            for row in attempt(report, {"bench": "fused_moe"}, moe_kernel_bench.measure,
+                               moe_kernel_bench.parse_args([])) or []:
+                report.add(row)
+            free_device(device)
+    hf_baselines(report, "moe_throughput", p, model_dir, requests, systems, deadline, None)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return check is not None and check["top5_ok"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    p = Profile.quick() if args.quick else Profile.h200()
+    torch.set_num_threads(p.threads)
+    report = Report()
+    report.add(environment(torch.device(p.device)))  # after every import the engine needs
+    ok = dense_case(report, p, args)
+    if "moe" in args.systems.split(","):
+        moe = Profile.quick_moe() if args.quick else Profile.h200_moe(args.moe_layers)
+        ok = moe_case(report, moe, args) and ok
     report.add({"bench": "imports", "ray_or_pyspark_imported":
                 sorted(m for m in ("ray", "pyspark") if m in sys.modules)})
     report.table()

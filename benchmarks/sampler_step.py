@@ -2,8 +2,8 @@
 
 Answers "what does a step pay for the sampling fields": the `plain` rows (greedy, nothing else
 set) are the cost every job pays; run this script on two checkouts to compare them. The other
-rows set one field on every row (logit_bias, allowed_token_ids, bad_words); a checkout without a
-field skips its rows. Logits are random, [rows, vocab] float32; no model runs.
+rows set one field on every row (logit_bias, allowed_token_ids, bad_words, random draws with top-k
+or top-p, penalties); a checkout without a field skips its rows. Logits are random, [rows, vocab] float32; no model runs.
 
     .venv/bin/python benchmarks/sampler_step.py --rows 64,256,1024 --device cpu
 """
@@ -39,15 +39,20 @@ FEATURES = {
     "logit_bias": {"logit_bias": {i: 0.5 for i in range(0, 2000, 100)}},
     "allowed_token_ids": {"allowed_token_ids": list(range(10, 30))},
     "bad_words": {"bad_words": ["no", "never", " x"]},
+    # random draws (engine/token_draw.py) and the penalties, on every row
+    "random": {"temperature": 1.0},
+    "top_k": {"temperature": 1.0, "top_k": 50},
+    "top_p": {"temperature": 1.0, "top_p": 0.9},
+    "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.2},
 }
 
 
 def time_step(rows: int, vocab: int, device: torch.device, extra: dict, repeats: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=512, **extra)
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 512, **extra})
     seqs = [Sequence(i, f"r{i}", 0, [1, 2, 3], params, seed=i, max_tokens=512,
                      token_ids=[1, 2, 3] + [5] * 40) for i in range(rows)]
     sampler = Sampler({2}, _Tokenizer()) if "bad_words" in extra else Sampler({2})
-    logits = torch.randn(rows, vocab, device=device)
+    logits = torch.randn(rows, vocab, device=device) * 5  # peaked like a language model's
     times = []
     for _ in range(repeats + 3):
         if device.type == "cuda":

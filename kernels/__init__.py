@@ -11,6 +11,8 @@ Launchers (all validate dtypes, shapes, strides and devices and raise ``ValueErr
     rms_norm, fused_add_rms_norm                       (rmsnorm.py)
     apply_rotary                                       (rotary.py)
     silu_and_mul                                       (activation.py)
+    moe_align_block_size                               (moe_align.py)
+    fused_experts                                      (fused_moe.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _LAUNCHERS = {
     "fused_add_rms_norm": "rmsnorm",
     "apply_rotary": "rotary",
     "silu_and_mul": "activation",
+    "moe_align_block_size": "moe_align",
+    "fused_experts": "fused_moe",
 }
 
 __all__ = ["triton_available", *_LAUNCHERS]

@@ -54,11 +54,17 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_device(kernel: object, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-    """All tensors on one device, and a CPU device only under the Triton interpreter."""
+    """All tensors on one device, that device current (CUDA), and a CPU device only under the
+    Triton interpreter."""
     device = tensors[0].device
     for name, t in zip(names[1:], tensors[1:]):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but {names[0]} is on {device}")
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        # Triton launches on the current device: a tensor elsewhere means the caller forgot
+        # to enter its device (batchgen_data.devices.device_scope)
+        raise ValueError(f"{names[0]} is on {device} but the current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; enter the tensor's device first")
     if device.type == "cpu":
         # The interpreter is chosen when @triton.jit runs, so ask the kernel object, not the env.
         from triton.runtime.interpreter import InterpretedFunction

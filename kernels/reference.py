@@ -133,3 +133,48 @@ def paged_prefill_attention(
         mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, N]
         out[start:end] = _attend(q[start:end], k, v, scale, mask)
     return out.to(q.dtype)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed pairs grouped by expert, each group padded to ``block_size`` with ``T * k``.
+
+    Returns ``(sorted_token_ids [P], expert_ids [ceil(P / block_size)], total [1])`` in int32,
+    ``P = numel + min(E, numel) * (block_size - 1)``; ids outside ``[0, E)`` are left out.
+    """
+    ids = topk_ids.reshape(-1).long()
+    numel = ids.numel()
+    padded_len = numel + min(num_experts, numel) * (block_size - 1)
+    sorted_ids = torch.full((padded_len,), numel, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.full((-(-padded_len // block_size),), -1, dtype=torch.int32,
+                            device=ids.device)
+    pos = 0
+    for e in range(num_experts):
+        pairs = (ids == e).nonzero().flatten()  # ascending: token order kept
+        if pairs.numel() == 0:
+            continue
+        sorted_ids[pos : pos + pairs.numel()] = pairs.int()
+        blocks = -(-pairs.numel() // block_size)
+        expert_ids[pos // block_size : pos // block_size + blocks] = e
+        pos += blocks * block_size
+    return sorted_ids, expert_ids, torch.tensor([pos], dtype=torch.int32, device=ids.device)
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: ``sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up)`` with
+    ``gate, up = w13[e] @ hidden[t]`` split in halves and ``e = topk_ids[t, j]``; one matmul
+    per expert over its pairs, in float32, the activations rounded to hidden's dtype as the
+    kernel stores them."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat = topk_ids.reshape(-1)
+    for e in range(w13.shape[0]):
+        pairs = (flat == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        tokens = pairs // top_k
+        act = silu_and_mul(hidden[tokens].float() @ w13[e].float().t()).to(hidden.dtype)
+        down = act.float() @ w2[e].float().t()  # [pairs, H]
+        out.index_add_(0, tokens, down * topk_weights.reshape(-1)[pairs, None].float())
+    return out.to(hidden.dtype)

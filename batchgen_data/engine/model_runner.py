@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen_data.devices import device_scope
 from batchgen_data.engine import prompt_logprobs
 from batchgen_data.engine.fast_paths import FastPath, build_fast_paths
 from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
@@ -149,6 +150,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] float32 for the sequences in `inp.sample_seqs`."""
+        with device_scope(self.device):  # Triton launches on the current device, not ours
+            return self._run(inp)
+
+    def _run(self, inp: ModelInput) -> torch.Tensor:
         path = next((p for p in self.fast_paths if p.applies(inp)), None)
         if path is not None:
             hidden = path.run(inp)

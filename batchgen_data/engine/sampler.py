@@ -10,7 +10,9 @@ No per-sequence Python loop touches the logits. Random sampling uses the exponen
 (argmax of log p - log E, E ~ Exp(1)), with E drawn from a counter-based hash of
 (sequence seed, output index, token id). That makes a seeded sequence's tokens independent of
 whatever else shares its batch, of the batch size, and of the engine it runs on — which is what
-lets a coroutine be exported mid-generation and continue elsewhere with identical tokens.
+lets a coroutine be exported mid-generation and continue elsewhere with identical tokens. The
+draw itself (`token_draw.py`) races over the top candidates, or over vocabulary chunks, so no
+step holds a [N, vocab] integer tensor or sorts the whole vocabulary.
 """
 from __future__ import annotations
 
@@ -22,27 +24,17 @@ import torch
 from batchgen_data.engine.bad_words import BadWords
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.sequence import Sequence
+from batchgen_data.engine.token_draw import (
+    NUCLEUS_GUESS,
+    full_race,
+    hash_uniform_at,
+    truncated_race,
+)
 from batchgen_data.sampling_params import SamplingParams
-
-_M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
-_M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
-_SEED_MIX = 0x2545F4914F6CDD1D
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
 
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 uniforms in (0, 1) from splitmix64 of (seed, step, token)."""
-    base = seeds.long() * _SEED_MIX + steps.long() * _GOLDEN  # [N]
-    z = base.unsqueeze(1) + torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return hash_uniform_at(seeds, steps, torch.arange(vocab, device=seeds.device).unsqueeze(0))
 
 
 @dataclass
@@ -70,19 +62,41 @@ class Sampler:
         want_lp = b.want_logprobs
         raw_logprobs = torch.log_softmax(logits, -1) if any(w is not None for w in want_lp) else None
 
-        logits = logits.clone()
-        self._edit(logits, b)
-        if b.ban.shape[1]:
-            logits[b.ban[0], b.ban[1]] = float("-inf")
-        self._penalties(logits, b)
+        # edits go to a copy (the caller's logits stay raw); most steps edit nothing
+        if b.allowed is not None or b.bias is not None or b.ban.shape[1] or b.output_ids is not None:
+            logits = logits.clone()
+            self._edit(logits, b)
+            if b.ban.shape[1]:
+                logits[b.ban[0], b.ban[1]] = float("-inf")
+            self._penalties(logits, b)
 
         chosen = logits.argmax(-1)
         if not b.all_greedy:
-            scaled = self._truncate(logits / b.temperature, b)
-            u = hash_uniform(b.seed, b.step, vocab)
-            sampled = (scaled - torch.log(-torch.log(u))).argmax(-1)
-            chosen = torch.where(b.greedy, chosen, sampled)
+            chosen = torch.where(b.greedy, chosen, self._draw(logits, b, seqs))
         return SamplerOutput(chosen.tolist(), self._logprobs(raw_logprobs, chosen, want_lp))
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, b: SamplingBatch, seqs: list[Sequence]) -> torch.Tensor:
+        """Sampled ids [N] (rows that are greedy get a value that the caller discards)."""
+        vocab = logits.shape[1]
+        ps = [s.params for s in seqs if not s.params.greedy]
+        cuts = [p for p in ps if 0 < p.top_k < vocab or p.top_p < 1]
+        min_p = b.min_p if b.use_min_p else None
+        sampled = None
+        if cuts:
+            without_k = any(not 0 < p.top_k < vocab for p in cuts)
+            k = max((p.top_k if 0 < p.top_k < vocab else NUCLEUS_GUESS) for p in cuts)
+            top_p = b.top_p if any(p.top_p < 1 for p in cuts) else None
+            sampled = truncated_race(logits, b.seed, b.step, b.temperature, b.top_k, top_p,
+                                     min_p, k, without_k)
+        if len(cuts) < len(ps):  # some rows sample from the whole vocabulary
+            whole = full_race(logits, b.seed, b.step, b.temperature, min_p)
+            if sampled is None:
+                return whole
+            cut = ((b.top_k < vocab) | (b.top_p < 1)).squeeze(1)
+            sampled = torch.where(cut, sampled, whole)
+        assert sampled is not None
+        return sampled
 
     @staticmethod
     def _edit(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -98,39 +112,29 @@ class Sampler:
 
     @staticmethod
     def _penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
+        """Repetition, frequency and presence penalties, in place, touching only the tokens a
+        row has seen: [N, L] work for L prompt + output ids, no [N, V] count or mask."""
         if b.output_ids is None:
             return
-        n, vocab = logits.shape
-        counts = torch.zeros(n, vocab + 1, device=logits.device)
-        counts.scatter_add_(1, b.output_ids, torch.ones_like(b.output_ids, dtype=counts.dtype))
-        counts = counts[:, :vocab]
+        vocab = logits.shape[1]
+        ids = b.output_ids if b.prompt_ids is None else torch.cat([b.output_ids, b.prompt_ids], 1)
+        tok = ids.sort(-1).values  # [N, L] padding (= vocab) last
+        # padding re-writes the row's smallest id with the very value computed for it; a row
+        # with no ids at all writes column 0 back unchanged
+        tok = torch.where(tok < vocab, tok, tok[:, :1])
+        empty = tok >= vocab
+        tok = tok.masked_fill(empty, 0)
+        val = logits.gather(1, tok)  # [N, L]
+        new = val
         if b.prompt_ids is not None:
-            seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
-            seen.scatter_(1, b.prompt_ids, True)
-            seen = seen[:, :vocab] | (counts > 0)
             rep = b.repetition
-            penalised = torch.where(logits > 0, logits / rep, logits * rep)
-            logits.copy_(torch.where(seen, penalised, logits))
+            new = torch.where(val > 0, val / rep, val * rep)
         if b.use_freq_presence:
-            logits -= b.frequency * counts + b.presence * (counts > 0).float()
-
-    @staticmethod
-    def _truncate(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        dev, vocab = logits.device, logits.shape[1]
-        if b.truncate_top:
-            srt, idx = logits.sort(-1, descending=True)
-            rank = torch.arange(vocab, device=dev).unsqueeze(0)
-            drop = rank >= b.top_k
-            probs = torch.softmax(srt.masked_fill(drop, float("-inf")), -1)
-            before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-            drop |= before >= b.top_p
-            drop[:, 0] = False
-            logits = logits.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
-        if b.use_min_p:
-            probs = torch.softmax(logits, -1)
-            floor = probs.max(-1, keepdim=True).values * b.min_p
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        return logits
+            out = b.output_ids.sort(-1).values  # [N, Lo]
+            counts = (torch.searchsorted(out, tok, right=True)
+                      - torch.searchsorted(out, tok)).float()  # output occurrences of each id
+            new = new - (b.frequency * counts + b.presence * (counts > 0).float())
+        logits.scatter_(1, tok, torch.where(empty, val, new))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, chosen: torch.Tensor, want: list[int | None]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig
-from batchgen_data.devices import pick_device
+from batchgen_data.devices import pick_device, resolve_device
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
@@ -60,7 +60,7 @@ def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
 def build_parts(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = torch.device(pick_device(config.device))
+    device = resolve_device(pick_device(config.device))
     path = loader.resolve_model_path(config.model)
     hf_config = loader.load_config(path, config.trust_remote_code)
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path

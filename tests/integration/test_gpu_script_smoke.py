@@ -34,6 +34,7 @@ def test_gpu_throughput_quick(tmp_path: Path) -> None:
     checks = [r for r in records if r["bench"] == "check"]
     assert checks and all(c["top5_ok"] for c in checks)
     assert all(not r["ray_or_pyspark_imported"] for r in records if "ray_or_pyspark_imported" in r)
+    _check_moe_case(records)
     # the simulator's cost model was fitted on this device and saved as a loadable preset
     from batchgen_data.sim import get_preset
 
@@ -42,3 +43,34 @@ def test_gpu_throughput_quick(tmp_path: Path) -> None:
     preset = get_preset(str(tmp_path / "sim_preset_cpu.json"))
     assert preset.name == "cpu-tiny-measured" and preset.max_num_seqs == 4
     assert preset.step_time(64, 64, 1) > preset.step_time(1, 8, 1) > 0
+
+
+def _check_moe_case(records: list[dict]) -> None:
+    """The MoE case ran (check, ours and both HF baselines, tokens per expert for each) when
+    the engine has Qwen3-MoE, and left one record saying it was skipped otherwise."""
+    from batchgen_data.models.registry import supported_architectures
+
+    checks = [r for r in records if r["bench"] == "moe_check"]
+    if "Qwen3MoeForCausalLM" not in supported_architectures():
+        assert len(checks) == 1 and "skipped" in checks[0], checks
+        return
+    assert len(checks) == 1 and checks[0]["top5_ok"], checks
+    runs = {r["system"]: r for r in records if r["bench"] == "moe_throughput"}
+    assert set(runs) == {"ours", "hf_static", "hf_cb"}, runs
+    for r in runs.values():
+        assert "error" not in r and r["finished"] == "4/4", r
+        assert r["tokens_per_expert"]["mean"] > 0, r
+
+
+def test_moe_kernel_bench_quick() -> None:
+    # the fused-MoE kernel benchmark on tiny shapes through the Triton interpreter
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/moe_kernel_bench.py", "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["tokens"] for r in rows] == [3, 40]
+    assert all(r["max_abs_err"] < 1e-4 and r["ours_ms"] > 0 for r in rows), rows

@@ -1,4 +1,6 @@
-"""Compile every kernel for an H100/H200 (sm_90) ahead of time, on a machine without a GPU.
+"""Compile every kernel for an H100/H200 (sm_90) ahead of time, on a machine without a GPU,
+in bfloat16 (the CUDA default, which the interpreter cannot run) and, for the kernels that take
+a compute dtype from their inputs (attention, the MoE GEMM), also in float16.
 
 The interpreter runs kernels as numpy code and accepts things the GPU compiler rejects (dot
 shapes, dtype mixing in loop bounds, shared-memory use). Triton ships its own ptxas, so the full
@@ -23,11 +25,12 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from batchgen_data.kernels import activation, attention, kv_cache, rmsnorm, rotary
+    from batchgen_data.kernels import (activation, attention, fused_moe, kv_cache, moe_align,
+                                       rmsnorm, rotary)
 
     FP32_SCALARS = {"scale_log2", "eps"}
 
-    def compile_sm90(fn, pointers, constexprs):
+    def compile_sm90(fn, pointers, constexprs, **options):
         # Unlisted non-constexpr args are int32 scalars, as the launchers pass them.
         sig = {}
         for name in fn.arg_names:
@@ -37,17 +40,32 @@ _SCRIPT = textwrap.dedent(
                 sig[name] = "*" + pointers[name]
             else:
                 sig[name] = "fp32" if name in FP32_SCALARS else "i32"
-        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
 
-    attn = dict(q_ptr="fp16", k_cache_ptr="fp16", v_cache_ptr="fp16", out_ptr="fp16",
-                bt_ptr="i32", seq_lens_ptr="i32", cu_seqlens_ptr="i32",
-                part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32")
-    compile_sm90(attention._decode_kernel, attn, dict(
-        GROUP=4, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
-    compile_sm90(attention._decode_merge_kernel, attn,
-                 dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128))
-    compile_sm90(attention._prefill_kernel, attn, dict(
-        GROUP=3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
+    # bf16 is the CUDA default dtype; fp16 where a kernel's dots or casts differ by dtype
+    for dt in ("bf16", "fp16"):
+        attn = dict(q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt, out_ptr=dt,
+                    bt_ptr="i32", seq_lens_ptr="i32", cu_seqlens_ptr="i32",
+                    part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32")
+        compile_sm90(attention._decode_kernel, attn, dict(
+            GROUP=4, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
+        compile_sm90(attention._decode_merge_kernel, attn,
+                     dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128))
+        compile_sm90(attention._prefill_kernel, attn, dict(
+            GROUP=3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
+        moe = dict(a_ptr=dt, b_ptr=dt, c_ptr=dt, weights_ptr="fp32", sorted_ptr="i32",
+                   expert_ids_ptr="i32", total_ptr="i32")
+        for gated, block_m in ((True, 16), (False, 64)):  # gate/up at decode, down at prefill
+            compile_sm90(fused_moe._moe_gemm_kernel, moe, dict(
+                A_PER_TOKEN=gated, GATED=gated, ROUTED_WEIGHT=not gated, BLOCK_M=block_m,
+                BLOCK_N=64 if gated else 128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32"),
+                num_warps=8 if block_m == 64 else 4, num_stages=3)
+    align = dict(ids_ptr="i64", counts_ptr="i32", expert_ids_ptr="i32", total_ptr="i32",
+                 sorted_ptr="i32", base_ptr="i32")
+    compile_sm90(moe_align._count_kernel, align, dict(SUB=64, BLOCK_E=128))
+    compile_sm90(moe_align._scan_kernel, align, dict(BLOCK_E=128, BLOCK_B=64))
+    compile_sm90(moe_align._scatter_kernel, align, dict(SUB=64, BLOCK_E=128))
     compile_sm90(rmsnorm._rms_norm_kernel,
                  dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
                  dict(ADD_RESIDUAL=True, BLOCK=1024))

@@ -73,3 +73,54 @@ def test_triton_path_matches_torch_path(arch: str, tiny_model_dir, monkeypatch) 
     assert got_tokens == want_tokens
     for got, want in zip(got_lp, want_lp):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny Qwen3-MoE (8 experts, top-2, one dense layer) with the session's tokenizer."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from batchgen_data.models.registry import supported_architectures
+
+    if "Qwen3MoeForCausalLM" not in supported_architectures():
+        pytest.skip("the engine has no Qwen3-MoE")
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe-triton")
+    for f in tiny_model_dir("llama").glob("*token*"):
+        shutil.copy(f, path / f.name)
+    torch.manual_seed(3)
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # widen near-flat random logits and router scores: no near-ties
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+def test_moe_triton_path_matches_torch_path(tiny_moe_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # the MoE layer resolves fused_experts when it is built: count calls at the source
+    from batchgen_data.kernels import fused_moe
+
+    torch.set_num_threads(1)
+    calls = [0]
+    real = fused_moe.fused_experts
+
+    def counting(*args, **kw):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused_moe, "fused_experts", counting)
+    want_tokens, want_lp, _ = _run(str(tiny_moe_dir), forced=False)
+    assert calls[0] == 0
+    got_tokens, got_lp, _ = _run(str(tiny_moe_dir), forced=True)
+    assert calls[0] > 0, "the Triton MoE kernels were never called"
+    assert got_tokens == want_tokens
+    for got, want in zip(got_lp, want_lp):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)

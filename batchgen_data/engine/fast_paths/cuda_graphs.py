@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen_data.devices import device_scope
 from batchgen_data.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -124,9 +125,10 @@ class DecodeGraphs:
         self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device)
         self._replay: dict[int, Callable[[], None]] = {}
         self._out: dict[int, torch.Tensor] = {}  # [b, hidden] static outputs
-        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         buf = self.buffers
-        with torch.inference_mode():
+        # capture, its pool and its synchronize all act on the current device: make it ours
+        with device_scope(device), torch.inference_mode():
+            pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
             for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
                 meta = buf.metadata(b)
 

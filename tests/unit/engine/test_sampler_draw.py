@@ -1,0 +1,190 @@
+"""The sampler's draw (engine/token_draw.py) against the full-vocabulary path it replaced, and
+its memory on a 128k vocabulary."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen_data.engine import token_draw
+from batchgen_data.engine.sampler import Sampler, hash_uniform
+from batchgen_data.engine.sequence import Sequence
+from batchgen_data.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _old_draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The previous sampler's draw, kept here as the oracle: full sort, [N, V] hash."""
+    vocab = logits.shape[1]
+    ps = [s.params for s in seqs]
+    temp = torch.tensor([[max(p.temperature, 1e-5)] for p in ps])
+    top_k = torch.tensor([[p.top_k if p.top_k > 0 else vocab] for p in ps])
+    top_p = torch.tensor([[p.top_p] for p in ps])
+    min_p = torch.tensor([[p.min_p] for p in ps])
+    scaled = logits / temp
+    srt, idx = scaled.sort(-1, descending=True)
+    drop = torch.arange(vocab).unsqueeze(0) >= top_k
+    probs = torch.softmax(srt.masked_fill(drop, float("-inf")), -1)
+    drop |= probs.cumsum(-1) - probs >= top_p
+    drop[:, 0] = False
+    scaled = scaled.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
+    if any(p.min_p > 0 for p in ps):
+        probs = torch.softmax(scaled, -1)
+        scaled = scaled.masked_fill(probs < probs.max(-1, keepdim=True).values * min_p,
+                                    float("-inf"))
+    seeds = torch.tensor([s.seed for s in seqs])
+    steps = torch.tensor([s.num_output_tokens for s in seqs])
+    u = hash_uniform(seeds, steps, vocab)
+    return (scaled - torch.log(-torch.log(u))).argmax(-1).tolist()
+
+
+def _seqs(params: list[SamplingParams]) -> list[Sequence]:
+    return [Sequence(i, f"r{i}", 0, [1, 2, 3], p, seed=1000 + i, max_tokens=50)
+            for i, p in enumerate(params)]
+
+
+MIXES = {
+    "top_k": [SamplingParams(top_k=k, temperature=t) for k, t in ((1, 1.0), (5, 0.7), (40, 1.3))],
+    "top_p": [SamplingParams(top_p=p, temperature=t) for p, t in ((0.5, 1.0), (0.9, 0.8))],
+    "top_k_and_p": [SamplingParams(top_k=50, top_p=0.8), SamplingParams(top_k=3, top_p=0.95)],
+    "plain": [SamplingParams(temperature=0.9), SamplingParams(temperature=1.5)],
+    "min_p": [SamplingParams(min_p=0.05), SamplingParams(min_p=0.2, top_k=30)],
+    "mixed": [SamplingParams(temperature=0), SamplingParams(top_k=7), SamplingParams(top_p=0.6),
+              SamplingParams(), SamplingParams(top_k=20, top_p=0.7, min_p=0.1)],
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("vocab", [97, 5000])
+def test_same_tokens_as_the_full_vocabulary_draw(mix: str, vocab: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # small chunks and a small first guess: the chunked race and the widening loop both run
+    monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
+    monkeypatch.setattr("batchgen_data.engine.sampler.NUCLEUS_GUESS", 16)
+    gen = torch.Generator().manual_seed(vocab)
+    for step in range(12):
+        seqs = _seqs(MIXES[mix])
+        for s in seqs:
+            s.token_ids.extend([4] * step)  # output index = step: new hash stream each time
+        # flat logits give wide nuclei (the guess must widen); steep ones narrow ones
+        logits = torch.randn(len(seqs), vocab, generator=gen) * (0.3 if step % 2 else 3.0)
+        want = _old_draw(logits, seqs)
+        want = [int(logits[i].argmax()) if s.params.greedy else w
+                for i, (s, w) in enumerate(zip(seqs, want))]
+        assert Sampler(set())(logits, seqs).token_ids == want
+
+
+def test_nucleus_widens_past_the_guess(monkeypatch: pytest.MonkeyPatch) -> None:
+    # uniform logits: the 0.9 nucleus holds 90% of the vocabulary, far past 16 candidates
+    monkeypatch.setattr("batchgen_data.engine.sampler.NUCLEUS_GUESS", 16)
+    calls: list[int] = []
+    topk = torch.Tensor.topk
+
+    def counting_topk(self: torch.Tensor, k: int, *a: object, **kw: object) -> object:
+        calls.append(k)
+        return topk(self, k, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "topk", counting_topk)
+    seqs = _seqs([SamplingParams(top_p=0.9)])
+    logits = torch.zeros(1, 3000)
+    assert Sampler(set())(logits, seqs).token_ids == _old_draw(logits, seqs)
+    assert calls == [16, 64, 256, 1024, 3000]
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from batchgen_data.engine import token_draw
+    from batchgen_data.engine.sampler import Sampler
+    from batchgen_data.engine.sequence import Sequence
+    from batchgen_data.sampling_params import SamplingParams
+    torch.set_num_threads(1)
+    rows, vocab = int(sys.argv[1]), int(sys.argv[2])
+    token_draw._CHUNK_ELEMS = int(sys.argv[4])
+    kinds = {"top_k": dict(top_k=50), "top_p": dict(top_p=0.9), "plain": dict(temperature=0.8),
+             "top_k_p": dict(top_k=40, top_p=0.95, min_p=0.05)}
+    params = SamplingParams(**kinds[sys.argv[3]])
+    def run(v):
+        seqs = [Sequence(i, f"r{i}", 0, [1, 2], params, seed=i, max_tokens=9)
+                for i in range(rows)]
+        return Sampler(set())(torch.randn(rows, v) * 5, seqs)
+    run(1000)  # first-call set-up (thread pools, dispatch tables) at a small vocabulary
+    logits = torch.randn(rows, vocab).mul_(5)  # no temporary to raise the high-water mark
+    seqs = [Sequence(i, f"r{i}", 0, [1, 2], params, seed=i, max_tokens=9)
+                for i in range(rows)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Sampler(set())(logits, seqs)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)  # ru_maxrss is in KiB on Linux
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units differ off Linux")
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "plain", "top_k_p"])
+def test_peak_memory_on_a_128k_vocabulary(kind: str) -> None:
+    # 64 rows x 128k vocabulary: the logits are 33.5 MB, one [N, V] int64 temporary 67 MB, and
+    # the old path held several at once plus a full sort. Here the process's high-water mark
+    # may grow by less than half of one such temporary. Logits of std 5 are peaked like a
+    # language model's: the 0.9 nucleus holds tens to hundreds of tokens, inside the first
+    # 1024 candidates (a flat row widens the candidates, and the memory, to its nucleus).
+    rows, vocab, chunk = 64, 131072, 1 << 18
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(rows), str(vocab), kind, str(chunk)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grew = int(proc.stdout.split()[-1])
+    assert grew < rows * vocab * 8 // 2, f"peak grew by {grew / 2**20:.1f} MiB"
+
+
+def _old_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The previous [N, V] penalty path, as the oracle."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, s in enumerate(seqs):
+        p = s.params
+        counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].float()
+        seen = counts > 0
+        seen[torch.tensor(s.prompt_token_ids, dtype=torch.long)] = True
+        row = out[i]
+        if any(q.repetition_penalty != 1 for q in (x.params for x in seqs)):
+            rep = p.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / rep, row * rep), row))
+        if any(q.frequency_penalty or q.presence_penalty for q in (x.params for x in seqs)):
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=0)],
+    [SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
+     SamplingParams(temperature=0, presence_penalty=-0.5)],
+    [SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=0.3),
+     SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0),
+     SamplingParams(temperature=0)],
+])
+def test_penalties_touch_only_seen_tokens_as_before(params: list[SamplingParams]) -> None:
+    vocab = 50
+    seqs = _seqs(params)
+    for i, s in enumerate(seqs):  # repeats, prompt/output overlap, and a row with no output
+        s.token_ids.extend([[7, 7, 3, 9, 7, 1], [2, 40, 40], []][i % 3])
+    logits = torch.randn(len(seqs), vocab) * 3
+    seen_logits: list[torch.Tensor] = []
+    real_argmax = torch.Tensor.argmax
+
+    def spy(self: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        seen_logits.append(self.clone())
+        return real_argmax(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "argmax", spy)
+        Sampler(set())(logits, seqs)
+    assert torch.equal(seen_logits[0], _old_penalties(logits, seqs))

@@ -62,6 +62,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
     # CPU: the compiled C kernels and packed weight layouts where they run (False: torch only)
     cpu_kernels: bool = True
+    # GiB of weights kept in host memory and streamed to the device (vLLM's name): the device
+    # holds at most the weights minus this, streaming workspace included (docs/offload.md)
+    cpu_offload_gb: float = 0.0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads!r}: must be >= 1")
         if not isinstance(self.cpu_kernels, bool):
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
+        if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: must be a number >= 0")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

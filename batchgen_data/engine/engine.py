@@ -42,7 +42,7 @@ class Engine:
         self.vocab_size = p.model.shape.vocab
         self.pool = p.pool
         self.host = p.host
-        self.scheduler = Scheduler(config.scheduler, p.pool, p.host)
+        self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.host)
         self.runner: ModelRunner = p.runner
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
@@ -146,6 +146,8 @@ class Engine:
         finished.extend(self._collect_finished(done))
         self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0)
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        (self.stats.offload_bytes_moved,
+         self.stats.offload_peak_resident_bytes) = self.runner.offload_counters()
         return finished
 
     def _move_kv(self, out: SchedulerOutput) -> None:

@@ -24,6 +24,10 @@ class EngineStats:
     # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
     # recomputing a moved sequence's KV would cost here (0.0 until such a step ran)
     prefill_s_per_token: float = 0.0
+    # cpu_offload_gb > 0: weight bytes streamed host -> device, and the peak weight bytes
+    # resident on the device (resident weights + the layers in the streaming workspace)
+    offload_bytes_moved: int = 0
+    offload_peak_resident_bytes: int = 0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:

@@ -1,0 +1,211 @@
+"""The weight store: decoder layers whose weights live in host memory and stream to the device.
+
+Each offloaded layer's tensors (parameters and buffers, e.g. a Linear's packed panels) are packed
+into one flat host buffer (pinned on CUDA, so the copy is a real DMA). The device keeps only a
+small workspace of `num_slots` slots, each as large as the largest offloaded layer. A forward
+pre-hook on every offloaded layer makes sure its bytes are in a slot, points the layer's tensors
+at views of that slot, and starts copying the next offloaded layer into another slot; a forward
+hook marks the slot free once the layer's work is enqueued. With two slots the copy of layer i+1
+overlaps the compute of layer i (`copy.StreamCopier`); after the last offloaded layer the first
+one is prefetched for the next step. The model code is untouched: this works for any decoder
+stack exposed as `model.layers`, dense or MoE.
+
+Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
+stay resident. The store counts the bytes it moves and the peak weight bytes resident on the
+device (resident tensors plus the layers currently held in slots).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen_data.offload.copy import Copier, make_copier
+
+_ALIGN = 256  # byte alignment of each tensor in a slot (CUDA kernels' and SIMD loads' needs)
+
+
+@dataclass
+class _Entry:
+    """One tensor of an offloaded layer: where it sits in the layer's flat buffer."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+@dataclass
+class _Layer:
+    index: int  # position in model.layers
+    host: torch.Tensor  # uint8 [nbytes]: the layer's tensors, packed
+    entries: list[_Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+
+def _unique_tensors(model: nn.Module) -> dict[int, torch.Tensor]:
+    found: dict[int, torch.Tensor] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        found.setdefault(id(t), t)
+    return found
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer of `model`."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(model).values())
+
+
+def _shared(model: nn.Module) -> tuple[set[int], set[int]]:
+    """Ids of modules reachable by more than one path, and of tensors held by more than one
+    module: both must stay resident (another layer or the head reads them)."""
+    paths = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    modules = {id(sub) for m in model.modules() if paths[id(m)] > 1 for sub in m.modules()}
+    refs: Counter[int] = Counter()
+    for m in model.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None:
+                refs[id(t)] += 1
+    return modules, {tid for tid, n in refs.items() if n > 1}
+
+
+def layer_tensors(layer: nn.Module, shared: tuple[set[int], set[int]]
+                  ) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
+    """(owner, name, is_parameter, tensor) for the tensors only this layer holds."""
+    shared_modules, shared_tensors = shared
+    out = []
+    for m in layer.modules():
+        if id(m) in shared_modules:
+            continue
+        for is_param, table in ((True, m._parameters), (False, m._buffers)):
+            for name, t in table.items():
+                if t is None or id(t) in shared_tensors or t.numel() == 0:
+                    continue
+                # opaque (oneDNN) or strided tensors have no flat bytes to re-view: resident
+                if t.is_mkldnn or not t.is_contiguous():
+                    continue
+                out.append((m, name, is_param, t))
+    return out
+
+
+def layer_bytes(model: nn.Module, aligned: bool = True) -> list[int]:
+    """Bytes each decoder layer would stream: its own tensors, padded as in a slot (`aligned`)
+    or exact."""
+    shared = _shared(model)
+    align = _ALIGN if aligned else 1
+    return [sum(-(-t.numel() * t.element_size() // align) * align
+                for *_, t in layer_tensors(layer, shared)) for layer in model.layers]
+
+
+class WeightStore:
+    """Streams the decoder layers `indices` of `model` through `num_slots` workspace slots on
+    `device`. Call before moving the rest of the model to the device: the offloaded tensors
+    leave the model here (their parameters keep an empty placeholder until used)."""
+
+    def __init__(self, model: nn.Module, indices: list[int], num_slots: int,
+                 device: torch.device) -> None:
+        assert indices and num_slots >= 1
+        self.device = device
+        pin = device.type == "cuda"
+        shared = _shared(model)
+        self.layers = [self._take(model.layers[i], i, shared, pin) for i in indices]
+        self.slot_bytes = max(layer.nbytes for layer in self.layers)
+        self.workspace = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+                          for _ in range(num_slots)]
+        self.copier: Copier = make_copier(device, num_slots)
+        self._holder: list[int | None] = [None] * num_slots  # slot -> position in self.layers
+        self._slot_of: dict[int, int] = {}
+        self._next_victim = 0
+        self.resident_bytes = 0  # set by `finish` once the rest of the model is placed
+        self.bytes_moved = 0
+        self.peak_resident_bytes = 0
+        self._hooks = []
+        for pos, layer in enumerate(self.layers):
+            module = model.layers[layer.index]
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(pos)))
+            self._hooks.append(module.register_forward_hook(self._post_hook(pos)))
+
+    @staticmethod
+    def _take(module: nn.Module, index: int, shared: Any, pin: bool) -> _Layer:
+        tensors = layer_tensors(module, shared)
+        entries, offset = [], 0
+        for owner, name, is_param, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            entries.append(_Entry(owner, name, is_param, offset, nbytes, t.dtype, t.shape))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+        for e, (owner, name, is_param, t) in zip(entries, tensors):
+            host[e.offset:e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+            placeholder = torch.empty(0, dtype=t.dtype)
+            if is_param:
+                owner._parameters[name].data = placeholder
+            else:
+                owner._buffers[name] = placeholder
+        return _Layer(index, host, entries)
+
+    def finish(self, model: nn.Module) -> None:
+        """Record the resident weight bytes once the rest of `model` is on the device."""
+        self.resident_bytes = weight_bytes(model)
+        self.peak_resident_bytes = self.resident_bytes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.slot_bytes * len(self.workspace)
+
+    # ---- streaming ------------------------------------------------------------------------
+    def _load(self, pos: int, avoid: int | None) -> int:
+        """Start copying layer `pos` into a slot not holding layer `avoid`; returns the slot."""
+        n = len(self.workspace)
+        slot = next((s for s in range(n) if self._holder[s] is None), None)
+        if slot is None:
+            slot = self._next_victim
+            if n > 1 and self._holder[slot] == avoid:
+                slot = (slot + 1) % n
+            self._next_victim = (slot + 1) % n
+            del self._slot_of[self._holder[slot]]
+        layer = self.layers[pos]
+        self.copier.copy(slot, self.workspace[slot][:layer.nbytes], layer.host)
+        self.bytes_moved += layer.nbytes
+        self._holder[slot] = pos
+        self._slot_of[pos] = slot
+        held = sum(self.layers[p].nbytes for p in self._holder if p is not None)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes + held)
+        return slot
+
+    def _bind(self, pos: int, slot: int) -> None:
+        base = self.workspace[slot]
+        for e in self.layers[pos].entries:
+            view = base[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            if e.is_param:
+                e.module._parameters[e.name].data = view
+            else:
+                e.module._buffers[e.name] = view
+
+    def _pre_hook(self, pos: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            slot = self._slot_of.get(pos)
+            if slot is None:  # not prefetched (the first step, or a single slot)
+                slot = self._load(pos, avoid=None)
+            self.copier.wait_ready(slot)
+            self._bind(pos, slot)
+            nxt = (pos + 1) % len(self.layers)
+            if len(self.workspace) > 1 and nxt not in self._slot_of:
+                self._load(nxt, avoid=pos)  # overlaps this layer's compute
+        return hook
+
+    def _post_hook(self, pos: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.copier.release(self._slot_of[pos])
+        return hook

@@ -11,7 +11,9 @@ one is prefetched for the next step. The model code is untouched: this works for
 stack exposed as `model.layers`, dense or MoE.
 
 Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
-stay resident. The store counts the bytes it moves and the peak weight bytes resident on the
+stay resident, and so do integer buffers (state such as an MoE layer's per-expert token counts,
+which the layer updates and the engine reads between steps). A layer must not write to its own
+floating-point weights or buffers in `forward`: the slot copy is not written back. The store counts the bytes it moves and the peak weight bytes resident on the
 device (resident tensors plus the layers currently held in slots).
 """
 from __future__ import annotations
@@ -88,6 +90,11 @@ def layer_tensors(layer: nn.Module, shared: tuple[set[int], set[int]]
         for is_param, table in ((True, m._parameters), (False, m._buffers)):
             for name, t in table.items():
                 if t is None or id(t) in shared_tensors or t.numel() == 0:
+                    continue
+                # floating buffers are weights in a kernel's layout (a Linear's panels);
+                # integer ones are state the layer updates or others read between steps
+                # (FusedMoE's expert_tokens): streaming would lose the updates
+                if not is_param and not t.is_floating_point():
                     continue
                 # opaque (oneDNN) or strided tensors have no flat bytes to re-view: resident
                 if t.is_mkldnn or not t.is_contiguous():

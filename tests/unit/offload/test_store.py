@@ -18,8 +18,10 @@ class Block(nn.Module):
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width, bias=False)
         self.register_buffer("scale", torch.rand(width) + 0.5)
+        self.register_buffer("calls", torch.zeros(1, dtype=torch.long))  # state: stays resident
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
         return x + self.down(torch.relu(self.up(self.shared(x)))) * self.scale
 
 
@@ -67,6 +69,7 @@ def test_streamed_outputs_and_byte_counts(slots: int) -> None:
         want = (4 * step + 1 if slots == 2 else 4 * step) * layer
         assert store.bytes_moved == want
     assert store.peak_resident_bytes == store.resident_bytes + slots * layer
+    assert [int(b.calls) for b in model.layers] == [3] * 5  # counters kept every update
     assert store.workspace_bytes == slots * layer
 
 

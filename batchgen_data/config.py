@@ -65,6 +65,8 @@ class EngineConfig:
     # GiB of weights kept in host memory and streamed to the device (vLLM's name): the device
     # holds at most the weights minus this, streaming workspace included (docs/offload.md)
     cpu_offload_gb: float = 0.0
+    # an absolute cap on the device's weight bytes (streaming workspace included); None: no cap
+    weight_memory_bytes: int | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -79,6 +81,8 @@ class EngineConfig:
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: must be a number >= 0")
+        if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
+            raise ValueError(f"weight_memory_bytes={self.weight_memory_bytes!r}: must be >= 1")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

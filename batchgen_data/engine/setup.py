@@ -70,7 +70,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
-    offload = config.cpu_offload_gb > 0
+    offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
     if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
         backend = dataclasses.replace(backend, linear="plain")
     # streamed weights must never all sit on the device: build and load on the host, then the
@@ -82,8 +82,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
     store = None
     if offload:
         from batchgen_data.offload import offload_model, scheduler_for
-        store, plan = offload_model(model, config.cpu_offload_gb, device, hf_config)
-        sc = scheduler_for(sc, plan)
+        streamed = offload_model(model, config.cpu_offload_gb, device, hf_config,
+                                 config.weight_memory_bytes)
+        if streamed is not None:
+            store, plan = streamed
+            sc = scheduler_for(sc, plan)
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:

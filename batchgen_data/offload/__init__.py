@@ -4,7 +4,7 @@
 installs a `WeightStore` (`store.py`) on a loaded model: the streamed decoder layers' weights
 move to (pinned) host memory and are copied into a small device workspace right before each
 layer runs, the next layer's copy overlapping the current layer's compute (`copy.py`). The
-engine's setup calls it when `cpu_offload_gb > 0`; outputs are the resident path's exactly
+engine's setup calls it when `cpu_offload_gb > 0` or `weight_memory_bytes` is set; outputs are the resident path's exactly
 (the same kernels read the same bytes, only from another buffer).
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.offload.plan import OffloadPlan, Rates, make_plan, measure_rates
 from batchgen_data.offload.store import WeightStore, layer_bytes, weight_bytes
 
-__all__ = ["OffloadPlan", "Rates", "WeightStore", "offload_model", "scheduler_for",
-           "measure_rates", "weight_bytes"]
+__all__ = ["OffloadPlan", "Rates", "WeightStore", "device_budget", "offload_model",
+           "scheduler_for", "measure_rates", "weight_bytes"]
 
 GIB = 1 << 30
 # caps of the step the plan may raise the scheduler to (KV memory bounds it further)
@@ -34,19 +34,32 @@ def active_fraction(hf_config: Any) -> float:
     return k / experts if experts and k else 1.0
 
 
+def device_budget(total_bytes: int, cpu_offload_gb: float, weight_memory_bytes: int | None
+                  ) -> int:
+    """Weight bytes the device may hold: the weights minus `cpu_offload_gb` GiB, capped by
+    `weight_memory_bytes` when set."""
+    budget = total_bytes - int(cpu_offload_gb * GIB)
+    return budget if weight_memory_bytes is None else min(budget, weight_memory_bytes)
+
+
 def offload_model(model: nn.Module, cpu_offload_gb: float, device: torch.device,
-                  hf_config: Any = None, rates: Rates | None = None
-                  ) -> tuple[WeightStore, OffloadPlan]:
-    """Streams enough of `model`'s decoder layers (built and loaded on the CPU) that at most
-    its weights minus `cpu_offload_gb` GiB sit on `device` at once, workspace included, and
-    moves the rest of the model to `device`."""
+                  hf_config: Any = None, weight_memory_bytes: int | None = None,
+                  rates: Rates | None = None) -> tuple[WeightStore, OffloadPlan] | None:
+    """Streams enough of `model`'s decoder layers (built and loaded on the CPU) that its device
+    weights, workspace included, stay within `device_budget`, and moves the rest of the model to
+    `device`. None (the whole model moved) when the weights fit the budget."""
+    total = weight_bytes(model)
+    budget = device_budget(total, cpu_offload_gb, weight_memory_bytes)
+    if budget >= total:
+        model.to(device)
+        return None
     exact = layer_bytes(model, aligned=False)
-    other = weight_bytes(model) - sum(exact)
+    other = total - sum(exact)
     dtype = next(model.parameters()).dtype
     rates = rates or measure_rates(device, dtype)
     largest = max(range(len(exact)), key=exact.__getitem__)
     params = exact[largest] // dtype.itemsize
-    plan = make_plan(layer_bytes(model), other, int(cpu_offload_gb * GIB), rates, params,
+    plan = make_plan(layer_bytes(model), other, budget, rates, params,
                      active_fraction(hf_config))
     store = WeightStore(model, list(plan.offloaded), plan.num_slots, device)
     model.to(device)

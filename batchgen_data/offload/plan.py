@@ -59,8 +59,9 @@ def choose_layers(layer_bytes: list[int], other_bytes: int, budget: int
             if resident_now + slots * max(layer_bytes[j] for j in chosen) <= budget:
                 return tuple(sorted(chosen)), slots
     need = other_bytes + max(layer_bytes)
-    raise ValueError(f"cpu_offload_gb leaves a device weight budget of {budget} bytes; streaming "
-                     f"needs at least {need} (the non-layer weights plus one layer's slot)")
+    raise ValueError(f"cpu_offload_gb / weight_memory_bytes leave a device weight budget of "
+                     f"{budget} bytes; streaming needs at least {need} (the non-layer weights "
+                     "plus one layer's slot)")
 
 
 def target_tokens(rates: Rates, slot_bytes: int, layer_params: int, active_fraction: float
@@ -70,10 +71,10 @@ def target_tokens(rates: Rates, slot_bytes: int, layer_params: int, active_fract
     return max(1, math.ceil(copy_s / compute_s_per_token))
 
 
-def make_plan(layer_bytes: list[int], other_bytes: int, offload_bytes: int, rates: Rates,
+def make_plan(layer_bytes: list[int], other_bytes: int, budget: int, rates: Rates,
               layer_params: int, active_fraction: float = 1.0) -> OffloadPlan:
+    """The plan for a device weight budget of `budget` bytes (streaming workspace included)."""
     total = other_bytes + sum(layer_bytes)
-    budget = total - offload_bytes
     offloaded, slots = choose_layers(layer_bytes, other_bytes, budget)
     slot = max(layer_bytes[i] for i in offloaded)
     resident = total - sum(layer_bytes[i] for i in offloaded)

@@ -131,6 +131,19 @@ def test_bytes_moved_per_token_fall_with_batch(deep_llama: Path) -> None:
     assert per_token[0] > 2 * per_token[1] > 4 * per_token[2] > 0, per_token
 
 
+def test_absolute_weight_budget(deep_llama: Path) -> None:
+    prompts = _prompts(3, seed=3)
+    resident = LLM(str(deep_llama), cpu_kernels=False)
+    total = _total_weight_bytes(resident)
+    want = _generate(resident, prompts)
+    budget = total // 3
+    llm = LLM(str(deep_llama), cpu_kernels=False, weight_memory_bytes=budget)
+    assert _generate(llm, prompts) == want
+    assert 0 < llm.engine.stats.offload_peak_resident_bytes <= budget
+    roomy = LLM(str(deep_llama), cpu_kernels=False, weight_memory_bytes=2 * total)
+    assert roomy.engine.runner.weight_store is None  # everything fits: nothing streams
+
+
 def test_offload_budget_too_small_is_refused(deep_llama: Path) -> None:
     resident = LLM(str(deep_llama), cpu_kernels=False)
     with pytest.raises(ValueError, match="cpu_offload_gb"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.offload import active_fraction, scheduler_for
+from batchgen_data.offload import GIB, active_fraction, device_budget, scheduler_for
 from batchgen_data.offload.plan import Rates, choose_layers, make_plan, target_tokens
 
 
@@ -39,12 +39,18 @@ def test_target_tokens_hides_the_copy() -> None:
 
 
 def test_plan_peak_within_budget() -> None:
-    plan = make_plan([1000] * 10, 300, 7000, Rates(1e9, 1e11), 250)
-    assert plan.peak_bytes <= plan.budget_bytes == 10300 - 7000
+    plan = make_plan([1000] * 10, 300, 3300, Rates(1e9, 1e11), 250)
+    assert plan.peak_bytes <= plan.budget_bytes == 3300
+
+
+def test_device_budget_takes_the_tighter_cap() -> None:
+    assert device_budget(10 * GIB, 6.0, None) == 4 * GIB
+    assert device_budget(10 * GIB, 6.0, GIB) == GIB
+    assert device_budget(10 * GIB, 0.0, 20 * GIB) == 10 * GIB
 
 
 def test_scheduler_raises_defaults_only() -> None:
-    plan = make_plan([1000] * 10, 300, 7000, Rates(1e9, 1e13), 250)  # target 20000 tokens
+    plan = make_plan([1000] * 10, 300, 3300, Rates(1e9, 1e13), 250)  # target 20000 tokens
     sc = scheduler_for(SchedulerConfig(), plan)
     assert sc.max_num_batched_tokens == sc.max_num_seqs == 16384  # capped
     kept = scheduler_for(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), plan)

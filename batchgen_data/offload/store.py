@@ -134,11 +134,10 @@ class WeightStore:
         self.resident_bytes = 0  # set by `finish` once the rest of the model is placed
         self.bytes_moved = 0
         self.peak_resident_bytes = 0
-        self._hooks = []
-        for pos, layer in enumerate(self.layers):
+        for pos, layer in enumerate(self.layers):  # the hooks live as long as the model
             module = model.layers[layer.index]
-            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(pos)))
-            self._hooks.append(module.register_forward_hook(self._post_hook(pos)))
+            module.register_forward_pre_hook(self._pre_hook(pos))
+            module.register_forward_hook(self._post_hook(pos))
 
     @staticmethod
     def _take(module: nn.Module, index: int, shared: Any, pin: bool) -> _Layer:

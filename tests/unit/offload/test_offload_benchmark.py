@@ -25,6 +25,7 @@ def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     assert hf["bytes_per_token"] > 0 and ours["bytes_per_token"] > 0
     assert 0 < ours["peak_resident_bytes"] <= ours["budget_bytes"]
     summary = next(r for r in lines if r.get("summary") == "offload")
+    assert summary["check"] is True and "PASS" in proc.stdout
     # nobody moves less than the weights beyond the budget once per output position
     assert summary["floor_bytes_per_token"] <= min(hf["bytes_per_token"],
                                                    ours["bytes_per_token"])

@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--hf-time-limit", type=float, default=120.0)
+    ap.add_argument("--hf-time-limit", type=float, default=90.0,
+                    help="seconds per HF batch size (measured on what finished)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip comparing streamed and resident greedy outputs first")
@@ -230,7 +231,7 @@ def main() -> None:
     n = args.num_requests or (256 if cuda else 4)
     lo, hi = args.prompt_len or ((64, 128) if cuda else (4, 10))
     out_len = args.output_len or (32 if cuda else 4)
-    hf_sizes = args.hf_batch_sizes or ([16, 64, 256] if cuda else [4])
+    hf_sizes = args.hf_batch_sizes or ([64, 256] if cuda else [4])
     workdir = args.workdir or Path(tempfile.gettempdir()) / "batchgen_offload_bench"
     path = build_model_dir(workdir / name, name, dtype, torch.device(device))
     total = weight_bytes_of(path)

@@ -8,6 +8,7 @@ used the slot finished, the copy stream waits on it before overwriting). `SyncCo
 """
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
@@ -60,6 +61,22 @@ class StreamCopier:
     def release(self, slot: int) -> None:
         self.free[slot].record(torch.cuda.current_stream(self.device))
         self._used[slot] = True
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 host buffer of `nbytes` to copy to `device` from: page-locked for CUDA (so a
+    non-blocking copy is a real DMA on the copy stream), plain memory for the CPU "device"."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if device.type != "cuda":
+        return buf
+    # torch's pinned allocator rounds every block up to a power of two (a 1.25 GB MoE layer
+    # would hold 2 GB); registering a plain buffer pins exactly its size
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+        return buf.pin_memory()
+    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)  # before the memory is freed
+    return buf
 
 
 def make_copier(device: torch.device, num_slots: int) -> Copier:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen_data.offload.copy import Copier, make_copier
+from batchgen_data.offload.copy import Copier, host_buffer, make_copier
 
 _ALIGN = 256  # byte alignment of each tensor in a slot (CUDA kernels' and SIMD loads' needs)
 
@@ -121,9 +121,8 @@ class WeightStore:
                  device: torch.device) -> None:
         assert indices and num_slots >= 1
         self.device = device
-        pin = device.type == "cuda"
         shared = _shared(model)
-        self.layers = [self._take(model.layers[i], i, shared, pin) for i in indices]
+        self.layers = [self._take(model.layers[i], i, shared, device) for i in indices]
         self.slot_bytes = max(layer.nbytes for layer in self.layers)
         self.workspace = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
                           for _ in range(num_slots)]
@@ -140,14 +139,14 @@ class WeightStore:
             module.register_forward_hook(self._post_hook(pos))
 
     @staticmethod
-    def _take(module: nn.Module, index: int, shared: Any, pin: bool) -> _Layer:
+    def _take(module: nn.Module, index: int, shared: Any, device: torch.device) -> _Layer:
         tensors = layer_tensors(module, shared)
         entries, offset = [], 0
         for owner, name, is_param, t in tensors:
             nbytes = t.numel() * t.element_size()
             entries.append(_Entry(owner, name, is_param, offset, nbytes, t.dtype, t.shape))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+        host = host_buffer(offset, device)
         for e, (owner, name, is_param, t) in zip(entries, tensors):
             host[e.offset:e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
             placeholder = torch.empty(0, dtype=t.dtype)

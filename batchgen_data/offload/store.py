@@ -3,11 +3,12 @@
 Each offloaded layer's tensors (parameters and buffers, e.g. a Linear's packed panels) are packed
 into one flat host buffer (pinned on CUDA, so the copy is a real DMA). The device keeps only a
 small workspace of `num_slots` slots, each as large as the largest offloaded layer. A forward
-pre-hook on every offloaded layer makes sure its bytes are in a slot, points the layer's tensors
-at views of that slot, and starts copying the next offloaded layer into another slot; a forward
-hook marks the slot free once the layer's work is enqueued. With two slots the copy of layer i+1
-overlaps the compute of layer i (`copy.StreamCopier`); after the last offloaded layer the first
-one is prefetched for the next step. The model code is untouched: this works for any decoder
+pre-hook on every offloaded layer (and on each module owning one of its tensors) acquires the
+layer when the computation enters it: the slot of the layer left behind is released (all of its
+work is enqueued), the layer's bytes are made to be in a slot, its tensors are pointed at views
+of that slot, and the next offloaded layer starts copying into another slot. With two slots the
+copy of layer i+1 overlaps the compute of layer i (`copy.StreamCopier`); after the last
+offloaded layer the first one is prefetched for the next step. The model code is untouched: this works for any decoder
 stack exposed as `model.layers`, dense or MoE.
 
 Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
@@ -130,13 +131,17 @@ class WeightStore:
         self._holder: list[int | None] = [None] * num_slots  # slot -> position in self.layers
         self._slot_of: dict[int, int] = {}
         self._next_victim = 0
+        self._current: int | None = None  # the streamed layer bound and being computed
         self.resident_bytes = 0  # set by `finish` once the rest of the model is placed
         self.bytes_moved = 0
         self.peak_resident_bytes = 0
+        # a model may call a layer's parts without the layer (attention per micro-batch, then
+        # the MLP once): every module that owns a streamed tensor, and the layer, acquire it
         for pos, layer in enumerate(self.layers):  # the hooks live as long as the model
-            module = model.layers[layer.index]
-            module.register_forward_pre_hook(self._pre_hook(pos))
-            module.register_forward_hook(self._post_hook(pos))
+            owners = {id(e.module): e.module for e in layer.entries}
+            owners[id(model.layers[layer.index])] = model.layers[layer.index]
+            for module in owners.values():
+                module.register_forward_pre_hook(self._hook(pos))
 
     @staticmethod
     def _take(module: nn.Module, index: int, shared: Any, device: torch.device) -> _Layer:
@@ -198,19 +203,24 @@ class WeightStore:
             else:
                 e.module._buffers[e.name] = view
 
-    def _pre_hook(self, pos: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            slot = self._slot_of.get(pos)
-            if slot is None:  # not prefetched (the first step, or a single slot)
-                slot = self._load(pos, avoid=None)
-            self.copier.wait_ready(slot)
-            self._bind(pos, slot)
-            nxt = (pos + 1) % len(self.layers)
-            if len(self.workspace) > 1 and nxt not in self._slot_of:
-                self._load(nxt, avoid=pos)  # overlaps this layer's compute
-        return hook
+    def _acquire(self, pos: int) -> None:
+        """Make layer `pos` the bound one: the previous one's work is all enqueued, so its slot
+        is released; `pos` is copied if no prefetch brought it, waited on and bound; the next
+        streamed layer starts copying into a free slot (overlapping this layer's compute)."""
+        if self._current is not None:
+            self.copier.release(self._slot_of[self._current])
+        slot = self._slot_of.get(pos)
+        if slot is None:  # not prefetched (the first step, or a single slot)
+            slot = self._load(pos, avoid=None)
+        self.copier.wait_ready(slot)
+        self._bind(pos, slot)
+        self._current = pos
+        nxt = (pos + 1) % len(self.layers)
+        if len(self.workspace) > 1 and nxt not in self._slot_of:
+            self._load(nxt, avoid=pos)
 
-    def _post_hook(self, pos: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.copier.release(self._slot_of[pos])
+    def _hook(self, pos: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._current != pos:
+                self._acquire(pos)
         return hook

@@ -4,8 +4,8 @@
 installs a `WeightStore` (`store.py`) on a loaded model: the streamed decoder layers' weights
 move to (pinned) host memory and are copied into a small device workspace right before each
 layer runs, the next layer's copy overlapping the current layer's compute (`copy.py`). The
-engine's setup calls it when `cpu_offload_gb > 0` or `weight_memory_bytes` is set; outputs are the resident path's exactly
-(the same kernels read the same bytes, only from another buffer).
+engine's setup calls it when `cpu_offload_gb > 0` or `weight_memory_bytes` is set. Outputs are
+the resident path's exactly: the same kernels read the same bytes, only from another buffer.
 """
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ __all__ = ["OffloadPlan", "Rates", "WeightStore", "device_budget", "offload_mode
            "scheduler_for", "measure_rates", "weight_bytes"]
 
 GIB = 1 << 30
-# caps of the step the plan may raise the scheduler to (KV memory bounds it further)
+# the largest step the plan raises the scheduler's caps to (KV memory bounds it further)
 _MAX_STEP_TOKENS = 16384
 
 
 def active_fraction(hf_config: Any) -> float:
     """The share of a layer's parameters one token uses: k/E for a mixture of experts."""
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    experts = (getattr(hf_config, "num_experts", None)
+               or getattr(hf_config, "num_local_experts", None))  # Mixtral's name
     k = getattr(hf_config, "num_experts_per_tok", None)
     return k / experts if experts and k else 1.0
 

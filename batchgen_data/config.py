@@ -71,6 +71,11 @@ class EngineConfig:
     # MoE models: run attention in micro-batches of this many sequences while each MoE layer
     # still takes the whole step's tokens (None: one attention batch; see docs/moe.md)
     attention_micro_batch_seqs: int | None = None
+    # GiB of weights kept in host memory and streamed to the device (vLLM's name): the device
+    # holds at most the weights minus this, streaming workspace included (docs/offload.md)
+    cpu_offload_gb: float = 0.0
+    # an absolute cap on the device's weight bytes (streaming workspace included); None: no cap
+    weight_memory_bytes: int | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -86,6 +91,10 @@ class EngineConfig:
                              "must be >= 1")
         if not isinstance(self.cpu_kernels, bool):
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
+        if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: must be a number >= 0")
+        if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
+            raise ValueError(f"weight_memory_bytes={self.weight_memory_bytes!r}: must be >= 1")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

@@ -43,7 +43,7 @@ class Engine:
         self.pool = p.pool
         self.host = p.host
         moe = getattr(p.model, "moe", None)  # MoE models: their routing sizes the step budget
-        self.scheduler = Scheduler(config.scheduler, p.pool, p.host,
+        self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.host,
                                    (moe.num_experts, moe.top_k) if moe is not None else None)
         self.runner: ModelRunner = p.runner
         self.stopper = p.stopper
@@ -149,6 +149,8 @@ class Engine:
         self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0)
         self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        (self.stats.offload_bytes_moved,
+         self.stats.offload_peak_resident_bytes) = self.runner.offload_counters()
         return finished
 
     def _move_kv(self, out: SchedulerOutput) -> None:

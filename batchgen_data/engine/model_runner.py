@@ -22,6 +22,7 @@ from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.offload.store import WeightStore
 
 
 @dataclass
@@ -39,8 +40,9 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 backend: LayerBackend) -> None:
+                 backend: LayerBackend, weight_store: WeightStore | None = None) -> None:
         self.model = model
+        self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.backend = backend  # the one the model's layers were built for
         self.device = device = backend.device
         self.dtype = dtype = backend.dtype
@@ -71,6 +73,11 @@ class ModelRunner:
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self.fast_path(DecodeGraphs)  # type: ignore[return-value]
+
+    def offload_counters(self) -> tuple[int, int]:
+        """(bytes of weights streamed to the device so far, peak weight bytes resident)."""
+        store = self.weight_store
+        return (0, 0) if store is None else (store.bytes_moved, store.peak_resident_bytes)
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:

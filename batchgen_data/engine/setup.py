@@ -1,6 +1,7 @@
 """Build an engine's parts from its config: device, model, tokenizer, KV cache sizing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchgen_data.config import EngineConfig
+from batchgen_data.config import EngineConfig, SchedulerConfig
 from batchgen_data.devices import pick_device, resolve_device
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
@@ -34,6 +35,8 @@ class EngineParts:
     host: HostKVTier
     runner: ModelRunner
     stopper: StopChecker
+    # the scheduler caps the engine runs with (offload raises the default ones: module batching)
+    scheduler_config: SchedulerConfig | None = None
 
 
 def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
@@ -67,12 +70,27 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = pick_dtype(config.dtype, device, hf_config)
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
-    model = loader.build_model(hf_config, dtype, device, backend)
+    offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
+    if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
+        backend = dataclasses.replace(backend, linear="plain")
+    # streamed weights must never all sit on the device: build and load on the host, then the
+    # weight store moves what stays resident (batchgen_data/offload)
+    model = loader.build_model(hf_config, dtype, torch.device("cpu") if offload else device,
+                               backend)
     loader.load_weights(model, path)  # each weight lands in its kernels' layout, once
     if config.attention_micro_batch_seqs is not None:
         if not hasattr(model, "attention_micro_batch_seqs"):
             raise ValueError("attention_micro_batch_seqs applies to MoE models only")
         model.attention_micro_batch_seqs = config.attention_micro_batch_seqs
+    sc = config.scheduler
+    store = None
+    if offload:
+        from batchgen_data.offload import offload_model, scheduler_for
+        streamed = offload_model(model, config.cpu_offload_gb, device, hf_config,
+                                 config.weight_memory_bytes)
+        if streamed is not None:
+            store, plan = streamed
+            sc = scheduler_for(sc, plan)
 
     max_len = model.shape.max_positions
     if config.max_model_len is not None:
@@ -80,7 +98,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_len}")
         max_len = config.max_model_len
-    cc, sc = config.cache, config.scheduler
+    cc = config.cache
     per_token = ModelRunner.kv_bytes_per_token(model, dtype)
     num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, sc.max_num_seqs)
     seq_blocks = -(-max_len // cc.block_size)
@@ -91,10 +109,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
     host = HostKVTier(cc.host_kv_cache_bytes, per_token)
-    runner = ModelRunner(model, num_blocks, cc.block_size, backend)
-    runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
+    runner = ModelRunner(model, num_blocks, cc.block_size, backend, store)
+    if store is None:  # the fast paths bake weight addresses in; streamed ones move
+        runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
-    return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper)
+    return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)
 
 
 def _head_dim(hf_config: Any) -> int:

@@ -59,6 +59,10 @@ class EngineStats:
     prefill_s_per_token: float = 0.0
     # MoE models: tokens per expert per step (`ExpertLoad.summary()` in `as_dict`)
     tokens_per_expert: ExpertLoad = field(default_factory=ExpertLoad)
+    # cpu_offload_gb > 0: weight bytes streamed host -> device, and the peak weight bytes
+    # resident on the device (resident weights + the layers in the streaming workspace)
+    offload_bytes_moved: int = 0
+    offload_peak_resident_bytes: int = 0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:

@@ -7,13 +7,11 @@ extend the conversation it just received, so the engine takes a reference on the
 of that conversation when the step finishes (`pin`), and drops it when the program ends
 (`unpin`). The next step then finds its prefix however long it waits in the queue.
 
-Pins are only an optimisation: they may hold at most `max_fraction` of the pool, the oldest go
-first beyond that, and the engine drops all of them when the scheduler runs short of blocks
+Pins are only an optimisation: they may hold at most `max_fraction` of the pool (a pin beyond
+that is refused), and the engine drops all of them when the scheduler runs short of blocks
 (`release_all`), so a pin can cost a recompute but never a stalled engine.
 """
 from __future__ import annotations
-
-from collections import OrderedDict
 
 from batchgen_data.kvcache.block_pool import BlockPool
 
@@ -23,10 +21,10 @@ class PrefixPins:
         assert 0.0 < max_fraction <= 1.0
         self.pool = pool
         self.max_blocks = max(1, int(pool.num_blocks * max_fraction))
-        # key -> blocks referenced on its behalf; oldest pin first
-        self._pins: OrderedDict[str, list[int]] = OrderedDict()
+        self._pins: dict[str, list[int]] = {}  # key -> blocks referenced on its behalf
         self.num_blocks = 0  # references held, summed over keys
-        self.num_dropped = 0  # pins released early for memory
+        self.num_refused = 0  # pins not taken: over the cap
+        self.num_dropped = 0  # pins released early: the scheduler was short of blocks
 
     def __contains__(self, key: str) -> bool:
         return key in self._pins
@@ -37,14 +35,14 @@ class PrefixPins:
     def pin(self, key: str, token_ids: list[int]) -> int:
         """Reference the cached full blocks of `token_ids` under `key`; returns how many."""
         blocks, _ = self.pool.match_prefix(token_ids, len(token_ids), count_hits=False)
-        held = self._pins.setdefault(key, [])
-        held.extend(blocks)
-        self._pins.move_to_end(key)
+        if self.num_blocks + len(blocks) > self.max_blocks:
+            # over the cap the newest pin is refused, not an older one: next steps queue in
+            # the order their programs advanced, so the oldest pins are the next to be used
+            self.pool.free(blocks)
+            self.num_refused += 1
+            return 0
+        self._pins.setdefault(key, []).extend(blocks)
         self.num_blocks += len(blocks)
-        while self.num_blocks > self.max_blocks and len(self._pins) > 1:
-            oldest = next(iter(self._pins))
-            self.unpin(oldest if oldest != key else list(self._pins)[1])
-            self.num_dropped += 1
         return len(blocks)
 
     def unpin(self, key: str) -> bool:

@@ -62,7 +62,8 @@ class ProgramRunner:
 
     def step(self) -> list[tuple[str, dict[str, Any]]]:
         """One engine step; the programs that ended in it as (id, output dict)."""
-        if self.runs:
+        # also when no program is live: aborted steps of exported ones leave outputs to drain
+        if self.runs or self.engine.has_unfinished():
             for out in self.engine.step():
                 owner = self._owner.pop(out.request_id, None)
                 if owner is None:

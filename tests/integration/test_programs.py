@@ -3,6 +3,7 @@ run by hand with `LLM.chat`; broken programs are row errors; a program exported 
 replayed on another engine finishes with the same output; the next step reuses pinned KV."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -132,3 +133,38 @@ def test_run_rejects_what_is_not_a_program(llm: LLM) -> None:
         llm.run([{"q": "x"}], echo_cached.fn)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"rows\[0\] must be a dict"):
         llm.run(["x"], echo_cached)  # type: ignore[list-item]
+
+
+@program(max_steps=8)
+def loops(row: dict[str, Any]) -> Any:
+    text = ""
+    for _ in range(row["steps"]):
+        r = yield Generate(prompt=f"{row['q']} {text}", temperature=0, max_tokens=2)
+        text = r.text
+    return {"q": row["q"]}
+
+
+def test_a_long_program_never_holds_up_the_others(llm: LLM) -> None:
+    rows = [{"q": "Summarise paragraph 0", "steps": 6}] + [
+        {"q": f"The quick brown fox {i}", "steps": 1} for i in range(5)]
+    runner = ProgramRunner(llm.engine, loops)
+    pids = [runner.add(r) for r in rows]
+    batch_sizes: list[int] = []
+    llm.engine.on_step = lambda shape: batch_sizes.append(shape.num_seqs)
+    order = []
+    try:
+        while runner.has_unfinished():
+            order += [pid for pid, _ in runner.step()]
+    finally:
+        llm.engine.on_step = None
+    assert order[-1] == pids[0] and sorted(order) == sorted(pids)
+    assert max(batch_sizes) == len(rows)  # every program's first step in one batch
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_scripts_run(model: str, name: str, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.argv", [name, "--model", model, "--max-tokens", "2"])
+    example(name).main()
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["errors"] == 0 and summary["rows"] >= 4

@@ -63,6 +63,7 @@ class ProgramRun:
 
     def fail(self, message: str) -> None:
         self.error = message
+        self.output = None
         self.pending = None
         if self._gen is not None:
             try:
@@ -121,7 +122,7 @@ class ProgramRun:
             results = [GenerateResult.from_dict(r) for r in step["results"]]
             if run.pending is None or len(run.pending) != len(results) \
                     or run._fanout != step["fanout"]:
-                if not run.done or run.output is not None:
+                if run.error is None:  # an error met on the way is the one to tell
                     run.fail(f"program {program.name!r} diverged on replay at step {k}: it must "
                              "depend only on its row and the results it receives")
                 return run

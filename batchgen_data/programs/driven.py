@@ -75,8 +75,12 @@ class DrivenPrograms:
     # ---- worker thread ----------------------------------------------------------------------
     def _guarded(self, live: _Live, fn: Callable[..., None], *args: Any) -> None:
         try:
-            if live.row_future in self._live:  # else abandoned, or finished by a failure
+            if live.row_future in self._live:
                 fn(*args)
+            elif fn == self._on_step and getattr(self.driver, "dead", None) is None:
+                # abandoned while this step was being submitted: its pin went in after the
+                # release, so release again (both calls are no-ops when nothing is left)
+                self.driver.call(lambda engine: self._drop(engine, live))
         except BaseException as e:  # noqa: BLE001 - whatever breaks must reach the row's waiter
             self._finish(live, e)
 

@@ -4,6 +4,7 @@ replayed on another engine finishes with the same output; the next step reuses p
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -168,3 +169,34 @@ def test_example_scripts_run(model: str, name: str, monkeypatch: pytest.MonkeyPa
     example(name).main()
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["errors"] == 0 and summary["rows"] >= 4
+
+
+def test_connector_rows_run_programs_through_the_driver(model: str, llm: LLM) -> None:
+    """The path Ray and Spark share (RowLifecycle → DrivenPrograms → EngineDriver), no cluster."""
+    from batchgen_data.connectors.common import RequestBuilder
+    from batchgen_data.connectors.rows import RowLifecycle
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
+
+    name = "programs_judge"
+    prog = example(name).judge_both_orders
+    rows = rows_for(name)
+    driver = EngineDriver(Engine.from_kwargs(model, **ENGINE))
+    try:
+        lifecycle = RowLifecycle(driver, RequestBuilder.from_engine(
+            driver.engine, {"max_tokens": MAX_TOKENS}), 0, program=prog)
+        futures = [lifecycle.submit(r) for r in rows + [{"question": "q"}]]
+        got = [lifecycle.outcome(f) for f in futures]
+        want = EXAMPLES[name][1](llm, rows, MAX_TOKENS)
+        assert got[:-1] == [{**w, "error": None} for w in want]
+        assert "raised KeyError at step 0: 'answer_a'" in got[-1]["error"]
+        # a row nobody reads any more: its steps are aborted and its pins released
+        unread = [lifecycle.submit(r) for r in rows]
+        lifecycle.abandon(unread)
+        for _ in range(50):  # steps submitted meanwhile finish or are aborted, then let go
+            if driver.call(lambda e: (len(e.pins), e.num_unfinished())).result(60) == (0, 0):
+                break
+            time.sleep(0.2)
+        assert driver.call(lambda e: (len(e.pins), e.num_unfinished())).result(60) == (0, 0)
+    finally:
+        driver.shutdown()

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from batchgen_data.llm import LLM
     from batchgen_data.models.default_model import DEFAULT_MODEL
     from batchgen_data.outputs import CompletionOutput, RequestOutput
+    from batchgen_data.programs.api import Generate, GenerateResult, program
     from batchgen_data.sampling_params import SamplingParams
 
 _LAZY = {
@@ -21,9 +22,13 @@ _LAZY = {
     "CompletionOutput": "batchgen_data.outputs",
     "RequestOutput": "batchgen_data.outputs",
     "SamplingParams": "batchgen_data.sampling_params",
+    "program": "batchgen_data.programs.api",
+    "Generate": "batchgen_data.programs.api",
+    "GenerateResult": "batchgen_data.programs.api",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL",
+           "program", "Generate", "GenerateResult"]
 __version__ = "0.1.0"
 
 

@@ -9,6 +9,8 @@ from tqdm.auto import tqdm
 from batchgen_data.chat import render_chat
 from batchgen_data.engine.engine import Engine
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.programs.api import Program
+from batchgen_data.programs.offline import ProgramRunner
 from batchgen_data.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -63,6 +65,31 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
         return self.generate([{"prompt_token_ids": ids, "prompt": text} for ids, text in prompts],
                              sampling_params, use_tqdm)
+
+    def run(self, rows: Seq[dict[str, Any]], program: Program,
+            sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+            on_error: str = "row") -> list[dict[str, Any]]:
+        """Run a `@program` on every row; its output dicts in input order.
+
+        The steps of all rows share the engine's batches (batchgen_data/programs/offline.py).
+        `sampling_params`: defaults for the fields a `Generate` leaves out. A row whose
+        program fails gives `{"error": message}` (on_error="row") or raises `ProgramError`.
+        """
+        if not isinstance(program, Program):
+            raise TypeError(f"program must be a @batchgen_data.program, got "
+                            f"{type(program).__name__}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError("sampling_params must be SamplingParams")
+        rows = list(rows)
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TypeError(f"rows[{i}] must be a dict, got {type(row).__name__}")
+        runner = ProgramRunner(self.engine, program, sampling_params, on_error)
+        bar = tqdm(total=len(rows), desc=f"run {program.name}", disable=not use_tqdm)
+        try:
+            return runner.run_all(rows, on_done=lambda: bar.update(1))
+        finally:
+            bar.close()
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True
                     ) -> tuple[list[int], str]:

@@ -23,6 +23,9 @@ With `stream=False` each input batch comes back whole, in input order, as `ray.d
 With `migration=True` (the default) the actors of one job share a coordinator actor that moves
 waiting and long-running requests from busy engines to idle ones; results still come back
 through the task that received the row (`ray_migration`, docs/ray_data.md).
+
+With `program=` (a `@batchgen_data.program`) each row runs that program instead of one
+generation; its output dict becomes the columns (connectors/programs.py, docs/programs.md).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import pyarrow as pa
 
 from batchgen_data.connectors.common import RequestBuilder, attach_outputs, to_arrow
 from batchgen_data.connectors.ray_metrics import start_stats_export
+from batchgen_data.connectors.programs import attach_program_outputs
 from batchgen_data.connectors.ray_migration import MigrationOptions, start_migration
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.devices import pick_device
@@ -82,7 +86,7 @@ class BatchGenPredictor:
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
                  on_error: str = "row", stream: bool = True, apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
-                 **engine_kwargs: Any) -> None:
+                 program: Any = None, **engine_kwargs: Any) -> None:
         check_on_error(on_error)
         self.stream = stream
         options = MigrationOptions(**(migration_options or {}))  # TypeError on unknown names
@@ -91,9 +95,11 @@ class BatchGenPredictor:
                                              apply_chat_template)
         self.rows = RowLifecycle(self.driver, builder, self.driver.engine.config.seed, on_error,
                                  request_prefix=uuid.uuid4().hex[:8],
-                                 on_engine_dead=lambda _: exit_if_engine_dead(self.driver))
+                                 on_engine_dead=lambda _: exit_if_engine_dead(self.driver),
+                                 program=program)
         # engines of one job share a coordinator: same Ray job and same predictor config
-        fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items())))
+        fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items()),
+                            getattr(program, "name", None)))
         self.migration = start_migration(self.driver, fingerprint, options) if migration else None
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
         self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)
@@ -129,6 +135,10 @@ class BatchGenPredictor:
                   done: Any) -> pa.Table:
         """Finished rows, taken out of `pending`, in input order, with their outputs."""
         finished = sorted((pending.pop(f), f) for f in done)
+        if self.rows.programs is not None:
+            return attach_program_outputs(table, [i for i, _ in finished],
+                                          [self.rows.outcome(f) for _, f in finished],
+                                          self.rows.program_schema)
         return attach_outputs(table, [i for i, _ in finished],
                               [self.rows.outcome(f) for _, f in finished])
 
@@ -138,5 +148,7 @@ class BatchGenPredictor:
         if getattr(self, "stats_export", None) is not None:
             self.stats_export.stop()
         driver = getattr(self, "driver", None)
+        if getattr(getattr(self, "rows", None), "programs", None) is not None:
+            self.rows.programs.shutdown()
         if driver is not None:
             driver.shutdown(timeout=1.0)

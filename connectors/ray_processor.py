@@ -57,6 +57,7 @@ class BatchGenProcessorConfig:
     # hold more than one actor
     migration: bool | None = None
     migration_options: Mapping[str, Any] | None = None  # MigrationOptions fields
+    program: Any = None  # a @batchgen_data.program run on every row (docs/programs.md)
 
     @property
     def migration_on(self) -> bool:
@@ -77,6 +78,9 @@ class BatchGenProcessorConfig:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
         make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
         MigrationOptions(**dict(self.migration_options or {}))
+        if self.program is not None and not hasattr(self.program, "max_steps"):
+            raise TypeError(f"program must be a @batchgen_data.program, got "
+                            f"{type(self.program).__name__}")
         SamplingParams.from_dict(dict(self.sampling_params)
                                  if isinstance(self.sampling_params, Mapping)
                                  else self.sampling_params)
@@ -90,7 +94,7 @@ class BatchGenProcessorConfig:
                     on_error="row" if self.should_continue_on_error else "raise",
                     stream=self.stream, apply_chat_template=self.apply_chat_template,
                     migration=self.migration_on, migration_options=options,
-                    **dict(self.engine_kwargs))
+                    program=self.program, **dict(self.engine_kwargs))
 
     def map_batches_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
         """Everything else `Dataset.map_batches` needs to run the predictor."""

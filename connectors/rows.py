@@ -24,6 +24,8 @@ from typing import Any
 
 from batchgen_data.connectors.common import (
     RequestBuilder, RowError, error_row, result_row, seeded)
+from batchgen_data.connectors.programs import (
+    program_error_row, program_output_schema, program_result_row, program_row_key, step_seed)
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("row", "raise")
@@ -58,7 +60,8 @@ class RowLifecycle:
 
     def __init__(self, driver: Any, builder: RequestBuilder, base_seed: int,
                  on_error: str = "row", request_prefix: str = "row",
-                 on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_engine_dead: Callable[[BaseException], None] | None = None,
+                 program: Any = None) -> None:
         self.driver = driver
         self.builder = builder
         self.base_seed = base_seed
@@ -71,11 +74,25 @@ class RowLifecycle:
         self._build_lock = threading.Lock()
         self._request_ids: dict[Future, str] = {}  # in flight, for `abandon`
         self._watch = EmptyAnswerWatch.of(driver.engine)
+        # with a per-row program each row runs it instead of one request (connectors/programs.py)
+        self.programs = self._start_programs(program) if program is not None else None
+        self.program_schema = program_output_schema(program)
+
+    def _start_programs(self, program: Any) -> Any:
+        from batchgen_data.programs.driven import DrivenPrograms  # imports the engine side
+
+        return DrivenPrograms(
+            self.driver, program, self.builder.default_params, self._build_lock,
+            seed_for=lambda key, step, slot: step_seed(self.base_seed, key, step, slot),
+            prefix=f"{self._prefix}-program", is_engine_dead=lambda e: isinstance(e, self._dead))
 
     def submit(self, row: Mapping[str, Any], key: Any = None) -> Future:
         """build → seed → submit. A row error comes back as a finished Future holding it
         (raised at once with on_error="raise"); `key` seeds unseeded sampling (default: the
         prompt's token ids), so a retried task or a moved row samples the same tokens."""
+        if self.programs is not None:
+            # the whole row goes to the program; its failures arrive through the Future
+            return self.programs.submit(dict(row), program_row_key(row) if key is None else key)
         try:
             with self._build_lock:
                 req = self.builder.build(row)
@@ -99,6 +116,11 @@ class RowLifecycle:
         row error with on_error="raise")."""
         self._request_ids.pop(fut, None)
         exc = fut.exception()
+        if exc is None and self.programs is not None:
+            row = program_result_row(fut.result(), self.program_schema)
+            if row["error"] is not None and self.on_error == "raise":
+                raise RowError(row["error"])
+            return row
         if exc is None:
             row = result_row(fut.result())
             self._watch.saw(row, self.builder.prompts_as_chat)
@@ -110,11 +132,16 @@ class RowLifecycle:
             if isinstance(exc, RowError):
                 raise exc
             raise RowError(error_message(exc)) from exc
+        if self.programs is not None:
+            return program_error_row(error_message(exc))
         return error_row(error_message(exc))
 
     def abandon(self, futures: Iterable[Future]) -> None:
         """Stop generating rows nobody will read (the task failed, was cancelled, or its
         consumer stopped early); a row that finished meanwhile is left alone."""
+        if self.programs is not None:
+            self.programs.abandon(futures)
+            return
         rids = [self._request_ids.pop(f) for f in list(futures) if f in self._request_ids]
         if not rids or getattr(self.driver, "dead", None) is not None:
             return

@@ -9,6 +9,8 @@ Compared with `pyspark.ml.functions.predict_batch_udf`, which runs one Arrow bat
     (`on_error="raise"` restores fail-fast);
   * with no seed given, each row's seed is derived from the row (its prompt, or its id column in
     `generate_df`), so a retried or speculative task returns the same text.
+With `program=` (a `@batchgen_data.program` with a declared schema) each row runs that program
+and its output columns replace the generation columns (docs/programs.md).
 pyspark and pandas are imported only when these functions are called.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import pyarrow as pa
 
 from batchgen_data.connectors import common, spark_task
+from batchgen_data.connectors.programs import attach_program_outputs, require_schema
 from batchgen_data.connectors.spark_task import TaskSettings
 from batchgen_data.connectors.spark_streaming import in_completion_order, in_input_order
 
@@ -50,7 +53,8 @@ def _check_worker_reuse() -> None:
 
 def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                  max_in_flight: int | None = None, debug_stats: bool = False,
-                 apply_chat_template: bool = True, **engine_kwargs: Any) -> Any:
+                 apply_chat_template: bool = True, program: Any = None,
+                 **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
 
     The input column may hold prompt strings, chat messages (`array<struct<role, content>>`) or
@@ -64,9 +68,9 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs, apply_chat_template)
+                                   debug_stats, engine_kwargs, apply_chat_template, program)
     _check_worker_reuse()
-    return_type = _spark_type(spark_task.output_schema(debug_stats))
+    return_type = _spark_type(_task_schema(settings))
 
     def batchgen_generate(prompts: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
         yield from _udf_task(settings, prompts)
@@ -82,9 +86,12 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
     import pandas as pd
 
     session = spark_task.TaskSession(settings)
-    names = spark_task.output_schema(settings.debug_stats).names
+    names = _task_schema(settings).names
 
     def submit(series: pd.Series) -> list[Future]:
+        if isinstance(series, pd.DataFrame):  # a struct column: one row dict per struct
+            rows = [common.to_python(r) for r in series.to_dict("records")]
+            return session.submit(rows, [None] * len(rows))
         values = [common.to_python(v) for v in series.tolist()]
         return session.submit([spark_task.value_row(v) for v in values], values)
 
@@ -96,6 +103,7 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
                 model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
                 apply_chat_template: bool = True, stats: Any = None,
+                program: Any = None,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
@@ -105,16 +113,17 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     `stats`: a `spark_metrics.stats_accumulator(spark)` that each task adds its engine's
     samples to (for `report_html`).
     """
-    for col in (prompt_col, id_col):
+    for col in (prompt_col if program is None else None, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = replace(TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                           debug_stats, engine_kwargs, apply_chat_template),
+                                           debug_stats, engine_kwargs, apply_chat_template,
+                                           program),
                        stats=stats)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
 
-    out_fields = _spark_type(spark_task.output_schema(debug_stats)).fields
+    out_fields = _spark_type(_task_schema(settings)).fields
     # like common.attach_outputs: an input column named like an output column is replaced
     kept = [f for f in df.schema.fields if f.name not in {o.name for o in out_fields}]
     schema = StructType(kept + out_fields)
@@ -131,6 +140,10 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
     session = spark_task.TaskSession(settings)
 
     def submit(batch: pa.RecordBatch) -> list[Future]:
+        if settings.program is not None:  # the whole row goes to the program
+            ids = batch.column(id_col).to_pylist() if id_col is not None else None
+            rows = batch.to_pylist()
+            return session.submit(rows, ids if ids is not None else [None] * len(rows))
         values = batch.column(prompt_col).to_pylist()
         rows = [spark_task.value_row(v) for v in values]
         if common.PARAMS_COLUMN in batch.schema.names:
@@ -156,8 +169,24 @@ def _finished_batches(settings: TaskSettings, session: spark_task.TaskSession, s
             futures.append(fut)
         for batch, indices, futures in groups.values():
             rows = session.output_rows(futures)
-            table = common.attach_outputs(pa.Table.from_batches([batch]), indices, rows)
+            table = _attach(settings, pa.Table.from_batches([batch]), indices, rows)
             if settings.debug_stats:
                 peaks = [r[spark_task.DEBUG_FIELD] for r in rows]
                 table = table.append_column(spark_task.DEBUG_FIELD, pa.array(peaks, pa.int32()))
             yield from table.to_batches()
+
+
+def _task_schema(settings: TaskSettings) -> pa.Schema:
+    """Columns a task appends: the program's declared ones, else the generation columns."""
+    if settings.program is None:
+        return spark_task.output_schema(settings.debug_stats)
+    schema = require_schema(settings.program, "Spark")
+    return schema.append(pa.field(DEBUG_FIELD, pa.int32())) if settings.debug_stats else schema
+
+
+def _attach(settings: TaskSettings, table: pa.Table, indices: list[int],
+            rows: list[dict[str, Any]]) -> pa.Table:
+    if settings.program is None:
+        return common.attach_outputs(table, indices, rows)
+    return attach_program_outputs(table, indices, rows,
+                                  require_schema(settings.program, "Spark"))

@@ -39,6 +39,7 @@ class TaskSettings:
     debug_stats: bool = False
     apply_chat_template: bool = True
     stats: Any = None  # a spark_metrics.stats_accumulator: engine samples, added per task
+    program: Any = None  # a @batchgen_data.program run on every row (connectors/programs.py)
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
@@ -48,13 +49,13 @@ class TaskSettings:
     @classmethod
     def create(cls, model: str | None, sampling_params: Any, on_error: str,
                max_in_flight: int | None, debug_stats: bool,
-               engine_kwargs: dict[str, Any], apply_chat_template: bool = True
-               ) -> "TaskSettings":
+               engine_kwargs: dict[str, Any], apply_chat_template: bool = True,
+               program: Any = None) -> "TaskSettings":
         spec = EngineSpec.create(model, engine_kwargs)
         params = SamplingParams.from_dict(sampling_params).to_dict()
         # Two engine batches' worth: the engine stays full while the oldest rows drain.
         window = max_in_flight if max_in_flight is not None else 2 * spec.max_num_seqs
-        return cls(spec, params, on_error, window, debug_stats, apply_chat_template)
+        return cls(spec, params, on_error, window, debug_stats, apply_chat_template, program)
 
 
 def task_resources() -> tuple[list[str], int | None]:
@@ -112,7 +113,8 @@ class TaskSession:
                 driver, builder, self.settings.spec.base_seed, self.settings.on_error,
                 request_prefix=f"spark-{uuid.uuid4().hex[:12]}",
                 # not the rows' fault: the next task on this worker builds a new engine
-                on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver))
+                on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver),
+                program=self.settings.program)
             if self.settings.debug_stats:
                 self._probe = BatchSizeProbe(driver.engine)
             if self.settings.stats is not None:

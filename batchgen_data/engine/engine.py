@@ -21,6 +21,7 @@ import torch
 from batchgen_data.config import EngineConfig, make_engine_config
 from batchgen_data.engine import coroutine
 from batchgen_data.engine.model_runner import ModelRunner
+from batchgen_data.engine.pins import PrefixPins
 from batchgen_data.engine.request import Request
 from batchgen_data.engine.sampler import Sampler
 from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
@@ -49,6 +50,7 @@ class Engine:
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
         self.stats = EngineStats()
+        self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (engine/pins.py)
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
         # called with every step's shape before the model runs (sim/calibrate.py times steps)
@@ -78,14 +80,17 @@ class Engine:
         self.sampler.check(params, self.vocab_size)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-               request_id: str | None = None, prompt: str | None = None) -> str:
+               request_id: str | None = None, prompt: str | None = None,
+               pin: str | None = None) -> str:
+        """`pin`: when the request finishes, keep its cached KV under that key until
+        `unpin(pin)` (a program's next step extends this conversation: engine/pins.py)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests or rid in self.held:
             raise ValueError(f"request_id={rid!r} is already in this engine")
         ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
-        req = Request(rid, prompt, ids, params)
+        req = Request(rid, prompt, ids, params, pin=pin)
         room = self.max_model_len - len(ids)
         for i in range(params.n):
             seed = self._seed_for(params.seed, i)
@@ -122,6 +127,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         finished, self._pending_out = self._pending_out, []
         out = self.scheduler.schedule()
+        if len(self.pins) and (out.held or (not out.seqs and self.scheduler.has_work())):
+            # short of blocks: pinned prefixes are the cheapest memory to give back
+            self.pins.release_all()
+            if not out.seqs:
+                out = self.scheduler.schedule()
         if self.on_step is not None:
             self.on_step(StepShape.of(out))
         self._move_kv(out)
@@ -174,6 +184,9 @@ class Engine:
             if req is not None and req.finished:
                 del self.requests[rid]
                 self.stats.num_finished += 1
+                if req.pin is not None:
+                    for seq in req.seqs:
+                        self.pins.pin(req.pin, seq.token_ids)
                 outs.append(req.output(self.stopper))
         return outs
 
@@ -190,6 +203,10 @@ class Engine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._pending_out.append(req.output(self.stopper))
         return True
+
+    def unpin(self, key: str) -> bool:
+        """Release the KV kept under `key` by requests submitted with `pin=key`; False if none."""
+        return self.pins.unpin(key)
 
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
         """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if

@@ -16,6 +16,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    pin: str | None = None  # keep its KV under this key once finished (Engine.unpin)
 
     @property
     def finished(self) -> bool:

@@ -56,10 +56,12 @@ class BlockPool:
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: list[int], max_tokens: int,
+                     count_hits: bool = True) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks covering at most `max_tokens` of `token_ids`.
 
         Returns (block_ids, hashes); the blocks are referenced on behalf of the caller.
+        `count_hits=False` leaves `hits`/`queries` alone (a pin is not a prompt being served).
         """
         if not self.enable_prefix_caching:
             return [], []
@@ -76,8 +78,9 @@ class BlockPool:
             blocks.append(b)
             hashes.append(h)
             parent = h
-        self.queries += max_tokens // bs
-        self.hits += len(blocks)
+        if count_hits:
+            self.queries += max_tokens // bs
+            self.hits += len(blocks)
         for b in blocks:
             if self.ref_counts[b] == 0:
                 del self._free[b]

@@ -1,0 +1,151 @@
+"""Programs over an `EngineDriver`: what the Ray and Spark connectors run per row.
+
+`submit(row)` returns a Future of the program's output dict. Each step's Generates go to the
+driver like any row's request (so they batch with every other row and program on the engine,
+and Ray's migration can move them like any request); when a step's last result arrives, the
+program resumes on one small worker thread of its own: user code and chat-template rendering
+never run on the engine thread, and a slow program delays nobody's tokens. A failed program
+resolves its Future with a `ProgramError` (a row error); a dead engine with `EngineDeadError`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen_data.programs.api import GenerateResult, Program
+from batchgen_data.programs.run import ProgramError, ProgramRun
+from batchgen_data.programs.steps import StepRequest, render, result_of, seeded_step
+from batchgen_data.sampling_params import SamplingParams
+
+# (row key, step number, slot) -> seed for a step the program left unseeded, or None
+SeedFor = Callable[[Any, int, int], "int | None"]
+
+
+@dataclass(eq=False)
+class _Live:
+    pid: str
+    run: ProgramRun
+    row_future: Future
+    key: Any
+    requests: list[StepRequest] = field(default_factory=list)
+    results: list[GenerateResult | None] = field(default_factory=list)
+    in_flight: list[str] = field(default_factory=list)  # request ids of the pending step
+
+
+class DrivenPrograms:
+    def __init__(self, driver: Any, program: Program, defaults: SamplingParams | None = None,
+                 tokenizer_lock: Any = None, seed_for: SeedFor | None = None,
+                 prefix: str = "program", is_engine_dead: Callable[[BaseException], bool]
+                 = lambda e: False) -> None:
+        if not isinstance(program, Program):
+            raise TypeError(f"program must be a @batchgen_data.program, got "
+                            f"{type(program).__name__}")
+        self.driver = driver
+        self.program = program
+        self.defaults = defaults or SamplingParams()
+        self._lock = tokenizer_lock if tokenizer_lock is not None else threading.Lock()
+        self._seed_for = seed_for
+        self._is_dead = is_engine_dead
+        self._prefix = prefix
+        self._ids = itertools.count()
+        self._live: dict[Future, _Live] = {}
+        # one thread: programs advance one at a time, in the order their steps finished
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-programs")
+
+    def submit(self, row: dict[str, Any], key: Any = None) -> Future:
+        fut: Future = Future()
+        live = _Live(f"{self._prefix}-{next(self._ids)}", ProgramRun(self.program, row), fut, key)
+        self._live[fut] = live
+        self._worker.submit(self._guarded, live, self._start, live)
+        return fut
+
+    def abandon(self, futures: Iterable[Future]) -> None:
+        """Stop programs nobody will read: their in-flight steps aborted, their pins released."""
+        gone = [self._live.pop(f) for f in list(futures) if f in self._live]
+        if gone and getattr(self.driver, "dead", None) is None:
+            self.driver.call(lambda engine: [self._drop(engine, live) for live in gone])
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # ---- worker thread ----------------------------------------------------------------------
+    def _guarded(self, live: _Live, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            if live.row_future in self._live:
+                fn(*args)
+            elif fn == self._on_step and getattr(self.driver, "dead", None) is None:
+                # abandoned while this step was being submitted: its pin went in after the
+                # release, so release again (both calls are no-ops when nothing is left)
+                self.driver.call(lambda engine: self._drop(engine, live))
+        except BaseException as e:  # noqa: BLE001 - whatever breaks must reach the row's waiter
+            self._finish(live, e)
+
+    def _start(self, live: _Live) -> None:
+        live.run.start()
+        self._launch(live)
+
+    def _launch(self, live: _Live) -> None:
+        run = live.run
+        if run.pending is not None:
+            try:
+                with self._lock:
+                    reqs = [self._request(live, slot, g) for slot, g in enumerate(run.pending)]
+            except (ValueError, TypeError) as e:
+                run.fail(f"program {run.program.name!r} step {run.num_steps}: {e}")
+            else:
+                self._submit_step(live, reqs)
+                return
+        if run.error is not None:
+            self._finish(live, ProgramError(run.error))
+        else:
+            self._finish(live, None)
+
+    def _request(self, live: _Live, slot: int, step: Any) -> StepRequest:
+        req = render(step, self.driver.engine.tokenizer, self.defaults,
+                     self.driver.engine.check_request)
+        seed = self._seed_for(live.key, live.run.num_steps, slot) if self._seed_for else None
+        return seeded_step(req, seed)
+
+    def _submit_step(self, live: _Live, reqs: list[StepRequest]) -> None:
+        live.requests, live.results = reqs, [None] * len(reqs)
+        live.in_flight = [f"{live.pid}-{live.run.num_steps}-{slot}" for slot in range(len(reqs))]
+        for slot, (req, rid) in enumerate(zip(reqs, live.in_flight)):
+            step_fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
+                                          prompt=req.prompt, pin=live.pid)
+            step_fut.add_done_callback(
+                lambda f, s=slot: self._worker.submit(self._guarded, live, self._on_step, live,
+                                                      s, f))
+
+    def _on_step(self, live: _Live, slot: int, step_fut: Future) -> None:
+        exc = step_fut.exception()
+        if exc is not None:
+            if not self._is_dead(exc):
+                exc = ProgramError(f"program {self.program.name!r} step {live.run.num_steps}: "
+                                   f"{type(exc).__name__}: {exc}")
+            self._finish(live, exc)
+            return
+        live.results[slot] = result_of(live.requests[slot], step_fut.result())
+        if all(r is not None for r in live.results):
+            live.in_flight = []
+            live.run.feed(live.results)  # type: ignore[arg-type]
+            self._launch(live)
+
+    def _finish(self, live: _Live, exc: BaseException | None) -> None:
+        if self._live.pop(live.row_future, None) is None:
+            return  # abandoned, or already finished by an earlier failure
+        if getattr(self.driver, "dead", None) is None:
+            self.driver.call(lambda engine: self._drop(engine, live))
+        if exc is not None:
+            live.row_future.set_exception(exc)
+        else:
+            live.row_future.set_result(live.run.output)
+
+    @staticmethod
+    def _drop(engine: Any, live: _Live) -> None:
+        for rid in live.in_flight:
+            engine.abort(rid)  # False when it finished meanwhile
+        engine.unpin(live.pid)

@@ -1,0 +1,144 @@
+"""Per-row programs against the `ray.data.llm` way: a 3-step draft → critique → revise job.
+
+Two systems run the same rows on one engine (the default model unless --model), greedy, so both
+must produce the same three texts per row:
+
+  program   `LLM.run(rows, revise)` (examples/programs_revise.py): every row's steps share the
+            engine's batches, a row's next step starts as soon as its previous one finishes, and
+            its conversation's KV stays pinned between steps, so only the new turn is prefilled
+  stages    what three chained `ray.data.llm` processors do: one full pass per step
+            (`LLM.chat` over every row), the prefix cache reset between passes (each stage is its
+            own vLLM engine), so each pass prefills the whole conversation again and waits for the
+            slowest row before the next pass starts
+
+Reported per system: completion time of the whole batch and prompt tokens computed (tokens run
+through the model minus decode tokens: what prefill and recompute cost), with ratios
+stages/program, plus how many rows came out identical. Issue #19's goal: >= 2x fewer prefill
+tokens and >= 1.5x lower completion time for the program.
+
+    .venv/bin/python benchmarks/programs.py                 # 200 rows, 64 tokens per step
+    .venv/bin/python benchmarks/programs.py --quick         # 10 rows, 16 tokens: a smoke run
+    .venv/bin/python benchmarks/programs.py --rows 400 --engine max_num_seqs=128 --engine device=cuda
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import format_table, parse_key_values  # noqa: E402
+
+from batchgen_data import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["hash tables", "photosynthesis", "the French revolution", "compound interest",
+          "binary search", "plate tectonics", "vaccines", "supply and demand", "recursion",
+          "black holes", "the water cycle", "public key cryptography", "inflation",
+          "neural networks", "the immune system", "climate change", "TCP handshakes",
+          "the Roman empire", "electric motors", "sorting algorithms"]
+ASKS = ["Explain {} to a beginner.", "Give three key facts about {}.",
+        "What is a common misconception about {}?", "Why does {} matter?",
+        "Summarise {} in two sentences.", "Write a short quiz question about {}.",
+        "Compare {} with a related idea.", "How would you teach {} to a child?",
+        "What are the limits of {}?", "Describe a real-world example of {}."]
+
+
+def load_revise() -> Any:
+    spec = importlib.util.spec_from_file_location("programs_revise",
+                                                  ROOT / "examples" / "programs_revise.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_rows(n: int) -> list[dict[str, Any]]:
+    qs = [a.format(t) for a in ASKS for t in TOPICS]
+    return [{"question": qs[i % len(qs)] + ("" if i < len(qs) else f" (variant {i // len(qs)})")}
+            for i in range(n)]
+
+
+class Meter:
+    """Completion time and prompt tokens computed between `start` and `stop` on one engine."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.stats = llm.engine.stats
+
+    def start(self) -> None:
+        s = self.stats
+        self.t0, self.c0, self.g0, self.f0 = time.perf_counter(), s.computed_tokens, \
+            s.generated_tokens, s.num_finished
+
+    def stop(self) -> dict[str, Any]:
+        s = self.stats
+        requests = s.num_finished - self.f0
+        # a request computes all its sampled tokens but the last: those are its decode tokens
+        decode = (s.generated_tokens - self.g0) - requests
+        return {"wall_s": round(time.perf_counter() - self.t0, 3), "requests": requests,
+                "prefill_tokens": (s.computed_tokens - self.c0) - decode}
+
+
+def run_program(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int
+                ) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    llm.engine.reset_prefix_cache()
+    meter = Meter(llm)
+    meter.start()
+    outs = llm.run(rows, mod.revise, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    stats = meter.stop()
+    return [(o["draft"], o["critique"], o["answer"]) for o in outs], stats
+
+
+def run_stages(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int
+               ) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    convs = [[{"role": "user", "content": r["question"]}] for r in rows]
+    texts: list[list[str]] = []
+    meter = Meter(llm)
+    meter.start()
+    for follow_up in (mod.CRITIQUE, mod.REVISE, None):
+        llm.engine.reset_prefix_cache()  # the next stage is another engine
+        outs = llm.chat(convs, sp, use_tqdm=False)
+        texts.append([o.outputs[0].text for o in outs])
+        convs = [c + [{"role": "assistant", "content": t}, {"role": "user", "content": follow_up}]
+                 for c, t in zip(convs, texts[-1])]
+    return list(zip(*texts)), meter.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=64, help="per step")
+    ap.add_argument("--quick", action="store_true", help="10 rows, 16 tokens per step")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--engine", action="append", help="engine kwarg key=value (repeatable)")
+    args = ap.parse_args()
+    rows_n, max_tokens = (10, 16) if args.quick else (args.rows, args.max_tokens)
+
+    llm = LLM(args.model, **parse_key_values(args.engine))
+    mod = load_revise()
+    rows = make_rows(rows_n)
+    run_stages(llm, rows[:2], mod, 4)  # warm-up: kernels built, caches touched
+    got_s, stages = run_stages(llm, rows, mod, max_tokens)
+    got_p, prog = run_program(llm, rows, mod, max_tokens)
+    same = sum(a == b for a, b in zip(got_p, got_s))
+    records = [{"system": "stages (ray.data.llm-style)", **stages},
+               {"system": "program (LLM.run)", **prog}]
+    print(format_table(records, ["system", "wall_s", "prefill_tokens", "requests"]))
+    summary = {"bench": "programs", "rows": rows_n, "max_tokens": max_tokens,
+               "model": args.model or "default", "stages": stages, "program": prog,
+               "prefill_ratio": round(stages["prefill_tokens"] / max(1, prog["prefill_tokens"]), 3),
+               "time_ratio": round(stages["wall_s"] / max(1e-9, prog["wall_s"]), 3),
+               "identical_rows": same}
+    print(f"\nprefill tokens: {summary['prefill_ratio']}x fewer with the program; completion "
+          f"time: {summary['time_ratio']}x lower; identical rows: {same}/{rows_n}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from batchgen_data.models.default_model import DEFAULT_MODEL
     from batchgen_data.outputs import CompletionOutput, RequestOutput
     from batchgen_data.sampling_params import SamplingParams
+    from batchgen_data.structured import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "batchgen_data.llm",
@@ -21,9 +22,11 @@ _LAZY = {
     "CompletionOutput": "batchgen_data.outputs",
     "RequestOutput": "batchgen_data.outputs",
     "SamplingParams": "batchgen_data.sampling_params",
+    "StructuredOutputsParams": "batchgen_data.structured",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "DEFAULT_MODEL"]
 __version__ = "0.1.0"
 
 

@@ -23,6 +23,7 @@ from batchgen_data.engine.bad_words import BadWords
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.structured.logits import StructuredLogits
 
 _M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
 _M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
@@ -55,6 +56,7 @@ class Sampler:
     def __init__(self, stop_ids_for_min_tokens: set[int], tokenizer: Any = None) -> None:
         self.eos_ids = sorted(stop_ids_for_min_tokens)
         self.bad_words = BadWords(tokenizer)
+        self.structured = StructuredLogits(tokenizer, self.eos_ids)
 
     def check(self, params: SamplingParams, vocab_size: int) -> None:
         """The request-time checks that need the model: token ids in the vocabulary, bad words
@@ -62,6 +64,7 @@ class Sampler:
         params.check_vocab(vocab_size)
         if params.bad_words:
             self.bad_words.check(params.bad_words, vocab_size)
+        self.structured.check(params, vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits [N, V] float32, row i belongs to seqs[i]
@@ -74,6 +77,7 @@ class Sampler:
         self._edit(logits, b)
         if b.ban.shape[1]:
             logits[b.ban[0], b.ban[1]] = float("-inf")
+        self.structured.apply(logits, seqs)  # grammar masks of structured_outputs rows
         self._penalties(logits, b)
 
         chosen = logits.argmax(-1)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors import common, spark_task
+from batchgen_data.connectors import common, row_extras, spark_task
 from batchgen_data.connectors.spark_task import TaskSettings
 from batchgen_data.connectors.spark_streaming import in_completion_order, in_input_order
 
@@ -49,7 +49,9 @@ def _check_worker_reuse() -> None:
 
 def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                  max_in_flight: int | None = None, debug_stats: bool = False,
-                 apply_chat_template: bool = True, **engine_kwargs: Any) -> Any:
+                 apply_chat_template: bool = True, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
 
     The input column may hold prompt strings, chat messages (`array<struct<role, content>>`) or
@@ -63,7 +65,8 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs, apply_chat_template)
+                                   debug_stats, engine_kwargs, apply_chat_template,
+                                   chat_template, chat_template_kwargs)
     _check_worker_reuse()
     return_type = _spark_type(spark_task.output_schema(debug_stats))
 
@@ -94,18 +97,23 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
                 model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
-                apply_chat_template: bool = True, **engine_kwargs: Any) -> "DataFrame":
+                apply_chat_template: bool = True, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None,
+                **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
     The result has all input columns plus the output columns. `id_col` names a column that
     identifies rows: it seeds sampling (when no seed is given) and lets callers join results
     back; without it the prompt is the seed key. `apply_chat_template` as in `batchgen_udf`.
+    Per-row columns, when present: `sampling_params`, `structured_outputs`, `response_format`,
+    `chat_template_kwargs` (docs/structured-output.md).
     """
     for col in (prompt_col, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs, apply_chat_template)
+                                   debug_stats, engine_kwargs, apply_chat_template,
+                                   chat_template, chat_template_kwargs)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
 
@@ -128,9 +136,10 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
     def submit(batch: pa.RecordBatch) -> list[Future]:
         values = batch.column(prompt_col).to_pylist()
         rows = [spark_task.value_row(v) for v in values]
-        if common.PARAMS_COLUMN in batch.schema.names:
-            for row, over in zip(rows, batch.column(common.PARAMS_COLUMN).to_pylist()):
-                row[common.PARAMS_COLUMN] = over
+        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS):
+            if name in batch.schema.names:
+                for row, value in zip(rows, batch.column(name).to_pylist()):
+                    row[name] = value
         keys = batch.column(id_col).to_pylist() if id_col is not None else values
         return session.submit(rows, keys)
 

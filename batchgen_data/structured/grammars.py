@@ -39,6 +39,7 @@ class GrammarCache:
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_cached = max_cached
         self._lock = threading.Lock()
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on the first big step
 
     def compiled(self, spec: StructuredOutputsParams) -> Any:
         """The xgrammar CompiledGrammar for `spec`; ValueError naming the field if it does not
@@ -74,6 +75,17 @@ class GrammarCache:
             return c.compile_grammar(choice_grammar(spec.choice))
         assert spec.grammar is not None
         return c.compile_grammar(spec.grammar)
+
+    def fill(self, matchers: list[Any], bitmask: Any, rows: list[int]) -> None:
+        """Bitmask row rows[i] := the tokens matchers[i] allows next (rows in parallel on
+        xgrammar's threads once there are enough of them to pay for it)."""
+        if len(matchers) < 8:
+            for m, i in zip(matchers, rows):
+                m.fill_next_token_bitmask(bitmask, i)
+            return
+        if self._batch is None:
+            self._batch = self._xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     def apply(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
         """Set logits[i, t] = -inf for each i in `rows` whose bitmask row disallows token t."""

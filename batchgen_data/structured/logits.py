@@ -74,12 +74,15 @@ class StructuredLogits:
         # one row per logits row (xgrammar indexes both by `indices`); unconstrained rows stay
         # all-ones and are skipped anyway
         bitmask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        matchers, at = [], []
         for i in rows:
             state = self._caught_up(seqs[i], grammars)
             if state.broken:
                 _only(bitmask[i], self.eos_ids, vocab)
             else:
-                state.matcher.fill_next_token_bitmask(bitmask, i)
+                matchers.append(state.matcher)
+                at.append(i)
+        grammars.fill(matchers, bitmask, at)
         # xgrammar's kernel: C++ on the CPU, Triton on CUDA; the mask is copied to the device
         # once per step
         grammars.apply(logits, bitmask.to(logits.device, non_blocking=True), rows)

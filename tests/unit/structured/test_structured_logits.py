@@ -98,3 +98,20 @@ def test_only_sets_every_bit_position() -> None:
 
 def test_choice_grammar_quotes_literals() -> None:
     assert choice_grammar(['say "hi"', "a\\b"]) == 'root ::= "say \\"hi\\"" | "a\\\\b"'
+
+
+def test_parallel_fill_of_a_big_step_equals_row_by_row(tokenizer: Any) -> None:
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    specs = [{"regex": "[a-c]+"}, {"choice": ["yes", "no"]}, {"json_object": True}]
+    seqs = [FakeSeq(SamplingParams(structured_outputs=specs[i % 3]), [5]) for i in range(20)]
+    for s in seqs[::3]:
+        s.token_ids += tokenizer.encode("ab")
+    seqs.insert(4, FakeSeq(SamplingParams(), [5]))  # unconstrained, in the middle
+    batched = torch.zeros(len(seqs), len(tokenizer))
+    StructuredLogits(tokenizer, [eos]).apply(batched, seqs)  # 20 rows: xgrammar's threads
+    single = StructuredLogits(tokenizer, [eos])
+    for i, s in enumerate(seqs):
+        row = torch.zeros(1, len(tokenizer))
+        single.apply(row, [s])
+        assert torch.equal(torch.isinf(row[0]), torch.isinf(batched[i])), i
+    assert not torch.isinf(batched[4]).any()

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from batchgen_data.outputs import CompletionOutput, RequestOutput
     from batchgen_data.programs.api import Generate, GenerateResult, program
     from batchgen_data.sampling_params import SamplingParams
+    from batchgen_data.structured import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "batchgen_data.llm",
@@ -25,10 +26,11 @@ _LAZY = {
     "program": "batchgen_data.programs.api",
     "Generate": "batchgen_data.programs.api",
     "GenerateResult": "batchgen_data.programs.api",
+    "StructuredOutputsParams": "batchgen_data.structured",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL",
-           "program", "Generate", "GenerateResult"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "DEFAULT_MODEL", "program", "Generate", "GenerateResult"]
 __version__ = "0.1.0"
 
 

@@ -3,14 +3,36 @@
 OpenAI-style messages go through the tokenizer's chat template with the generation prompt
 appended; the rendered text already holds the template's special tokens, so it is encoded
 without adding more. A plain prompt meets a chat model as one user turn (`prompt_as_chat`).
+
+As in vLLM and `ray.data.llm`, a custom Jinja `chat_template` replaces the tokenizer's, and
+`chat_template_kwargs` reach the template as variables (e.g. `enable_thinking=False` for
+Qwen3-style templates).
 """
 from __future__ import annotations
 
 from typing import Any
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+# arguments of apply_chat_template that this module sets itself
+_RESERVED = frozenset({"conversation", "tokenize", "add_generation_prompt", "chat_template",
+                       "return_dict", "return_tensors"})
+
+
+def has_chat_template(tokenizer: Any, chat_template: str | None = None) -> bool:
+    return bool(chat_template) or bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`chat_template_kwargs` as a dict, or ValueError naming what is wrong."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {kwargs!r}")
+    reserved = sorted(_RESERVED & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are set by the "
+                         "renderer (use chat_template= for a custom template)")
+    return dict(kwargs)
 
 
 def clean_messages(messages: Any) -> list[dict[str, Any]]:
@@ -31,18 +53,24 @@ def clean_messages(messages: Any) -> list[dict[str, Any]]:
     return clean
 
 
-def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool = True
-                ) -> tuple[list[int], str]:
+def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool = True,
+                chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
     """(prompt_token_ids, rendered text) for one conversation; ValueError when it cannot be."""
     clean = clean_messages(messages)
+    extra = check_template_kwargs(chat_template_kwargs)
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(clean, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # a template may reject a role order, e.g. two user turns
         raise ValueError(f"chat template failed on messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False), text
 
 
-def prompt_as_chat(tokenizer: Any, prompt: str) -> tuple[list[int], str]:
+def prompt_as_chat(tokenizer: Any, prompt: str, chat_template: str | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
     """A plain prompt as the one user turn of a conversation."""
-    return render_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}], True, chat_template,
+                       chat_template_kwargs)

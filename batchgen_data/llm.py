@@ -59,10 +59,15 @@ class LLM:
 
     def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `chat`: a custom Jinja `chat_template` replaces the tokenizer's, and
+        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template, chat_template_kwargs)
+                   for c in conversations]
         return self.generate([{"prompt_token_ids": ids, "prompt": text} for ids, text in prompts],
                              sampling_params, use_tqdm)
 
@@ -91,10 +96,12 @@ class LLM:
         finally:
             bar.close()
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True
-                    ) -> tuple[list[int], str]:
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
+                    chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         """(prompt_token_ids, text) of one conversation, as the connectors render it."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template,
+                           chat_template_kwargs)
 
     @staticmethod
     def _params(sp: Any, n: int) -> list[SamplingParams]:

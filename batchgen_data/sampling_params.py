@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from batchgen_data.structured.params import StructuredOutputsParams
+
 # vLLM fields this engine does not implement, and why (shown by `from_dict`)
 UNSUPPORTED = {
-    "guided_decoding": "structured output is not supported yet",
+    "guided_decoding": "renamed structured_outputs in vLLM; use structured_outputs",
     "logits_processors": "per-request logits processors are not supported (vLLM v1 removed them)",
     "output_kind": "outputs are always returned once, when the request finishes",
     "spaces_between_special_tokens": "the fast tokenizers used here do not implement it",
@@ -55,7 +57,9 @@ class SamplingParams:
     detokenize: bool = True
     best_of: int | None = None  # vLLM v1 removed it: only None or n are accepted
     extra_args: dict[str, Any] | None = None  # carried with the request, unused (as in vLLM)
-    structured_outputs: Any = None  # not supported yet: any value raises
+    # a StructuredOutputsParams, or a dict with its fields (json, regex, choice, grammar,
+    # json_object): the output is constrained to it (docs/structured-output.md)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +74,7 @@ class SamplingParams:
             self.logit_bias = _bias_dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.structured_outputs = _structured(self.structured_outputs)
         self._check()
         self._check_new_fields()
         # whether the sampler must mask or bias this request's logits (see `SamplingBatch`):
@@ -130,7 +135,7 @@ class SamplingParams:
     def _check_new_fields(self) -> None:
         bad = self._bad
         if self.structured_outputs is not None:
-            raise bad("structured_outputs", "structured output is not supported yet")
+            self._check_structured()
         if self.best_of is not None and self.best_of != self.n:
             raise bad("best_of", f"not supported (vLLM v1 removed it): leave it unset or equal "
                                  f"to n ({self.n}); to get {self.best_of} samples use n")
@@ -151,6 +156,17 @@ class SamplingParams:
             raise bad("bad_words", "must be non-empty strings")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise bad("extra_args", "must be a dict or None")
+
+    def _check_structured(self) -> None:
+        # each of these would fight the grammar's own allow-list, and where the grammar allows
+        # only EOS (its end) they would leave no token to draw
+        clash = [name for name, on in (("ignore_eos", self.ignore_eos),
+                                       ("min_tokens", self.min_tokens > 0),
+                                       ("allowed_token_ids", self.allowed_token_ids is not None),
+                                       ("bad_words", bool(self.bad_words))) if on]
+        if clash:
+            raise self._bad(clash[0], "cannot be combined with structured_outputs: the grammar "
+                                      "decides which tokens may come and when the output ends")
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the field when a token id is outside the model's vocabulary.
@@ -208,6 +224,14 @@ class SamplingParams:
         base = self.to_dict()
         base.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams.from_dict(base)
+
+
+def _structured(value: Any) -> StructuredOutputsParams | None:
+    try:
+        return StructuredOutputsParams.from_value(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"SamplingParams.{e}" if str(e).startswith("structured_outputs")
+                      else f"SamplingParams.structured_outputs: {e}") from None
 
 
 def _is_int(v: Any) -> bool:

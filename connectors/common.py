@@ -34,13 +34,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.chat import has_chat_template, prompt_as_chat, render_chat
+from batchgen_data.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
+from batchgen_data.connectors import row_extras
 from batchgen_data.sampling_params import SamplingParams
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
 PARAMS_COLUMN = "sampling_params"
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens",
-                  "num_generated_tokens", "finish_reason", "error")
+                  "num_generated_tokens", "finish_reason", "error",
+                  *(f.name for f in row_extras.output_fields()))
 
 
 class RowError(ValueError):
@@ -65,6 +67,7 @@ def output_schema() -> pa.Schema:
         pa.field("num_generated_tokens", pa.int32()),
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
+        *row_extras.output_fields(),  # logprobs, top_logprobs, samples (n > 1)
     ])
 
 
@@ -73,13 +76,14 @@ def result_row(out: Any) -> dict[str, Any]:
     c = out.outputs[0]
     return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
             "num_prompt_tokens": len(out.prompt_token_ids), "num_generated_tokens": len(c.token_ids),
-            "finish_reason": c.finish_reason, "error": None}
+            "finish_reason": c.finish_reason, "error": None, **row_extras.result_columns(out)}
 
 
 def error_row(message: str) -> dict[str, Any]:
     """Output columns for a row that produced nothing: empty outputs, `error` = message."""
     return {"generated_text": "", "generated_token_ids": [], "num_prompt_tokens": 0,
-            "num_generated_tokens": 0, "finish_reason": None, "error": message}
+            "num_generated_tokens": 0, "finish_reason": None, "error": message,
+            **row_extras.empty_columns()}
 
 
 def to_python(value: Any) -> Any:
@@ -138,11 +142,14 @@ def attach_outputs(table: pa.Table, indices: Sequence[int],
 
 
 def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
-                  as_chat: bool = False) -> tuple[list[int], str | None]:
+                  as_chat: bool = False, chat: Mapping[str, Any] | None = None
+                  ) -> tuple[list[int], str | None]:
     """(prompt_token_ids, prompt text) for one input value, or RowError naming the problem.
 
-    `as_chat`: a plain prompt is rendered as one user turn of the chat template.
+    `as_chat`: a plain prompt is rendered as one user turn of the chat template; `chat`: the
+    renderer's `chat_template` / `chat_template_kwargs`.
     """
+    chat = chat or {}
     value = to_python(value)
     if column == "prompt_token_ids":
         if not isinstance(value, list) or not value:
@@ -151,7 +158,7 @@ def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
             raise RowError("prompt_token_ids must contain only ints")
         return value, None
     if column == "messages":
-        return _rendered(render_chat, tokenizer, value)
+        return _rendered(render_chat, tokenizer, value, chat)
     if value is None:
         raise RowError("prompt is null")
     if not isinstance(value, str):
@@ -159,14 +166,14 @@ def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
     if not value.strip():  # whitespace only is empty too: nothing to condition on
         raise RowError("prompt is empty" if not value else "prompt is empty (whitespace only)")
     if as_chat:
-        return _rendered(prompt_as_chat, tokenizer, value)
+        return _rendered(prompt_as_chat, tokenizer, value, chat)
     return tokenizer.encode(value), value
 
 
-def _rendered(render: Callable[[Any, Any], tuple[list[int], str]], tokenizer: Any,
-              value: Any) -> tuple[list[int], str]:
+def _rendered(render: Callable[..., tuple[list[int], str]], tokenizer: Any,
+              value: Any, chat: Mapping[str, Any]) -> tuple[list[int], str]:
     try:
-        return render(tokenizer, value)
+        return render(tokenizer, value, **chat)
     except ValueError as e:  # the chat module's message names the bad message
         raise RowError(str(e)) from None
 
@@ -183,7 +190,8 @@ def parse_overrides(value: Any) -> dict[str, Any] | None:
             raise RowError(f"sampling_params is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise RowError(f"sampling_params must be a dict, got {type(value).__name__}")
-    return {k: v for k, v in value.items() if v is not None}
+    value = {k: v for k, v in value.items() if v is not None}
+    return row_extras.lift_structured(value, RowError)
 
 
 class RequestBuilder:
@@ -191,22 +199,27 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: Any, default_params: SamplingParams | Mapping[str, Any] | None = None,
                  check: Callable[[list[int], SamplingParams], None] | None = None,
-                 apply_chat_template: bool = True) -> None:
+                 apply_chat_template: bool = True, chat_template: str | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         # without the chat template a `messages` column is just another passed-through column
         self.columns = INPUT_COLUMNS if apply_chat_template else tuple(
             c for c in INPUT_COLUMNS if c != "messages")
         # plain prompts as one user turn: what an instruct model expects (docs/row-errors.md)
-        self.prompts_as_chat = apply_chat_template and has_chat_template(tokenizer)
-        self.default_params = SamplingParams.from_dict(
-            dict(default_params) if isinstance(default_params, Mapping) else default_params)
+        self.prompts_as_chat = apply_chat_template and has_chat_template(tokenizer, chat_template)
+        self.chat_template = chat_template
+        self.chat_template_kwargs = check_template_kwargs(
+            dict(chat_template_kwargs) if chat_template_kwargs is not None else None)
+        self.default_params = row_extras.default_params(default_params)
         # engine.check_request: raises ValueError for prompts too long, token ids out of vocab
         self.check = check
 
     @classmethod
     def from_engine(cls, engine: Any, default_params: Any = None,
-                    apply_chat_template: bool = True) -> "RequestBuilder":
-        return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template)
+                    apply_chat_template: bool = True, chat_template: str | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> "RequestBuilder":
+        return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template,
+                   chat_template, chat_template_kwargs)
 
     def build(self, row: Mapping[str, Any]) -> RowRequest:
         """The RowRequest for one row; RowError with a message naming the problem otherwise."""
@@ -214,8 +227,9 @@ class RequestBuilder:
         if not present:
             raise RowError(f"row has none of the input columns {list(self.columns)[::-1]}")
         column = next((c for c in present if to_python(row[c]) is not None), present[-1])
-        ids, text = encode_prompt(row[column], self.tokenizer, column, self.prompts_as_chat)
-        params = self.params_for(row.get(PARAMS_COLUMN))
+        ids, text = encode_prompt(row[column], self.tokenizer, column, self.prompts_as_chat,
+                                  self._chat_options(row))
+        params = self.params_for(row.get(PARAMS_COLUMN), row)
         if self.check is not None:
             try:
                 self.check(ids, params)
@@ -223,16 +237,26 @@ class RequestBuilder:
                 raise RowError(str(e)) from None
         return RowRequest(ids, params, text)
 
-    def params_for(self, overrides: Any) -> SamplingParams:
-        """Defaults merged with one row's overrides; RowError when they are invalid."""
+    def params_for(self, overrides: Any, row: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Defaults merged with one row's overrides (and its structured-output columns);
+        RowError when they are invalid."""
+        over = parse_overrides(overrides)
         try:
-            params = self.default_params.merged(parse_overrides(overrides))
+            params = self.default_params.merged(over)
+            if over and "structured_outputs" in over and over["structured_outputs"] is None:
+                # response_format {"type": "text"}: this row is free even if the default is not
+                params = replace(params, structured_outputs=None)
         except (TypeError, ValueError) as e:
             raise RowError(f"bad sampling_params: {e}") from None
-        if params.n != 1:
-            raise RowError(f"bad sampling_params: n={params.n}; connectors emit one row per "
-                           "input row, so n must be 1")
-        return params
+        return row_extras.with_row_structured(params, row) if row else params
+
+    def _chat_options(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            kwargs = row_extras.template_kwargs(row.get("chat_template_kwargs"),
+                                                self.chat_template_kwargs)
+        except ValueError as e:
+            raise RowError(str(e)) from None
+        return {"chat_template": self.chat_template, "chat_template_kwargs": kwargs}
 
     def try_build(self, row: Mapping[str, Any]) -> RowRequest | str:
         """Like `build`, but returns the error message instead of raising."""

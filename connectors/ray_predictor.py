@@ -86,13 +86,16 @@ class BatchGenPredictor:
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
                  on_error: str = "row", stream: bool = True, apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
-                 program: Any = None, **engine_kwargs: Any) -> None:
+                 program: Any = None, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 **engine_kwargs: Any) -> None:
         check_on_error(on_error)
         self.stream = stream
         options = MigrationOptions(**(migration_options or {}))  # TypeError on unknown names
         self.driver = self.start_driver(model, engine_kwargs)
         builder = RequestBuilder.from_engine(self.driver.engine, sampling_params,
-                                             apply_chat_template)
+                                             apply_chat_template, chat_template,
+                                             chat_template_kwargs)
         self.rows = RowLifecycle(self.driver, builder, self.driver.engine.config.seed, on_error,
                                  request_prefix=uuid.uuid4().hex[:8],
                                  on_engine_dead=lambda _: exit_if_engine_dead(self.driver),

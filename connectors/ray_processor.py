@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchgen_data.chat import check_template_kwargs
 from batchgen_data.config import make_engine_config
-from batchgen_data.connectors import ray_blocks
+from batchgen_data.connectors import ray_blocks, row_extras
 from batchgen_data.connectors.ray_migration import MigrationOptions
 from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.sampling_params import SamplingParams
@@ -43,6 +44,8 @@ class BatchGenProcessorConfig:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # `messages` through the chat template, and a plain `prompt` as one user turn
     apply_chat_template: bool = True
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    chat_template_kwargs: Mapping[str, Any] | None = None  # e.g. {"enable_thinking": False}
     max_concurrent_batches: int = 4  # input batches served at once by one actor
     max_tasks_in_flight_per_actor: int | None = None
     should_continue_on_error: bool = True  # False: the first bad row fails the job
@@ -81,9 +84,8 @@ class BatchGenProcessorConfig:
         if self.program is not None and not hasattr(self.program, "max_steps"):
             raise TypeError(f"program must be a @batchgen_data.program, got "
                             f"{type(self.program).__name__}")
-        SamplingParams.from_dict(dict(self.sampling_params)
-                                 if isinstance(self.sampling_params, Mapping)
-                                 else self.sampling_params)
+        row_extras.default_params(self.sampling_params)  # response_format allowed here
+        check_template_kwargs(dict(self.chat_template_kwargs or {}))
 
     def constructor_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
         """`fn_constructor_kwargs` for `BatchGenPredictor`; `job_id` names the coordinator."""
@@ -93,6 +95,8 @@ class BatchGenProcessorConfig:
                     sampling_params=dict(params) if isinstance(params, Mapping) else params,
                     on_error="row" if self.should_continue_on_error else "raise",
                     stream=self.stream, apply_chat_template=self.apply_chat_template,
+                    chat_template=self.chat_template,
+                    chat_template_kwargs=dict(self.chat_template_kwargs or {}),
                     migration=self.migration_on, migration_options=options,
                     program=self.program, **dict(self.engine_kwargs))
 

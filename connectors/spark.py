@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors import common, spark_task
+from batchgen_data.connectors import common, row_extras, spark_task
 from batchgen_data.connectors.programs import attach_program_outputs, require_schema
 from batchgen_data.connectors.spark_task import TaskSettings
 from batchgen_data.connectors.spark_streaming import in_completion_order, in_input_order
@@ -54,6 +54,8 @@ def _check_worker_reuse() -> None:
 def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                  max_in_flight: int | None = None, debug_stats: bool = False,
                  apply_chat_template: bool = True, program: Any = None,
+                 chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
                  **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
 
@@ -68,7 +70,8 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                   debug_stats, engine_kwargs, apply_chat_template, program)
+                                   debug_stats, engine_kwargs, apply_chat_template, program,
+                                   chat_template, chat_template_kwargs)
     _check_worker_reuse()
     return_type = _spark_type(_task_schema(settings))
 
@@ -103,7 +106,8 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
                 model: str | None = None, sampling_params: Any = None, on_error: str = "row",
                 max_in_flight: int | None = None, debug_stats: bool = False,
                 apply_chat_template: bool = True, stats: Any = None,
-                program: Any = None,
+                program: Any = None, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
@@ -112,13 +116,15 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     back; without it the prompt is the seed key. `apply_chat_template` as in `batchgen_udf`.
     `stats`: a `spark_metrics.stats_accumulator(spark)` that each task adds its engine's
     samples to (for `report_html`).
+    Per-row columns, when present: `sampling_params`, `structured_outputs`, `response_format`,
+    `chat_template_kwargs` (docs/structured-output.md).
     """
     for col in (prompt_col if program is None else None, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     settings = replace(TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                            debug_stats, engine_kwargs, apply_chat_template,
-                                           program),
+                                           program, chat_template, chat_template_kwargs),
                        stats=stats)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
@@ -146,9 +152,10 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
             return session.submit(rows, ids if ids is not None else [None] * len(rows))
         values = batch.column(prompt_col).to_pylist()
         rows = [spark_task.value_row(v) for v in values]
-        if common.PARAMS_COLUMN in batch.schema.names:
-            for row, over in zip(rows, batch.column(common.PARAMS_COLUMN).to_pylist()):
-                row[common.PARAMS_COLUMN] = over
+        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS):
+            if name in batch.schema.names:
+                for row, value in zip(rows, batch.column(name).to_pylist()):
+                    row[name] = value
         keys = batch.column(id_col).to_pylist() if id_col is not None else values
         return session.submit(rows, keys)
 

@@ -17,12 +17,12 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen_data import env
-from batchgen_data.connectors import common, spark_engine_cache, spark_metrics
+from batchgen_data.chat import check_template_kwargs
+from batchgen_data.connectors import common, row_extras, spark_engine_cache, spark_metrics
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark_engine_cache import EngineSpec
 from batchgen_data.connectors.spark_streaming import BatchSizeProbe
 from batchgen_data.devices import cuda_is_available, pick_device
-from batchgen_data.sampling_params import SamplingParams
 
 DEBUG_FIELD = "engine_max_batch_seqs"
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class TaskSettings:
     apply_chat_template: bool = True
     stats: Any = None  # a spark_metrics.stats_accumulator: engine samples, added per task
     program: Any = None  # a @batchgen_data.program run on every row (connectors/programs.py)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
@@ -50,12 +52,15 @@ class TaskSettings:
     def create(cls, model: str | None, sampling_params: Any, on_error: str,
                max_in_flight: int | None, debug_stats: bool,
                engine_kwargs: dict[str, Any], apply_chat_template: bool = True,
-               program: Any = None) -> "TaskSettings":
+               program: Any = None, chat_template: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> "TaskSettings":
         spec = EngineSpec.create(model, engine_kwargs)
-        params = SamplingParams.from_dict(sampling_params).to_dict()
+        # response_format allowed in the defaults; the dict form pickles with the UDF
+        params = row_extras.default_params(sampling_params).to_dict()
         # Two engine batches' worth: the engine stays full while the oldest rows drain.
         window = max_in_flight if max_in_flight is not None else 2 * spec.max_num_seqs
-        return cls(spec, params, on_error, window, debug_stats, apply_chat_template, program)
+        return cls(spec, params, on_error, window, debug_stats, apply_chat_template, None,
+                   program, chat_template, check_template_kwargs(chat_template_kwargs))
 
 
 def task_resources() -> tuple[list[str], int | None]:
@@ -107,8 +112,10 @@ class TaskSession:
         # on first use, so an empty partition never loads a model
         if self._rows is None:
             driver = task_driver(self.settings)
-            builder = common.RequestBuilder.from_engine(driver.engine, self.settings.params,
-                                                        self.settings.apply_chat_template)
+            s = self.settings
+            builder = common.RequestBuilder.from_engine(driver.engine, s.params,
+                                                        s.apply_chat_template, s.chat_template,
+                                                        s.chat_template_kwargs)
             self._rows = RowLifecycle(
                 driver, builder, self.settings.spec.base_seed, self.settings.on_error,
                 request_prefix=f"spark-{uuid.uuid4().hex[:12]}",

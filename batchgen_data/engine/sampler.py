@@ -31,6 +31,7 @@ from batchgen_data.engine.token_draw import (
     truncated_race,
 )
 from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.structured.logits import StructuredLogits
 
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 uniforms in (0, 1) from splitmix64 of (seed, step, token)."""
@@ -47,6 +48,7 @@ class Sampler:
     def __init__(self, stop_ids_for_min_tokens: set[int], tokenizer: Any = None) -> None:
         self.eos_ids = sorted(stop_ids_for_min_tokens)
         self.bad_words = BadWords(tokenizer)
+        self.structured = StructuredLogits(tokenizer, self.eos_ids)
 
     def check(self, params: SamplingParams, vocab_size: int) -> None:
         """The request-time checks that need the model: token ids in the vocabulary, bad words
@@ -54,6 +56,7 @@ class Sampler:
         params.check_vocab(vocab_size)
         if params.bad_words:
             self.bad_words.check(params.bad_words, vocab_size)
+        self.structured.check(params, vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits [N, V] float32, row i belongs to seqs[i]
@@ -63,11 +66,14 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, -1) if any(w is not None for w in want_lp) else None
 
         # edits go to a copy (the caller's logits stay raw); most steps edit nothing
-        if b.allowed is not None or b.bias is not None or b.ban.shape[1] or b.output_ids is not None:
+        constrained = any(s.params.structured_outputs is not None for s in seqs)
+        if (constrained or b.allowed is not None or b.bias is not None or b.ban.shape[1]
+                or b.output_ids is not None):
             logits = logits.clone()
             self._edit(logits, b)
             if b.ban.shape[1]:
                 logits[b.ban[0], b.ban[1]] = float("-inf")
+            self.structured.apply(logits, seqs)  # grammar masks of structured_outputs rows
             self._penalties(logits, b)
 
         chosen = logits.argmax(-1)

@@ -55,7 +55,11 @@ def test_from_dict_and_overrides() -> None:
     (dict(detokenize=False, stop=["x"]), "detokenize"),
     (dict(best_of=3), "best_of"),
     (dict(n=2, best_of=1), "best_of"),
-    (dict(structured_outputs={"json": {}}), "structured_outputs"),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
+    (dict(structured_outputs={"choice": []}), "structured_outputs"),
+    (dict(structured_outputs={"regex": "a+"}, min_tokens=2), "min_tokens"),
+    (dict(structured_outputs={"regex": "a+"}, ignore_eos=True), "ignore_eos"),
+    (dict(structured_outputs={"regex": "a+"}, allowed_token_ids=[1]), "allowed_token_ids"),
     (dict(extra_args=[1]), "extra_args"),
 ])
 def test_invalid_new_fields_name_the_field(kw: dict, field: str) -> None:
@@ -63,9 +67,15 @@ def test_invalid_new_fields_name_the_field(kw: dict, field: str) -> None:
         SamplingParams(**kw)
 
 
-def test_structured_outputs_says_not_supported_yet() -> None:
-    with pytest.raises(ValueError, match="not supported yet"):
-        SamplingParams(structured_outputs={"regex": "a+"})
+def test_structured_outputs_round_trip_through_plain_data() -> None:
+    from batchgen_data import StructuredOutputsParams
+
+    sp = SamplingParams(structured_outputs={"regex": "a+", "json": None})
+    assert sp.structured_outputs == StructuredOutputsParams(regex="a+")
+    # export/import and connectors carry params as dicts (asdict fills every field)
+    assert SamplingParams.from_dict(sp.to_dict()) == sp
+    with pytest.raises(TypeError, match="unknown key"):
+        SamplingParams(structured_outputs={"regexp": "a+"})
 
 
 def test_new_fields_are_normalised() -> None:
@@ -101,7 +111,7 @@ def test_check_vocab_names_the_field() -> None:
 def test_unsupported_vllm_fields_get_a_clear_error() -> None:
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams.from_dict({"output_kind": 2, "max_tokens": 3})
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="use structured_outputs"):
         SamplingParams.from_dict({"guided_decoding": {"regex": "a"}})
 
 

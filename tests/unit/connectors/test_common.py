@@ -86,7 +86,10 @@ def test_token_ids_row_and_first_non_null_column_wins(builder: RequestBuilder) -
     ({"prompt": "ok", "sampling_params": {"temprature": 0.5}}, "unknown sampling parameter"),
     ({"prompt": "ok", "sampling_params": {"max_tokens": 0}}, "max_tokens"),
     ({"prompt": "ok", "sampling_params": "{not json"}, "not valid JSON"),
-    ({"prompt": "ok", "sampling_params": {"n": 2}}, "n must be 1"),
+    ({"prompt": "ok", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "ok", "structured_outputs": '{"regex": "a", "choice": ["b"]}'}, "exactly one"),
+    ({"prompt": "ok", "sampling_params": {"response_format": "{bad"}}, "not valid JSON"),
+    ({"prompt": "ok", "chat_template_kwargs": {"tokenize": True}}, "may not set"),
 ])
 def test_bad_rows_give_clear_errors(builder: RequestBuilder, row: dict, fragment: str) -> None:
     with pytest.raises(RowError, match=fragment):
@@ -117,7 +120,8 @@ def test_output_rows_and_attach_keeps_inputs() -> None:
     out = RequestOutput("r0", "hi", [1, 2, 3], [CompletionOutput(0, "yo", [4, 5], "stop")])
     ok = result_row(out)
     assert ok == {"generated_text": "yo", "generated_token_ids": [4, 5], "num_prompt_tokens": 3,
-                  "num_generated_tokens": 2, "finish_reason": "stop", "error": None}
+                  "num_generated_tokens": 2, "finish_reason": "stop", "error": None,
+                  "logprobs": None, "top_logprobs": None, "samples": None}
     bad = error_row("prompt is null")
     assert bad["error"] == "prompt is null" and bad["generated_token_ids"] == []
     table = pa.table({"id": [10, 11, 12], "prompt": ["a", "b", None], "error": ["x", "y", "z"]})

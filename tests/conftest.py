@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -81,6 +81,18 @@ def build_tiny_model(arch: str, path: Path, vocab_size: int, **overrides) -> Pat
                 p.mul_(4.0)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Tests that pin torch to one thread (to share the CPU) must not leave later tests, which
+    may check a split over threads, on one thread too."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -141,6 +141,7 @@ def test_export_import_mid_generation(tiny_model_dir, include_kv: bool) -> None:
     assert dst.stats.computed_tokens - computed == sum(contexts) - sum(kept)
 
 
+@pytest.mark.slow
 def test_default_model_greedy_matches_hf() -> None:
     """The embedded default (SmolLM2-135M-Instruct, converted from its GGUF once and cached),
     chat prompts of mixed lengths in one batch, through every CPU fast path the engine picks."""

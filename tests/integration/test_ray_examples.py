@@ -46,12 +46,12 @@ def test_ray_data_batch_example(tmp_path: Path) -> None:
         [f"b000{i}" for i in range(1, 5)] + table.filter(
             table.column("error").is_null()).column("id").to_pylist())
     good = table.filter(table.column("error").is_null())
-    # max_tokens=4: each good row ran to the limit, or stopped early on EOS/a stop token
+    # max_tokens=4: each good row ran to the limit, or stopped on EOS/a stop token
     for row in good.to_pylist():
         n = row["num_generated_tokens"]
         assert n == len(row["generated_token_ids"]) and row["generated_text"], row
-        assert (n, row["finish_reason"]) == (4, "length") or (
-            1 <= n < 4 and row["finish_reason"] == "stop"), row
+        assert 1 <= n <= 4 and row["finish_reason"] in ("stop", "length"), row
+        assert row["finish_reason"] == "stop" or n == 4, row  # "length" only at the limit
     assert sum(good.column("num_generated_tokens").to_pylist()) == summary["generated_tokens"]
     assert "0 of 4 good rows" in stdout and "tokens/s" in stdout
 

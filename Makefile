@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python examples/ray_data_batch.py
 
+# Two steps, both must pass: the fast suite, then the end-to-end tests on the default model and
+# the example/notebook smoke runs (marked `slow`). Each prints its 15 slowest tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
+	$(BIN)/python -m pytest -q -m slow --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

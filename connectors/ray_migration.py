@@ -53,6 +53,11 @@ class MigrationOptions:
     # PlacementConfig fields; `seat_receivers` defaults to True here: an actor's free seat is
     # worth filling from another actor's queue (measured by benchmarks/ray_migration.py)
     placement: dict[str, Any] = field(default_factory=dict)
+    # test hook, off (-1) by default: after this many engine steps, the engine runs no further
+    # step until it has exported or imported a row (or `timeout_s` has passed), so a test can
+    # force a move without depending on wall-clock speed. 0 holds before the first step
+    # (waiting rows move); a few steps in, running rows move (with their KV when shipped).
+    hold_for_move_after: int = -1
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
@@ -81,15 +86,35 @@ class MigrationClient:
         self.away: dict[str, _Away] = {}  # owned rows running elsewhere; only this thread
         self.guests: dict[str, str] = {}  # imported rid -> owner; only the engine thread
         self.outbox: list[tuple[str, Message]] = []
-        self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0}
+        # kv_shipped: exported sequences that carried their KV; kv_imported_tokens: tokens of
+        # KV an import kept (the receiver computes only the rest)
+        self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0,
+                       "kv_shipped": 0, "kv_imported_tokens": 0}
         self.disabled = False
         self.others_busy = False  # another live engine still owns unfinished rows
         self.active_calls = 0  # the predictor's __call__s now running
         self._guests_done = threading.Condition()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # outbox: engine-thread callbacks append, we drain
+        if options.hold_for_move_after >= 0:
+            self._hold_for_move(options.hold_for_move_after)
         self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
         self._thread.start()
+
+    def _hold_for_move(self, after_steps: int) -> None:
+        """Install the `hold_for_move_after` test hook on the driver."""
+        steps = [0]
+        deadline = time.monotonic() + self.options.timeout_s
+
+        def count(_engine: Engine) -> None:
+            steps[0] += 1
+
+        def gate() -> bool:
+            moved = self.counts["exported"] or self.counts["imported"]
+            return bool(moved) or steps[0] < after_steps or time.monotonic() > deadline
+
+        self.driver.step_hooks.append(count)
+        self.driver.step_gate = gate
 
     def stop(self) -> None:
         self._stop.set()
@@ -182,6 +207,7 @@ class MigrationClient:
             self.away[rid] = _Away(state, fut, dst, now)
             self._post(dst, ("import", self.engine_id, state))
             self.counts["exported"] += 1
+            self.counts["kv_shipped"] += sum(s.get("kv") is not None for s in state["seqs"])
 
     def _reclaim_lost(self, live: set[str]) -> None:
         now = time.monotonic()
@@ -247,6 +273,8 @@ class MigrationClient:
                 raise
             self.guests[rid] = owner
             self.driver.adopt(rid, fut)
+            self.counts["kv_imported_tokens"] += sum(
+                r.num_computed_tokens for r in engine.movable() if r.request_id == rid)
 
         def done(f: Future) -> None:
             with self._guests_done:

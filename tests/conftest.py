@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -63,12 +63,16 @@ def build_tiny_model(arch: str, path: Path, vocab_size: int, **overrides) -> Pat
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(tie_word_embeddings=True, **common)
         cls = tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        common.setdefault("sliding_window", None)  # a window is refused by the engine
+        cfg = tf.MistralConfig(tie_word_embeddings=False, **common)
+        cls = tf.MistralForCausalLM
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(tie_word_embeddings=False, head_dim=32, **common)
         cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[arch])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch])
     model = cls(cfg).eval()
     # random init gives near-flat logits; widen them so greedy ties are vanishingly rare
     with torch.no_grad():
@@ -79,9 +83,22 @@ def build_tiny_model(arch: str, path: Path, vocab_size: int, **overrides) -> Pat
     return path
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Tests that pin torch to one thread (to share the CPU) must not leave later tests, which
+    may check a split over threads, on one thread too."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: tiny_model_dir("llama" | "qwen2" | "qwen3") -> saved model dir (cached)."""
+    """Factory: tiny_model_dir("llama" | "qwen2" | "qwen3" | "mistral") -> saved model dir
+    (cached)."""
     cache: dict[str, Path] = {}
 
     def make(arch: str = "llama") -> Path:

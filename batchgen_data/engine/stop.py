@@ -36,9 +36,13 @@ class StopChecker:
         longest = max(len(s) for s in seq.params.stop)
         # a token decodes to at least one character in practice; keep a margin for merges
         window = seq.output_token_ids[-(longest + 8):]
-        tail = self.tokenizer.decode(window, skip_special_tokens=seq.params.skip_special_tokens)
+        skip = seq.params.skip_special_tokens
+        tail = self.tokenizer.decode(window, skip_special_tokens=skip)
+        before = len(self.tokenizer.decode(window[:-1], skip_special_tokens=skip))
         for s in seq.params.stop:
-            if s in tail:
+            # only a match the newest token completes counts (vLLM): an occurrence from before
+            # min_tokens allowed stopping must not end the sequence later
+            if s in tail[max(0, before - len(s) + 1):]:
                 seq.stop_reason = s
                 return True
         return False
@@ -48,11 +52,15 @@ class StopChecker:
         request asked for no text (`detokenize=False`, which also rules out stop strings)."""
         if self.tokenizer is None or not seq.params.detokenize:
             return ""
-        text = self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens
-        )
+        skip = seq.params.skip_special_tokens
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
         if isinstance(seq.stop_reason, str):
-            cut = text.find(seq.stop_reason)
+            # cut at the occurrence the last token completed, not at an earlier one
+            out = seq.output_token_ids
+            before = len(self.tokenizer.decode(out[:-1], skip_special_tokens=skip))
+            cut = text.find(seq.stop_reason, max(0, before - len(seq.stop_reason) + 1))
+            if cut < 0:
+                cut = text.find(seq.stop_reason)
             if cut >= 0:
                 keep = len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0
                 text = text[: cut + keep]

@@ -120,15 +120,28 @@ def test_export_import_mid_generation(tiny_model_dir, include_kv: bool) -> None:
     states = [pickle.loads(pickle.dumps(src.export(r, include_kv=include_kv))) for r in rids]
     assert not src.has_unfinished() and src.pool.num_free == src.pool.num_blocks
     assert all(len(s["seqs"][0]["output_token_ids"]) > 0 for s in states)
+    # with include_kv every sequence carries the KV of all but its last sampled token, and the
+    # receiver keeps it: no silent fall-back to recomputing the context
+    kept = [len(st["prompt_token_ids"]) + len(st["seqs"][0]["output_token_ids"]) - 1
+            if include_kv else 0 for st in states]
+    assert [("kv" in st["seqs"][0]) for st in states] == [include_kv] * len(states)
     for st in states:
         dst.import_(st)
+    summary = {s.request_id: s.num_computed_tokens for s in dst.movable()}
+    assert [summary[r] for r in rids] == kept
+    computed = dst.stats.computed_tokens
     done = {}
     while dst.has_unfinished():
         for o in dst.step():
-            done[o.request_id] = o.outputs[0].token_ids
-    assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+            done[o.request_id] = o
+    assert [done[r].outputs[0].token_ids for r in rids] == [o.outputs[0].token_ids for o in ref]
+    # the receiver computed only what it did not receive: each context (prompt + output, less
+    # the last sampled token) minus the shipped KV
+    contexts = [len(p) + len(done[r].outputs[0].token_ids) - 1 for p, r in zip(prompts, rids)]
+    assert dst.stats.computed_tokens - computed == sum(contexts) - sum(kept)
 
 
+@pytest.mark.slow
 def test_default_model_greedy_matches_hf() -> None:
     """The embedded default (SmolLM2-135M-Instruct, converted from its GGUF once and cached),
     chat prompts of mixed lengths in one batch, through every CPU fast path the engine picks."""

@@ -256,6 +256,7 @@ RAY_OWN = {
 SEVERE = re.compile(r"WARNING|ERROR|Error|Warning|^\[\S+ \S+ [EWF] ")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_small_job_is_quiet(model: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray

@@ -46,7 +46,12 @@ def test_ray_data_batch_example(tmp_path: Path) -> None:
         [f"b000{i}" for i in range(1, 5)] + table.filter(
             table.column("error").is_null()).column("id").to_pylist())
     good = table.filter(table.column("error").is_null())
-    assert all(n >= 1 for n in good.column("num_generated_tokens").to_pylist())
+    # max_tokens=4: each good row ran to the limit, or stopped on EOS/a stop token
+    for row in good.to_pylist():
+        n = row["num_generated_tokens"]
+        assert n == len(row["generated_token_ids"]) and row["generated_text"], row
+        assert 1 <= n <= 4 and row["finish_reason"] in ("stop", "length"), row
+        assert row["finish_reason"] == "stop" or n == 4, row  # "length" only at the limit
     assert sum(good.column("num_generated_tokens").to_pylist()) == summary["generated_tokens"]
     assert "0 of 4 good rows" in stdout and "tokens/s" in stdout
 
@@ -72,8 +77,11 @@ def test_streaming_benchmark_fake_engine() -> None:
                                          (l for l in stdout.splitlines() if l.startswith("{")))}
     stream, whole, raybuf = records["stream"], records["whole"], records["stream_raybuf"]
     slow = 100 * 0.02  # the long rows of every batch take 2 s
-    # streaming: short rows reach the consumer long before their batch's slowest row
-    assert stream["first_rows_s"] < slow / 2 < stream["first_batch_last_s"]
+    # streaming: short rows reach the consumer before their batch's slowest row (relative, so
+    # a loaded machine cannot fail it; the mechanism is checked on the physical plan in
+    # test_ray_streaming_plan.py)
+    assert stream["first_rows_s"] < stream["first_batch_last_s"]
+    assert stream["first_batch_last_s"] >= slow * 0.9
     # whole batches, and Ray's default buffering, hold every row until the slowest is done
     for rec in (whole, raybuf):
         assert rec["first_rows_s"] >= slow * 0.9

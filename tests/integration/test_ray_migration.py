@@ -2,7 +2,11 @@
 
 Two engine hosts share a coordinator; only one gets rows, so the other is short of work and
 imports some. Every row must come back through its owner exactly once with the tokens an
-unmoved offline run gives, also when the importer or the coordinator is killed mid-flight.
+offline run gives, also when the importer or the coordinator is killed mid-flight.
+
+Moves are forced, not raced: the owner runs with the `hold_for_move_after` test hook (it stops
+stepping until it has exported a row), and an importer that must not finish its guests before
+it is killed never steps at all (`Host(frozen=True)`).
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -20,6 +24,7 @@ from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.common import derive_seed  # noqa: E402
 from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
+from batchgen_data.placement import TransferCost  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 # workers cannot import this test module: ship `Host` by value
@@ -28,15 +33,19 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # raw prompts, as `LLM.generate` (the oracle below) sends them: this file tests migration
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "apply_chat_template": False}
 PLACEMENT = {"min_running_age": 8, "min_kv_gain_tokens": 16}
+N_ROWS, MAX_TOKENS = 12, 48
 
 
 class Host:
-    """A plain threaded actor around one predictor, so a test can pick and kill the importer."""
+    """A plain threaded actor around one predictor, so a test can pick and kill the importer.
+    `frozen`: the engine takes imports but never steps, so its guests stay unfinished."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, frozen: bool = False, **kwargs: Any) -> None:
         import threading
 
         self.predictor = BatchGenPredictor(**kwargs)
+        if frozen:
+            self.predictor.driver.step_gate = lambda: False
         self.released = threading.Event()
 
     def busy(self) -> bool:
@@ -59,7 +68,8 @@ class Host:
 
     def counts(self) -> dict[str, Any]:
         m = self.predictor.migration
-        return {**m.counts, "disabled": m.disabled}
+        return {**m.counts, "disabled": m.disabled,
+                "computed_tokens": self.predictor.driver.engine.stats.computed_tokens}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +82,18 @@ def llm(model: str) -> LLM:
     return LLM(model, max_model_len=1024, max_num_seqs=16)
 
 
+@pytest.fixture
+def job(ray_local: None) -> Iterator[str]:
+    """A fresh job id per test; its detached coordinator is killed afterwards, so no test
+    sees another's engines or outlives it."""
+    job_id = f"t-{uuid.uuid4().hex}"
+    yield job_id
+    try:
+        ray.kill(ray.get_actor(coordinator_name(job_id, ""), namespace=NAMESPACE))
+    except ValueError:
+        pass  # never created, or the test killed it
+
+
 def make_rows(n: int, max_tokens: int) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
@@ -81,9 +103,16 @@ def make_rows(n: int, max_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-def assert_offline_equal(llm: LLM, rows: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
-    assert sorted(r["id"] for r in got) == [r["id"] for r in rows]  # none lost, none twice
-    by_id = {r["id"]: r for r in got}
+ROWS = make_rows(N_ROWS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def offline(llm: LLM) -> dict[int, list[int]]:
+    """The tokens of every row of ROWS from one unmoved offline batch (computed once)."""
+    return offline_tokens(llm, ROWS)
+
+
+def offline_tokens(llm: LLM, rows: list[dict[str, Any]]) -> dict[int, list[int]]:
     params = []
     for row in rows:
         sp = dict(row["sampling_params"])
@@ -91,18 +120,26 @@ def assert_offline_equal(llm: LLM, rows: list[dict[str, Any]], got: list[dict[st
             sp["seed"] = derive_seed(0, str(llm.tokenizer.encode(row["prompt"])))
         params.append(SamplingParams(**sp))
     refs = llm.generate([row["prompt"] for row in rows], params, use_tqdm=False)  # one batch
-    for row, ref in zip(rows, refs):
-        out = by_id[row["id"]]
+    return {row["id"]: ref.outputs[0].token_ids for row, ref in zip(rows, refs)}
+
+
+def assert_offline_equal(want: dict[int, list[int]], got: list[dict[str, Any]]) -> None:
+    assert sorted(r["id"] for r in got) == sorted(want)  # none lost, none twice
+    for out in got:
         assert out["error"] is None, out["error"]
-        assert list(out["generated_token_ids"]) == ref.outputs[0].token_ids, row["id"]
+        assert list(out["generated_token_ids"]) == want[out["id"]], out["id"]
 
 
-def start_pair(model: str, job: str, **options: Any) -> tuple[Any, Any]:
-    opts = {"job_id": job, "interval_s": 0.1, "placement": PLACEMENT, **options}
+def start_pair(model: str, job: str, owner: dict[str, Any] | None = None,
+               other: dict[str, Any] | None = None, frozen: bool = False) -> tuple[Any, Any]:
+    """(owner, importer); `owner`/`other`: extra MigrationOptions for each. The owner holds
+    before its first step unless told otherwise."""
+    opts = {"job_id": job, "interval_s": 0.1, "placement": PLACEMENT}
     remote = ray.remote(Host).options(max_concurrency=4, num_cpus=0.25)
-    hosts = [remote.remote(model=model, migration_options=opts, **ENGINE) for _ in range(2)]
+    hosts = [remote.remote(model=model, migration_options={**opts, **extra}, frozen=f, **ENGINE)
+             for extra, f in (({"hold_for_move_after": 0, **(owner or {})}, False),
+                              (other or {}, frozen))]
     ray.get([h.counts.remote() for h in hosts])
-    time.sleep(0.5)  # both engines have reported once
     return hosts[0], hosts[1]
 
 
@@ -111,7 +148,6 @@ def side_job(host: Any) -> Any:
     ref = host.busy.remote()
     while ray.get(host.active_calls.remote()) == 0:
         time.sleep(0.02)
-    time.sleep(0.5)  # reported as accepting before the owner's rows arrive
     return ref
 
 
@@ -122,76 +158,120 @@ def wait_for_import(host: Any, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_exported_rows_finish_elsewhere_with_identical_tokens(ray_local: None, model: str,
-                                                              llm: LLM) -> None:
-    owner, other = start_pair(model, f"t1-{uuid.uuid4().hex}")
-    # long enough that the 0.1 s load reports see rows queued on the owner for many rounds
-    # (10 x 300 tokens finished in ~1.2-2 s and once in CI before any move was planned; with
-    # the one-call CPU decode step 8 x 600 tokens take ~0.6 s alone, so 16 x 900 here: ~3 s)
-    rows = make_rows(16, 900)
+def test_exported_rows_finish_elsewhere_with_identical_tokens(
+        job: str, model: str, offline: dict[int, list[int]]) -> None:
+    owner, other = start_pair(model, job)
+    side = side_job(other)
+    got = ray.get(owner.run.remote(ROWS))
+    other.release.remote()
+    assert ray.get(side)
+    assert_offline_equal(offline, got)
+    sent, took = ray.get(owner.counts.remote()), ray.get(other.counts.remote())
+    assert sent["exported"] >= 1 and took["imported"] == sent["exported"], (sent, took)
+    assert sent["delivered"] >= 1 and sent["delivered"] + sent["reclaimed"] == sent["exported"]
+    # the importer computed work of its own (the rows it took were waiting: no KV came along)
+    assert took["computed_tokens"] > 0 and sent["kv_shipped"] == 0
+    for h in (owner, other):
+        ray.kill(h)
+
+
+def test_running_rows_move_with_their_kv(job: str, model: str, llm: LLM) -> None:
+    prompt_len, max_tokens = 6, 64
+    rows = [{"id": i, "prompt_token_ids": [5 + i, 17, 42, 9, 33, 21],
+             "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}}
+            for i in range(4)]
+    # all four rows run at once (max_num_seqs=4); the owner holds after 12 steps, when each has
+    # generated past min_running_age, so what moves is running; a transfer cost model that
+    # always favours shipping makes the policy send its KV (the measured one may not on CPU)
+    ship = {"placement": {**PLACEMENT, "transfer": TransferCost(1, 1e15, 1e15, 1.0, 0.0)}}
+    owner, other = start_pair(model, job, owner={"hold_for_move_after": 12, **ship}, other=ship)
     side = side_job(other)
     got = ray.get(owner.run.remote(rows))
     other.release.remote()
     assert ray.get(side)
-    assert_offline_equal(llm, rows, got)
+    refs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    assert_offline_equal({r["id"]: o.outputs[0].token_ids for r, o in zip(rows, refs)}, got)
     sent, took = ray.get(owner.counts.remote()), ray.get(other.counts.remote())
-    assert sent["exported"] >= 1 and took["imported"] >= 1, (str(sent), str(took))
-    assert sent["delivered"] + sent["reclaimed"] == sent["exported"]
+    assert sent["kv_shipped"] >= 1 and took["imported"] == sent["exported"], (sent, took)
+    assert took["kv_imported_tokens"] >= sent["kv_shipped"] * (prompt_len + 8)
+    # the receiver computed only what the shipped KV did not cover: per imported row, the
+    # context of its finished output (prompt + output - 1) minus the KV it arrived with
+    assert took["computed_tokens"] == (took["imported"] * (prompt_len + max_tokens - 1)
+                                       - took["kv_imported_tokens"]), (sent, took)
     for h in (owner, other):
         ray.kill(h)
 
 
-def test_killing_the_importer_loses_no_row(ray_local: None, model: str, llm: LLM) -> None:
-    owner, other = start_pair(model, f"t2-{uuid.uuid4().hex}", dead_after_s=4.0)
-    rows = make_rows(16, 900)  # rows queue on the owner for seconds (see the first test)
+def test_killing_the_importer_loses_no_row(job: str, model: str,
+                                           offline: dict[int, list[int]]) -> None:
+    dead = {"dead_after_s": 4.0}
+    owner, other = start_pair(model, job, owner=dead, other=dead, frozen=True)
     side_job(other)
-    ref = owner.run.remote(rows)
+    ref = owner.run.remote(ROWS)
     wait_for_import(other)
     ray.kill(other, no_restart=True)
     got = ray.get(ref)
-    assert_offline_equal(llm, rows, got)
-    assert ray.get(owner.counts.remote())["reclaimed"] >= 1
+    assert_offline_equal(offline, got)
+    c = ray.get(owner.counts.remote())
+    assert c["exported"] >= 1 and c["reclaimed"] == c["exported"] and c["delivered"] == 0, c
     ray.kill(owner)
 
 
-def test_coordinator_death_degrades_to_no_migration(ray_local: None, model: str,
-                                                    llm: LLM) -> None:
-    job = f"t3-{uuid.uuid4().hex}"
-    owner, other = start_pair(model, job)
-    rows = make_rows(16, 900)
+def test_coordinator_death_degrades_to_no_migration(job: str, model: str,
+                                                    offline: dict[int, list[int]]) -> None:
+    owner, other = start_pair(model, job, frozen=True)
     side = side_job(other)
-    ref = owner.run.remote(rows)
+    ref = owner.run.remote(ROWS)
     wait_for_import(other)
     ray.kill(ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE))
     got = ray.get(ref)
-    assert_offline_equal(llm, rows, got)
-    assert ray.get(owner.counts.remote())["disabled"]
+    assert_offline_equal(offline, got)
+    c = ray.get(owner.counts.remote())
+    assert c["disabled"] and c["exported"] >= 1 and c["reclaimed"] == c["exported"], c
     other.release.remote()
     assert ray.get(side)  # the importer's own call ends too
+    assert ray.get(other.counts.remote())["disabled"]
     for h in (owner, other):
         ray.kill(h)
 
 
-@pytest.mark.parametrize("n_rows", [24])
-def test_ray_data_job_same_rows_with_and_without_migration(ray_local: None, model: str,
-                                                           n_rows: int) -> None:
+class HoldTail(BatchGenPredictor):
+    """The predictor with a step gate for the Ray Data job: an engine whose rows include one
+    past 10 generated tokens (only the long tail gets there) stops stepping until it has moved
+    a row, so the tail is still there when the other engine runs dry."""
+
+    def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
+        driver = super().start_driver(model, engine_kwargs)
+        deadline = time.monotonic() + 120.0
+
+        def gate() -> bool:
+            m = getattr(self, "migration", None)
+            moved = m is not None and (m.counts["exported"] or m.counts["imported"])
+            tail = any(r.num_output_tokens >= 10 for r in driver.engine.movable())
+            return bool(moved) or not tail or time.monotonic() > deadline
+
+        driver.step_gate = gate
+        return driver
+
+
+def test_ray_data_job_matches_offline_and_moves_rows(job: str, model: str, llm: LLM) -> None:
     rows = []
-    for i in range(n_rows):  # heavy tail: every sixth row is long
-        sp = {"max_tokens": 160 if i % 6 == 0 else 8, "ignore_eos": True,
+    for i in range(24):  # heavy tail, all in the first input block: one engine gets it all
+        sp = {"max_tokens": 64 if i < 4 else 8, "ignore_eos": True,
               "temperature": 0.8 if i % 2 else 0.0, "seed": None}
         rows.append({"id": i, "prompt": f"Summarise paragraph {i}", "sampling_params": sp})
-
-    def run(migration: bool) -> dict[int, list[int]]:
-        opts = {"job_id": f"t4-{uuid.uuid4().hex}", "interval_s": 0.1, "placement": PLACEMENT}
-        ds = ray.data.from_items(rows).repartition(target_num_rows_per_block=4)
-        out = ds.map_batches(
-            BatchGenPredictor, batch_size=4, batch_format="pyarrow",
-            fn_constructor_kwargs=dict(model=model, migration=migration, migration_options=opts,
-                                       **ENGINE),
-            compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=2),
-            num_cpus=0.5).take_all()
-        assert sorted(r["id"] for r in out) == list(range(n_rows))
-        assert all(r["error"] is None for r in out)
-        return {r["id"]: list(r["generated_token_ids"]) for r in out}
-
-    assert run(True) == run(False)
+    opts = {"job_id": job, "interval_s": 0.1, "placement": PLACEMENT}
+    ds = ray.data.from_items(rows).repartition(target_num_rows_per_block=4)
+    out = ds.map_batches(
+        HoldTail, batch_size=4, batch_format="pyarrow",
+        fn_constructor_kwargs=dict(model=model, migration=True, migration_options=opts, **ENGINE),
+        # late binding, as build_processor sets it with migration on: no batch waits queued at
+        # the engine that holds the tail, so the other one gets the rest
+        compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=2,
+                                           max_tasks_in_flight_per_actor=2),
+        num_cpus=0.5).take_all()
+    assert_offline_equal(offline_tokens(llm, rows), out)
+    stats = ray.get(ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE).stats.remote())
+    assert stats["num_moves"] >= 1 and len(stats["engines"]) == 2, stats

@@ -1,6 +1,10 @@
 """Each sampling parameter does what vLLM's does, on a tiny model."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,14 +50,6 @@ def test_high_temperature_differs_from_greedy(llm: LLM) -> None:
     assert hot != greedy
 
 
-def test_penalties_reduce_repetition(llm: LLM) -> None:
-    base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = toks(llm, base)
-    for kw in (dict(repetition_penalty=2.0), dict(frequency_penalty=2.0), dict(presence_penalty=2.0)):
-        pen = toks(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **kw))
-        assert sum(len(set(t)) for t in pen) > sum(len(set(t)) for t in plain), kw
-
-
 def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     ref = toks(llm, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), PROMPTS[:1])[0]
     stop_at = ref[3]
@@ -70,26 +66,85 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
     assert len(length.token_ids) == 4 and length.finish_reason == "length"
 
 
-def test_eos_stops_unless_ignored(llm: LLM) -> None:
-    eos = llm.tokenizer.eos_token_id
-    ref = toks(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    row = next((i for i, t in enumerate(ref) if eos in t), None)
-    if row is None:
-        pytest.skip("tiny model never produces EOS greedily")
-    out = toks(llm, SamplingParams(temperature=0, max_tokens=40))[row]
-    assert out[-1] == eos and len(out) == ref[row].index(eos) + 1
+@pytest.fixture(scope="module")
+def eos_model(tiny_model_dir, tmp_path_factory, llm: LLM) -> tuple[Path, int, int]:  # type: ignore[no-untyped-def]
+    """The tiny llama with an extra EOS in its generation config: the token greedy decoding
+    emits at step k >= 3 of the first prompt (the first token not seen before in that row), so
+    that greedy decoding really reaches EOS. Returns (model dir, that token, k)."""
+    ref = toks(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and ref[i] > 2)
+    dst = tmp_path_factory.mktemp("tiny-llama-eos")
+    for f in Path(tiny_model_dir("llama")).iterdir():
+        shutil.copy(f, dst / f.name)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, ref[k]]
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst, ref[k], k
 
 
-def test_stop_strings_trim_text(llm: LLM) -> None:
+def test_eos_from_generation_config_stops_like_hf(eos_model, hf_model) -> None:  # type: ignore[no-untyped-def]
+    path, eos, k = eos_model
+    llm = LLM(str(path))
+    hf = hf_model(path)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    stopped = 0
+    for p, o in zip(PROMPTS, out):
+        ids = torch.tensor([p["prompt_token_ids"]])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                           do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        c = o.outputs[0]
+        assert c.token_ids == want
+        if c.token_ids[-1] == eos:
+            stopped += 1
+            assert c.finish_reason == "stop" and c.stop_reason is None
+            assert len(c.token_ids) < 12 and eos not in c.token_ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 12
+    assert stopped >= 1 and len(out[0].outputs[0].token_ids) == k + 1  # the first row, at step k
+    ignored = toks(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [len(t) for t in ignored] == [12] * len(PROMPTS)
+    assert ignored[0][:k + 1] == out[0].outputs[0].token_ids
+
+
+def test_stop_strings_truncate_exactly(llm: LLM) -> None:
     full = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
-    needle = full[4:7]
-    if not needle.strip():
-        pytest.skip("decoded text has no usable substring")
-    c = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                 stop=[needle]), use_tqdm=False)[0].outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == needle
-    assert needle not in c.text and full.startswith(c.text)
+    # a needle that first occurs at a known, non-zero offset of the greedy text
+    at = next(i for i in range(1, len(full) - 3) if full.find(full[i:i + 3]) == i
+              and full[i:i + 3].strip())
+    needle = full[at:at + 3]
+    for include in (False, True):
+        c = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                     stop=[needle], include_stop_str_in_output=include),
+                         use_tqdm=False)[0].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == needle
+        assert c.text == full[:at + (3 if include else 0)], include
+        # generation ended on the token that completed the needle
+        done = llm.tokenizer.decode(c.token_ids)
+        assert needle in done and needle not in llm.tokenizer.decode(c.token_ids[:-1])
+
+
+def test_skip_special_tokens_in_text_and_stop_strings(llm: LLM) -> None:
+    tok = llm.tokenizer
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    # sample among a special token and a few plain ones, so the output mixes both
+    allowed = [start, 50, 60, 70, 80]
+    kw = dict(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
+    shown, hidden = (llm.generate(PROMPTS[:1], SamplingParams(skip_special_tokens=skip, **kw),
+                                  use_tqdm=False)[0].outputs[0] for skip in (False, True))
+    assert shown.token_ids == hidden.token_ids and start in shown.token_ids[1:]
+    assert shown.text == tok.decode(shown.token_ids, skip_special_tokens=False)
+    assert hidden.text == tok.decode(shown.token_ids, skip_special_tokens=True)
+    assert "<|im_start|>" in shown.text and "<|im_start|>" not in hidden.text
+    first = shown.token_ids.index(start)
+    # a stop string made of the special token's text matches only when it is not skipped
+    seen = llm.generate(PROMPTS[:1], SamplingParams(skip_special_tokens=False, stop=["<|im_start|>"],
+                                                    **kw), use_tqdm=False)[0].outputs[0]
+    assert seen.token_ids == shown.token_ids[:first + 1] and seen.finish_reason == "stop"
+    assert seen.text == tok.decode(shown.token_ids[:first], skip_special_tokens=False)
+    unseen = llm.generate(PROMPTS[:1], SamplingParams(stop=["<|im_start|>"], **kw),
+                          use_tqdm=False)[0].outputs[0]
+    assert unseen.token_ids == shown.token_ids and unseen.finish_reason == "length"
 
 
 def test_logprobs_and_n(llm: LLM) -> None:

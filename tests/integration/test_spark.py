@@ -3,8 +3,9 @@ template, so by default a plain prompt is sent as one user turn: the offline ref
 `LLM.chat`; with apply_chat_template=False it is `LLM.generate`).
 
 All tests share one engine configuration, so each Python worker loads the model once and later
-tests reuse it (as production jobs do); the fail-fast test runs last because a failed task
-retires its worker.
+tests reuse it (as production jobs do). No test depends on another having run first: a failed
+task (the on_error="raise" tests) retires its worker, and the next task simply loads the model
+again (checked by running the fail-fast tests first).
 """
 from __future__ import annotations
 
@@ -159,3 +160,24 @@ def test_on_error_raise_fails_the_job(spark: Any, model: str) -> None:
     df = prompt_df(spark, ["The quick brown fox", ""])
     with pytest.raises(Exception, match="empty"):
         run_udf(df, batchgen_udf(model, GREEDY, on_error="raise", **ENGINE))
+
+
+def test_on_error_raise_fails_the_job_for_an_engine_side_error(spark: Any, model: str) -> None:
+    # the row is well formed; only the engine knows it is longer than max_model_len
+    df = prompt_df(spark, ["The quick brown fox", "jumps over the lazy dog " * 40])
+    with pytest.raises(Exception, match="max_model_len"):
+        run_udf(df, batchgen_udf(model, GREEDY, on_error="raise", apply_chat_template=False,
+                                 **ENGINE))
+
+
+def test_generate_df_on_error_raise_fails_the_job(spark: Any, model: str) -> None:
+    from pyspark.sql import functions as F
+
+    df = prompt_df(spark, PROMPTS[:4]).withColumn(
+        "sampling_params", F.when(F.col("id") == 2, F.lit('{"temperature": -1}')))
+    with pytest.raises(Exception, match="temperature"):
+        generate_df(df, id_col="id", model=model, sampling_params=GREEDY, on_error="raise",
+                    **ENGINE).collect()
+    # the same rows with on_error="row": one error row, the job succeeds
+    out = generate_df(df, id_col="id", model=model, sampling_params=GREEDY, **ENGINE).collect()
+    assert sorted(r.id for r in out if r.error is not None) == [2]

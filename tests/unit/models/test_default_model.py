@@ -7,8 +7,10 @@ The tests marked ``slow`` reuse that result; the locking edge cases use a fake c
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,14 +23,22 @@ from batchgen_data.models import default_model as dm
 
 # Run in a fresh interpreter: count real conversions, so the test can tell that the lock let only
 # one process convert while the other waited and reused the result.
+# With SEED_FROM set (the user's cache already holds a conversion), the "conversion" copies it:
+# the lock and publishing are what this checks, and a fresh machine converts only once.
 _WORKER = """
-import json
+import json, os, shutil
+from pathlib import Path
 import batchgen_data.models.default_model as dm
 calls = []
 real = dm._convert
 def counting(gguf, out_dir):
     calls.append(str(out_dir))
-    real(gguf, out_dir)
+    key = Path(out_dir).name[1:].split(".tmp-")[0]
+    seed = Path(os.environ.get("SEED_FROM", "/nonexistent")) / key
+    if dm._is_complete(seed):
+        shutil.copytree(seed, out_dir, dirs_exist_ok=True)
+    else:
+        real(gguf, out_dir)
 dm._convert = counting
 path = dm.default_model_dir()
 print(json.dumps({"path": str(path), "converted": len(calls)}))
@@ -38,7 +48,8 @@ print(json.dumps({"path": str(path), "converted": len(calls)}))
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     cache = tmp_path_factory.mktemp("bg_cache")
-    child_env = {**os.environ, env.CACHE_DIR_VAR: str(cache), "HF_HUB_OFFLINE": "1"}
+    child_env = {**os.environ, env.CACHE_DIR_VAR: str(cache), "HF_HUB_OFFLINE": "1",
+                 "SEED_FROM": str(env.cache_dir())}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WORKER],
@@ -54,7 +65,22 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
+    publish(Path(results[0]["path"]), env.cache_dir())
     return cache, results
+
+
+def publish(converted: Path, root: Path) -> None:
+    """Copy a conversion into the user's cache when it has none (a fresh machine), the way
+    `default_model_dir` publishes one (under its lock, one atomic rename), so the tests that
+    run the default model later do not convert it a second time."""
+    target = root / converted.name
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{converted.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not dm._is_complete(target):
+            tmp = root / f".{converted.name}.tmp-{os.getpid()}-tests"
+            shutil.copytree(converted, tmp)
+            os.rename(tmp, target)
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: 
 
 @pytest.mark.parametrize("env_name", ["BATCHGEN_CPU_DECODE_STACK", "BATCHGEN_CPU_SMALL_GEMM", None])
 def test_stack_can_be_turned_off(env_name: str | None, monkeypatch: pytest.MonkeyPatch,
-                                 tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+                                 tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
     kw = {}
     if env_name is None:  # the engine setting
         kw["cpu_kernels"] = False
@@ -105,7 +105,12 @@ def test_stack_can_be_turned_off(env_name: str | None, monkeypatch: pytest.Monke
     assert llm.engine.runner.cpu_stack is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    # the fallback path gives HF's greedy tokens, not just four of them
+    hf = hf_model(tiny_model_dir("qwen2"))
+    ids = torch.tensor([[5, 6, 7]])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert out[0].outputs[0].token_ids == want
 
 
 def test_stack_needs_fp32(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

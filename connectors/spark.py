@@ -124,15 +124,20 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
               batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """One task of `generate_df`: input columns plus results, as rows finish."""
     session = spark_task.TaskSession(settings)
+    ids = common.UniqueIds(id_col) if id_col is not None else None
 
     def submit(batch: pa.RecordBatch) -> list[Future]:
         values = batch.column(prompt_col).to_pylist()
-        rows = [spark_task.value_row(v) for v in values]
+        rows = [spark_task.value_row(v, prompt_col) for v in values]
         if common.PARAMS_COLUMN in batch.schema.names:
             for row, over in zip(rows, batch.column(common.PARAMS_COLUMN).to_pylist()):
                 row[common.PARAMS_COLUMN] = over
-        keys = batch.column(id_col).to_pylist() if id_col is not None else values
-        return session.submit(rows, keys)
+        if ids is None:
+            return session.submit(rows, values)
+        keys = batch.column(id_col).to_pylist()
+        problems = [ids.problem(k) for k in keys]
+        return [session.reject(p) if p else session.submit([row], [k])[0]
+                for row, k, p in zip(rows, keys, problems)]
 
     for done in in_completion_order(batches, submit, settings.max_in_flight, session.abandon):
         # finished rows grouped by the input batch they came from, so columns are taken once

@@ -90,12 +90,14 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__}: {v!r}")
+                raise TypeError(f"SamplingParams.{name} must be an int, got "
+                                f"{type(v).__name__}: {v!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be a number, got {type(v).__name__}: {v!r}")
+                raise TypeError(f"SamplingParams.{name} must be a number, got "
+                                f"{type(v).__name__}: {v!r}")
             if math.isnan(v):  # NaN passes every range check below
                 raise bad(name, "must be a number, not NaN")
         if self.n < 1:

@@ -59,7 +59,7 @@ class SoakPredictor(BatchGenPredictor):
     def _report(self) -> None:
         pool = self.driver.engine.pool
         stats = {"pid": os.getpid(), "t": time.time(), "rss": psutil.Process().memory_info().rss,
-                 "pool_used": pool.num_blocks - pool.num_free(), "pool_blocks": pool.num_blocks,
+                 "pool_used": pool.num_blocks - pool.num_free, "pool_blocks": pool.num_blocks,
                  "calls_in_flight": self.calls_in_flight}
         tmp = self.stats_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(stats))

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen_data.prompt_checks import shown
+
+# the roles of OpenAI's chat API (vLLM accepts the same)
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+
 
 # arguments of apply_chat_template that this module sets itself
 _RESERVED = frozenset({"conversation", "tokenize", "add_generation_prompt", "chat_template",
@@ -41,14 +46,19 @@ def clean_messages(messages: Any) -> list[dict[str, Any]]:
     Keys whose value is None are dropped: an Arrow list of structs fills every absent field.
     """
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}, "
+                         f"got {shown(messages)}")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
         m = {k: v for k, v in m.items() if v is not None}
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] needs string 'role' and 'content'")
+            raise ValueError(f"messages[{i}] needs string 'role' and 'content': got "
+                             f"{shown(m)}")
+        if m["role"] not in ROLES:  # most templates would print any role as plain text
+            raise ValueError(f"messages[{i}] has an unknown role: {m['role']!r}; "
+                             f"use one of {list(ROLES)}")
         clean.append(m)
     return clean
 

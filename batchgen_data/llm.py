@@ -11,6 +11,7 @@ from batchgen_data.engine.engine import Engine
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.programs.api import Program
 from batchgen_data.programs.offline import ProgramRunner
+from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -22,20 +23,21 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def _tokenize(self, prompt: PromptType, where: str) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where}: prompt is an empty string")
-            return self.tokenizer.encode(prompt), prompt
+        """Bad prompts raise with the connectors' row-error message (docs/row-errors.md)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
-                    raise TypeError(f"{where}: prompt_token_ids must be a list of ints")
+                    raise TypeError(f"{where}: {first_bad_token(ids)}")
                 return list(ids), prompt.get("prompt")
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"], where)
             raise ValueError(f"{where}: dict prompts need 'prompt' or 'prompt_token_ids'")
-        raise TypeError(f"{where}: prompt must be str or dict, got {type(prompt).__name__}")
+        try:
+            text = check_prompt_text(prompt)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        return self.tokenizer.encode(text), text
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

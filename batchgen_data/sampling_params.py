@@ -62,6 +62,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):  # list() below would hide what was given
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, list, tuple)):
+                raise TypeError(f"SamplingParams.{name} must be a list, got "
+                                f"{type(v).__name__}: {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -90,12 +95,16 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__}")
+                raise TypeError(f"SamplingParams.{name} must be an int, got "
+                                f"{type(v).__name__}: {v!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be a number, got {type(v).__name__}")
+                raise TypeError(f"SamplingParams.{name} must be a number, got "
+                                f"{type(v).__name__}: {v!r}")
+            if math.isnan(v):  # NaN passes every range check below
+                raise bad(name, "must be a number, not NaN")
         if self.n < 1:
             raise bad("n", "must be >= 1")
         if self.temperature < 0:
@@ -108,7 +117,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None:
             if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-                raise TypeError("SamplingParams.max_tokens must be an int or None")
+                raise TypeError(f"SamplingParams.max_tokens must be an int or None, got "
+                                f"{type(self.max_tokens).__name__}: {self.max_tokens!r}")
             if self.max_tokens < 1:
                 raise bad("max_tokens", "must be >= 1")
             if self.min_tokens > self.max_tokens:

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from batchgen_data.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
 from batchgen_data.connectors import row_extras
+from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
@@ -152,19 +153,16 @@ def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
     chat = chat or {}
     value = to_python(value)
     if column == "prompt_token_ids":
-        if not isinstance(value, list) or not value:
-            raise RowError("prompt_token_ids must be a non-empty list of ints")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise RowError("prompt_token_ids must contain only ints")
+        bad = first_bad_token(value)  # the vocabulary is checked with the engine's limits
+        if bad is not None:
+            raise RowError(bad)
         return value, None
     if column == "messages":
         return _rendered(render_chat, tokenizer, value, chat)
-    if value is None:
-        raise RowError("prompt is null")
-    if not isinstance(value, str):
-        raise RowError(f"prompt must be a string, got {type(value).__name__}")
-    if not value.strip():  # whitespace only is empty too: nothing to condition on
-        raise RowError("prompt is empty" if not value else "prompt is empty (whitespace only)")
+    try:
+        check_prompt_text(value)  # the same messages as LLM.generate (prompt_checks)
+    except (TypeError, ValueError) as e:
+        raise RowError(str(e)) from None
     if as_chat:
         return _rendered(prompt_as_chat, tokenizer, value, chat)
     return tokenizer.encode(value), value
@@ -179,8 +177,14 @@ def _rendered(render: Callable[..., tuple[list[int], str]], tokenizer: Any,
 
 
 def parse_overrides(value: Any) -> dict[str, Any] | None:
-    """Per-row sampling overrides: dict/struct, JSON object string, or null."""
-    value = to_python(value)
+    """Per-row sampling overrides: dict/struct, JSON object string, or null.
+
+    A float field keeps its NaN: here it is a bad value to report, not a missing cell.
+    """
+    if isinstance(value, Mapping):
+        value = {k: float(v) if isinstance(v, float) else to_python(v) for k, v in value.items()}
+    else:
+        value = to_python(value)
     if value is None:
         return None
     if isinstance(value, str):
@@ -240,7 +244,7 @@ class RequestBuilder:
     def params_for(self, overrides: Any, row: Mapping[str, Any] | None = None) -> SamplingParams:
         """Defaults merged with one row's overrides (and its structured-output columns);
         RowError when they are invalid."""
-        over = parse_overrides(overrides)
+        over = parse_overrides(overrides)  # its RowError names the column already
         try:
             params = self.default_params.merged(over)
             if over and "structured_outputs" in over and over["structured_outputs"] is None:
@@ -264,6 +268,26 @@ class RequestBuilder:
             return self.build(row)
         except RowError as e:
             return str(e)
+
+
+class UniqueIds:
+    """The ids one task has seen: where rows are keyed by an id column, a row whose id is null
+    or repeated is a row error (its output could not be told from the other's, and resuming
+    skips rows by id)."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+        self._seen: set[Any] = set()
+
+    def problem(self, key: Any) -> str | None:
+        """The row error for `key`, or None (and `key` is remembered)."""
+        if key is None:
+            return f"{self.column} is null: id_col={self.column!r} needs an id in every row"
+        mark = key if isinstance(key, (str, int, float, bytes)) else repr(key)
+        if mark in self._seen:
+            return f"{self.column}={key!r} appears more than once (id_col={self.column!r})"
+        self._seen.add(mark)
+        return None
 
 
 def derive_seed(base_seed: int, key: str) -> int:

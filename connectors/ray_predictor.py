@@ -19,6 +19,9 @@ row, a dead engine ends the actor so that Ray restarts it and retries its tasks
 (docs/row-errors.md).
 
 With `stream=False` each input batch comes back whole, in input order, as `ray.data.llm` does.
+With `stream="ordered"` rows leave one at a time in input order: the n-th output of a task is
+always its n-th row, so a retried task repeats exactly what the dead attempt had already sent
+(docs/guarantees.md says why completion order cannot promise that).
 
 With `migration=True` (the default) the actors of one job share a coordinator actor that moves
 waiting and long-running requests from busy engines to idle ones; results still come back
@@ -47,6 +50,8 @@ from batchgen_data import env
 from batchgen_data.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+# True: completion order; False: each batch whole; "ordered": one row per output, input order
+STREAM_MODES = (True, False, "ordered")
 
 
 def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -84,12 +89,15 @@ class BatchGenPredictor:
 
     def __init__(self, model: str | None = None,
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
-                 on_error: str = "row", stream: bool = True, apply_chat_template: bool = True,
+                 on_error: str = "row", stream: bool | str = True,
+                 apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
                  program: Any = None, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
                  **engine_kwargs: Any) -> None:
         check_on_error(on_error)
+        if stream not in STREAM_MODES:
+            raise ValueError(f"stream={stream!r}: use one of {STREAM_MODES}")
         self.stream = stream
         options = MigrationOptions(**(migration_options or {}))  # TypeError on unknown names
         self.driver = self.start_driver(model, engine_kwargs)
@@ -125,6 +133,11 @@ class BatchGenPredictor:
             if not self.stream:
                 wait(list(pending))
                 yield self._finished(table, pending, list(pending))
+                return
+            if self.stream == "ordered":
+                for fut in sorted(pending, key=pending.__getitem__):
+                    wait([fut])
+                    yield self._finished(table, pending, [fut])
                 return
             while pending:
                 done, _ = wait(list(pending), return_when=FIRST_COMPLETED)

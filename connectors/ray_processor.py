@@ -55,7 +55,9 @@ class BatchGenProcessorConfig:
     sampling_params: SamplingParams | Mapping[str, Any] | None = None  # defaults for every row
     num_cpus: float = 0.5  # below 1, so actors never starve read tasks on small machines
     num_gpus: float = 0.0
-    stream: bool = True  # rows leave as they finish; False: each input batch whole, in order
+    # rows leave as they finish; False: each input batch whole, in order; "ordered": one row
+    # at a time in input order (exactly once under task retries, docs/guarantees.md)
+    stream: bool | str = True
     # move work between engines (connectors/ray_migration.py); None: on when the pool can
     # hold more than one actor
     migration: bool | None = None

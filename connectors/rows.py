@@ -111,6 +111,12 @@ class RowLifecycle:
         self._request_ids[fut] = rid
         return fut
 
+    def reject(self, message: str) -> Future:
+        """A row refused before it is built (e.g. a duplicate id): a row error like any other."""
+        if self.on_error == "raise":
+            raise RowError(message)
+        return failed_future(RowError(message))
+
     def outcome(self, fut: Future) -> dict[str, Any]:
         """Output column values of a finished row; raises for an engine failure (and for a
         row error with on_error="raise")."""

@@ -144,20 +144,25 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
               batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """One task of `generate_df`: input columns plus results, as rows finish."""
     session = spark_task.TaskSession(settings)
+    ids = common.UniqueIds(id_col) if id_col is not None else None
 
     def submit(batch: pa.RecordBatch) -> list[Future]:
         if settings.program is not None:  # the whole row goes to the program
-            ids = batch.column(id_col).to_pylist() if id_col is not None else None
+            keys = batch.column(id_col).to_pylist() if id_col is not None else None
             rows = batch.to_pylist()
-            return session.submit(rows, ids if ids is not None else [None] * len(rows))
+            return session.submit(rows, keys if keys is not None else [None] * len(rows))
         values = batch.column(prompt_col).to_pylist()
-        rows = [spark_task.value_row(v) for v in values]
+        rows = [spark_task.value_row(v, prompt_col) for v in values]
         for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS):
             if name in batch.schema.names:
                 for row, value in zip(rows, batch.column(name).to_pylist()):
                     row[name] = value
-        keys = batch.column(id_col).to_pylist() if id_col is not None else values
-        return session.submit(rows, keys)
+        if ids is None:
+            return session.submit(rows, values)
+        keys = batch.column(id_col).to_pylist()
+        problems = [ids.problem(k) for k in keys]
+        return [session.reject(p) if p else session.submit([row], [k])[0]
+                for row, k, p in zip(rows, keys, problems)]
 
     try:
         yield from _finished_batches(settings, session, submit, batches)

@@ -87,9 +87,14 @@ def task_driver(settings: TaskSettings) -> spark_engine_cache.DriverLike:
     return spark_engine_cache.ENGINES.get(settings.spec.resolved(device, cpus))
 
 
-def value_row(value: Any) -> dict[str, Any]:
-    """A UDF cell as a `common` row: chat messages, token ids, or (anything else) a prompt."""
+def value_row(value: Any, column: str | None = None) -> dict[str, Any]:
+    """A UDF cell as a `common` row: chat messages, token ids, or (anything else) a prompt.
+
+    A `column` named like an input column says what the cell is (an empty list has no type).
+    """
     value = common.to_python(value)
+    if column in common.INPUT_COLUMNS:
+        return {column: value}
     if isinstance(value, list) and value:
         return {"messages" if isinstance(value[0], dict) else "prompt_token_ids": value}
     return {"prompt": value}
@@ -138,6 +143,10 @@ class TaskSession:
         unseeded sampling, so a retried task samples the same tokens."""
         lifecycle = self._lifecycle()
         return [lifecycle.submit(row, key) for row, key in zip(rows, keys)]
+
+    def reject(self, message: str) -> Future:
+        """A row error for a row that never reaches the engine (see `RowLifecycle.reject`)."""
+        return self._lifecycle().reject(message)
 
     def output_rows(self, futures: list[Future]) -> list[dict[str, Any]]:
         """Finished Futures -> output column values, one dict per row, same order."""

@@ -29,6 +29,7 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.prompt_checks import first_bad_token
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 
@@ -69,11 +70,13 @@ class Engine:
     def check_request(self, prompt_token_ids: Any, params: Any) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        bad = first_bad_token(prompt_token_ids, self.vocab_size)  # same words as the connectors
+        if bad is not None:
+            raise ValueError(bad)
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            raise ValueError(f"SamplingParams.max_tokens={params.max_tokens}: more than "
+                             f"max_model_len ({self.max_model_len}), so it can never be met")
         prompt_token_ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len} (room for at least one output token needed)")

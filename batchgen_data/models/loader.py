@@ -72,7 +72,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model={str(path)!r}: no *.safetensors files (only safetensors are loaded)")
+        raise ValueError(f"model={str(path)!r}: no *.safetensors files (only safetensors are "
+                         f"loaded){_pickle_hint(path)}")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
@@ -94,6 +95,21 @@ def load_weights(model: nn.Module, path: Path) -> None:
                          f"{' ...' if len(missing) > 5 else ''}")
     del params  # the plain weights must be unreferenced for finalize to free them
     finalize(model)
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _pickle_hint(path: Path) -> str:
+    """Why the pickle checkpoints next to the config are ignored: unpickling runs any code the
+    file holds, so a model downloaded from anywhere could take over the worker."""
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not pickled:
+        return ""
+    return (f"; refusing the pickle checkpoint(s) {pickled[:3]}: loading pickle can run "
+            "arbitrary code. Convert them once with safetensors (e.g. transformers' "
+            "save_pretrained(..., safe_serialization=True)) or use the model's safetensors "
+            "release")
 
 
 def finalize(model: nn.Module) -> None:

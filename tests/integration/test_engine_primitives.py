@@ -119,7 +119,7 @@ def test_abort_reports_and_frees(llm: LLM) -> None:
     ({"prompt_token_ids": []}, ValueError, "empty"),
     ({"prompt_token_ids": [1] * 300}, ValueError, "max_model_len"),
     ({"prompt_token_ids": [10 ** 9]}, ValueError, "prompt_token_ids"),
-    (42, TypeError, "prompt must be str"),
+    (42, TypeError, "prompt must be a string"),
     ({"text": "x"}, ValueError, "prompt"),
 ])
 def test_bad_prompts_raise_before_running(llm: LLM, prompt, exc, match) -> None:  # type: ignore[no-untyped-def]

@@ -82,7 +82,7 @@ def test_token_ids_row_and_first_non_null_column_wins(builder: RequestBuilder) -
     ({"messages": [{"role": "user"}]}, "needs string 'role' and 'content'"),
     ({"messages": ["hello"]}, "must be a dict"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "chat template failed"),
-    ({"prompt_token_ids": [1, "a"]}, "only ints"),
+    ({"prompt_token_ids": [1, "a"]}, "is not an int"),
     ({"prompt": "ok", "sampling_params": {"temprature": 0.5}}, "unknown sampling parameter"),
     ({"prompt": "ok", "sampling_params": {"max_tokens": 0}}, "max_tokens"),
     ({"prompt": "ok", "sampling_params": "{not json"}, "not valid JSON"),

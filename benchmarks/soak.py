@@ -1,0 +1,196 @@
+"""Soak: many rows through local Ray Data on a tiny model, watching for leaks and slowdowns.
+
+Rows of a few tokens each go through `BatchGenPredictor` (row streaming on, migration on). Every
+`--interval` seconds the driver records rows done, rows/s, each engine actor's RSS and its KV
+block pool, and the object store's use. At the end it checks that every row came back exactly
+once and that each engine's block pool is empty again, fits the RSS slope over the second half
+of the run (a leak shows as a slope; start-up does not), writes a PNG, and prints a table plus
+one JSON line.
+
+    python benchmarks/soak.py --rows 2000                  # a check (a couple of minutes)
+    python benchmarks/soak.py --rows 100000 --actors 2     # the soak (quiet machine)
+
+`--model` takes a model directory; without it a tiny random Llama (the tests' builder) is made
+in a temporary directory, so the run measures the connector and Ray, not the model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_report  # noqa: E402
+
+from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming  # noqa: E402
+
+COLUMNS = ["t_s", "rows", "rows_per_s", "actors", "rss_mib_max", "pool_used_max",
+           "object_store_mib"]
+
+
+class SoakPredictor(BatchGenPredictor):
+    """Writes its RSS and block-pool use to `stats_dir/<pid>.json` after every input batch."""
+
+    def __init__(self, stats_dir: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.stats_file = Path(stats_dir) / f"{os.getpid()}.json"
+        self.calls_in_flight = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: Any) -> Iterator[Any]:
+        with self.lock:
+            self.calls_in_flight += 1
+        try:
+            yield from super().__call__(batch)
+        finally:
+            with self.lock:
+                self.calls_in_flight -= 1
+                self._report()
+
+    def _report(self) -> None:
+        pool = self.driver.engine.pool
+        stats = {"pid": os.getpid(), "t": time.time(), "rss": psutil.Process().memory_info().rss,
+                 "pool_used": pool.num_blocks - pool.num_free, "pool_blocks": pool.num_blocks,
+                 "calls_in_flight": self.calls_in_flight}
+        tmp = self.stats_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats))
+        tmp.replace(self.stats_file)  # readers never see half a file
+
+
+def object_store_mib() -> float:
+    """Pages of /dev/shm in use: the object store's shared memory, a high-water mark (freed
+    objects leave their pages mapped), so a leak shows as growth that never stops. Ray's own
+    memory summary needs grpcio, which this environment lacks."""
+    try:
+        return round(shutil.disk_usage("/dev/shm").used / 2**20, 1)
+    except OSError:
+        return 0.0
+
+
+def tiny_model(where: Path) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer(where)
+    build_tiny_model("llama", where, vocab_size=len(tok))
+    return str(where)
+
+
+def sample(stats_dir: Path, t0: float, done: int, last: tuple[float, int]) -> dict[str, Any]:
+    actors = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
+    now = time.time()
+    rate = (done - last[1]) / max(now - last[0], 1e-9)
+    return {"t_s": round(now - t0, 1), "rows": done, "rows_per_s": round(rate, 1),
+            "actors": len(actors),
+            "rss_mib_max": round(max((a["rss"] for a in actors), default=0) / 2**20, 1),
+            "pool_used_max": max((a["pool_used"] for a in actors), default=0),
+            "object_store_mib": object_store_mib(),
+            "rss_mib": {a["pid"]: round(a["rss"] / 2**20, 1) for a in actors}}
+
+
+def slope_mib_per_10k(series: list[dict[str, Any]]) -> float:
+    """Least-squares slope of the largest actor RSS over rows done, second half of the run."""
+    pts = [(s["rows"], s["rss_mib_max"]) for s in series[len(series) // 2:] if s["actors"]]
+    if len(pts) < 2:
+        return 0.0
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return 0.0 if var == 0 else 1e4 * sum((x - mx) * (y - my) for x, y in pts) / var
+
+
+def plot(series: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t_s"] for s in series]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    axes[0].plot(t, [s["rows_per_s"] for s in series])
+    axes[0].set_ylabel("rows/s")
+    for pid in sorted({p for s in series for p in s["rss_mib"]}):
+        axes[1].plot(t, [s["rss_mib"].get(pid) for s in series], label=f"actor {pid}")
+    axes[1].set_ylabel("RSS (MiB)")
+    axes[1].legend(fontsize="small")
+    axes[2].plot(t, [s["object_store_mib"] for s in series])
+    axes[2].set_ylabel("object store (MiB)")
+    axes[2].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--model", default=None, help="model dir (default: a tiny random Llama)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--interval", type=float, default=5.0)
+    ap.add_argument("--plot", default="soak.png")
+    args = ap.parse_args()
+
+    import ray
+
+    work = Path(tempfile.mkdtemp(prefix="batchgen-soak-"))
+    model = args.model or tiny_model(work / "model")
+    stats_dir = work / "stats"
+    stats_dir.mkdir()
+    ray.init(num_cpus=max(2, args.actors), include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    enable_row_streaming()
+    ds = ray.data.range(args.rows).map(
+        lambda r: {"id": r["id"], "prompt": f"Row {r['id']}: the quick brown fox"})
+    out = ds.map_batches(
+        SoakPredictor, batch_size=args.batch_size, batch_format="pyarrow",
+        fn_constructor_kwargs=dict(model=model, stats_dir=str(stats_dir),
+                                   sampling_params={"max_tokens": args.max_tokens,
+                                                    "temperature": 0.0},
+                                   max_model_len=64, max_num_seqs=64),
+        compute=ray.data.ActorPoolStrategy(size=args.actors, max_concurrent_calls_per_actor=4),
+        num_cpus=0.5)  # half a CPU each: actors holding whole CPUs starve the read tasks
+
+    t0 = time.time()
+    series: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    repeats = errors = 0
+    last = (t0, 0)
+    for batch in out.iter_batches(batch_format="pyarrow", batch_size=None):
+        ids = batch.column("id").to_pylist()
+        repeats += len(ids) - len(set(ids) - seen)
+        seen.update(ids)
+        errors += batch.num_rows - batch.column("error").null_count
+        if time.time() - last[0] >= args.interval:
+            series.append(sample(stats_dir, t0, len(seen), last))
+            last = (time.time(), len(seen))
+    wall = time.time() - t0
+    series.append(sample(stats_dir, t0, len(seen), last))
+    final = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
+    idle = [a for a in final if a["calls_in_flight"] == 0]
+    plot(series, Path(args.plot))
+    print_report([{k: v for k, v in s.items() if k != "rss_mib"} for s in series], COLUMNS)
+    print(json.dumps({
+        "rows": args.rows, "rows_out": len(seen), "lost": args.rows - len(seen),
+        "repeated": repeats, "errors": errors, "wall_s": round(wall, 1),
+        "rows_per_s": round(len(seen) / wall, 1),
+        "rss_slope_mib_per_10k_rows": round(slope_mib_per_10k(series), 3),
+        "rss_mib_end": {a["pid"]: round(a["rss"] / 2**20, 1) for a in final},
+        "object_store_mib_peak": max(s["object_store_mib"] for s in series),
+        "block_pool_empty_at_end": bool(idle) and all(a["pool_used"] == 0 for a in idle),
+        "plot": str(Path(args.plot).resolve())}))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -22,12 +22,18 @@ _COLUMNS = ("generated_text", "num_prompt_tokens", "num_generated_tokens", "fini
             "error")
 
 
+_LOCATION = re.compile(r"^\s*(?:line \d+|prompts\[\d+\]|rows\[\d+\]):\s*")
+
+
 def error_kind(message: str) -> str:
     """A row error's message without its particulars, so that like errors count together.
 
     "prompt has 12581 tokens; max_model_len is 2048" and "messages[0] needs ..." keep their
-    first clause, with numbers as N: "prompt has N tokens", "messages[N] needs ...".
+    first clause, with numbers as N: "prompt has N tokens", "messages[N] needs ...". A leading
+    location ("line 7: ", the command's input line; "prompts[3]: ", LLM.generate's index) says
+    where, not what, so it is dropped first.
     """
+    message = _LOCATION.sub("", message, count=1)
     head = re.split(r"[:;]", message, maxsplit=1)[0].strip()
     return re.sub(r"\d+", "N", head)[:80] or "(no message)"
 

@@ -36,6 +36,15 @@ def test_error_kind_drops_particulars() -> None:
     assert error_kind("") == "(no message)"
 
 
+def test_error_kind_drops_where_the_error_was() -> None:
+    # the command prefixes its input line, LLM.generate the prompt's index: both say where,
+    # so two bad JSON lines are one kind, not "line N"
+    assert error_kind("line 7: not valid JSON: Expecting value") == "not valid JSON"
+    assert error_kind("line 12: not valid JSON: Extra data") == "not valid JSON"
+    assert error_kind("prompts[3]: prompt is empty") == "prompt is empty"
+    assert error_kind("outline 7: x") == "outline N"  # only a leading location is dropped
+
+
 def test_summarize_counts_rows_errors_empty_and_tokens() -> None:
     report = summarize(ROWS, wall_s=2.0)
     assert (report.rows, report.good_rows, report.error_rows) == (8, 4, 4)

@@ -41,7 +41,7 @@ def expert_load_mark(stats: Any) -> tuple[float, ...] | None:
     load = getattr(stats, "tokens_per_expert", None)
     if load is None:
         return None
-    return (load.steps, load.mean_sum, load.min_sum, load.max_sum)
+    return (load.layer_steps, load.mean_sum, load.min_sum, load.max_sum)
 
 
 @dataclass

@@ -43,5 +43,6 @@ def test_databricks_notebook(spark: Any, tiny_model_dir: Callable[..., Path],
     # 8 tickets, two of them empty: the job finishes with two error rows, and says so
     out = capsys.readouterr().out
     assert "rows            8 (6 good, 2 errors)" in out
-    assert "error      2  prompt is null" in out
+    # the empty tickets' messages cell is null: the error names the messages field
+    assert "error      2  messages must be a non-empty list" in out
     assert "empty " in out and "tokens " in out and "rows/s" in out

@@ -4,9 +4,10 @@
 through `Dataset.iter_rows()` as the engines finish them, so output lines are written as they
 come. A `/v1/completions` prompt is tokenized here, in the driver, and sent as
 `prompt_token_ids`: the connectors template a plain prompt as a chat turn, and vLLM's
-completions endpoint does not. The connectors return one sample per row without logprobs, so a
-request with `n > 1` or logprobs is answered with an error line that says to use
-`--runner local` for it.
+completions endpoint does not. `n > 1` samples and logprobs come back in the connectors'
+`samples`, `logprobs` and `top_logprobs` columns; only the top alternatives of samples after the
+first are not there, so `n > 1` together with `top_logprobs` is answered with an error line that
+says to use `--runner local` for it.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class RayRunner:
         self.submitted = len(rows)
         try:
             for out in processor(ray.data.from_items(rows)).iter_rows():
-                emit(outcome_from_row(by_key[out[KEY]], out, actor="ray"))
+                item = by_key[out[KEY]]
+                emit(outcome_from_row(item, out, actor="ray", num_top=top_count(item)))
         finally:
             self.record.merge(ray.get(collector.part.remote()))
             ray.kill(collector)
@@ -83,8 +85,8 @@ class RayRunner:
         fields (a JSON schema, say) need no common struct type."""
         src = item.row
         params = dict(src.get("sampling_params") or {}) if item.request is not None else None
-        if params is not None and (params.get("n", 1) != 1 or params.get("logprobs") is not None):
-            emit(Outcome(item, error=f"line {item.request.line}: n > 1 and logprobs are "
+        if params is not None and (params.get("n") or 1) > 1 and (params.get("logprobs") or 0) > 0:
+            emit(Outcome(item, error=f"line {item.request.line}: n > 1 with top_logprobs is "
                                      "returned by --runner local only",
                          error_code="unsupported_field", actor="ray"))
             return None
@@ -98,3 +100,9 @@ class RayRunner:
         if item.request is None:  # a table row keeps its other columns
             row.update({k: v for k, v in src.items() if k not in row})
         return row
+
+
+def top_count(item: WorkItem) -> int:
+    """How many top alternatives per token the item's request asked for (0: none)."""
+    params = item.row.get("sampling_params")
+    return int(params.get("logprobs") or 0) if isinstance(params, dict) else 0

@@ -5,8 +5,9 @@ local one with `--actors` cores, one engine per Python worker. `generate_df` rea
 column, and a Spark column has one type, so prompts, chat messages and token ids run as up to
 three DataFrames, one after the other; rows of each stream back through `toLocalIterator` as
 Spark finishes its partitions; each task adds its engine's samples to an accumulator, the
-report's timelines (`connectors/spark_metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here and
-`n > 1` or logprobs need `--runner local`.
+report's timelines (`connectors/spark_metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here,
+and `n > 1` samples and logprobs come back in the connectors' list columns (`n > 1` together with
+`top_logprobs` needs `--runner local`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, outcome_from_row
-from batchgen_data.cli.runner_ray import KEY, RayRunner
+from batchgen_data.cli.runner_ray import KEY, RayRunner, top_count
 from batchgen_data.report_record import RunRecord
 
 _TYPES = {"prompt": "string", "messages": "array<struct<role:string,content:string>>",
@@ -79,5 +80,7 @@ class SparkRunner(RayRunner):
                               sampling_params=self.default_params, **self.engine_kwargs)
             self.submitted += len(rows)
             for r in out.toLocalIterator():
-                emit(outcome_from_row(by_key[r[KEY]], r.asDict(recursive=True), actor="spark"))
+                item = by_key[r[KEY]]
+                emit(outcome_from_row(item, r.asDict(recursive=True), actor="spark",
+                                      num_top=top_count(item)))
         self.record.merge(stats.value)

@@ -29,7 +29,14 @@ def test_ray_runner_matches_local_runner(tmp_path: Path, ray_local: None) -> Non
     lines.append({"custom_id": "t0", "method": "POST", "url": "/v1/completions",
                   "body": {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}})
     lines.append({"custom_id": "n2", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}})
+                  "body": {"messages": [{"role": "user", "content": "x"}], "n": 2,
+                           "max_tokens": 6, "seed": 3}})
+    lines.append({"custom_id": "lp", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                           "temperature": 0, "logprobs": True, "top_logprobs": 2}})
+    lines.append({"custom_id": "n2lp", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "x"}], "n": 2,
+                           "logprobs": True, "top_logprobs": 1}})
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     ray_out, local_out, report = tmp_path / "ray.jsonl", tmp_path / "local.jsonl", \
         tmp_path / "r.html"
@@ -46,10 +53,25 @@ def test_ray_runner_matches_local_runner(tmp_path: Path, ray_local: None) -> Non
         return out
 
     ray_answers, local_answers = answers(ray_out), answers(local_out)
-    assert sorted(ray_answers) == ["c0", "c1", "c2", "n2", "t0"]
-    for key in ("c0", "c1", "c2", "t0"):
+    assert sorted(ray_answers) == ["c0", "c1", "c2", "lp", "n2", "n2lp", "t0"]
+    for key in ("c0", "c1", "c2", "t0", "n2", "lp"):
         assert ray_answers[key] == local_answers[key], key
-    n2 = [json.loads(t) for t in ray_out.read_text().splitlines() if '"n2"' in t][0]
-    assert "--runner local" in n2["error"]["message"]
+    assert len(ray_answers["n2"]) == 2
+
+    def line(path: Path, key: str) -> dict:
+        return [json.loads(t) for t in path.read_text().splitlines()
+                if json.loads(t)["custom_id"] == key][0]
+
+    # logprobs through the connector's columns: the same tokens and top alternatives as local
+    ray_lp, local_lp = (line(p, "lp")["response"]["body"]["choices"][0]["logprobs"]["content"]
+                        for p in (ray_out, local_out))
+    assert [t["token"] for t in ray_lp] == [t["token"] for t in local_lp]
+    assert [[a["token"] for a in t["top_logprobs"]] for t in ray_lp] == \
+        [[a["token"] for a in t["top_logprobs"]] for t in local_lp]
+    assert all(len(t["top_logprobs"]) == 2 for t in ray_lp)
+    for r, lo in zip(ray_lp, local_lp):
+        assert abs(r["logprob"] - lo["logprob"]) < 1e-4
+    # top alternatives of every one of n samples: only the local runner has them
+    assert "--runner local" in line(ray_out, "n2lp")["error"]["message"]
     html = report.read_text()
     assert html.count("<h3>") >= 1 and "idle" in html  # a timeline per engine that reported

@@ -91,14 +91,29 @@ def test_command_answers_every_line_once_and_matches_the_python_api(tmp_path: Pa
 
 
 def _check_structured(line: dict) -> None:
-    """With structured output in the engine the content parses; before it, a clear error."""
-    if line["error"] is not None:
-        assert "structured" in line["error"]["message"]
-        return
-    content = json.loads(line["response"]["body"]["choices"][0]["message"]["content"])
+    """A response_format line is answered, and its content parses (and fits its schema)."""
+    assert line["error"] is None, line
+    _check_body(line)
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "stop", choice  # truncated JSON would not parse
+    content = json.loads(choice["message"]["content"])
     assert isinstance(content, dict)
     if line["custom_id"] == "chat-json-schema":
+        schema = _request(line["custom_id"])["body"]["response_format"]["json_schema"]["schema"]
+        jsonschema = pytest.importorskip("jsonschema")
+        jsonschema.validate(content, schema)
         assert isinstance(content["name"], str) and isinstance(content["born"], int)
+
+
+def _request(custom_id: str) -> dict:
+    for text in EXAMPLE.read_text().splitlines():
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if line.get("custom_id") == custom_id:
+            return line
+    raise KeyError(custom_id)
 
 
 def test_resume_after_a_kill_redoes_nothing(tmp_path: Path) -> None:

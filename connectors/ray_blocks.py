@@ -35,7 +35,7 @@ def is_streaming_udf(logical_op: Any) -> bool:
     if not isinstance(fn, type) or not getattr(fn, "streams_rows", False):
         return False
     kwargs = getattr(logical_op, "fn_constructor_kwargs", None) or {}
-    return bool(kwargs.get("stream", True))
+    return bool(kwargs.get("stream", "ordered"))
 
 
 def _make_rule_class() -> type:

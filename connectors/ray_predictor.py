@@ -18,10 +18,12 @@ Rows go through `rows.RowLifecycle`, shared with the Spark connector: a bad row 
 row, a dead engine ends the actor so that Ray restarts it and retries its tasks
 (docs/row-errors.md).
 
-With `stream=False` each input batch comes back whole, in input order, as `ray.data.llm` does.
-With `stream="ordered"` rows leave one at a time in input order: the n-th output of a task is
-always its n-th row, so a retried task repeats exactly what the dead attempt had already sent
-(docs/guarantees.md says why completion order cannot promise that).
+With `stream="ordered"` (the default) rows leave one at a time in input order: the n-th output
+of a task is always its n-th row, so a retried task repeats exactly what the dead attempt had
+already sent. `stream=True` sends rows in completion order (lower latency per row), but a task
+retried after its actor died can then lose some rows and repeat others: CI saw it happen
+(docs/guarantees.md). With `stream=False` each input batch comes back whole, in input order, as
+`ray.data.llm` does.
 
 With `migration=True` (the default) the actors of one job share a coordinator actor that moves
 waiting and long-running requests from busy engines to idle ones; results still come back
@@ -89,7 +91,7 @@ class BatchGenPredictor:
 
     def __init__(self, model: str | None = None,
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
-                 on_error: str = "row", stream: bool | str = True,
+                 on_error: str = "row", stream: bool | str = "ordered",
                  apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
                  program: Any = None, chat_template: str | None = None,

@@ -57,7 +57,7 @@ class BatchGenProcessorConfig:
     num_gpus: float = 0.0
     # rows leave as they finish; False: each input batch whole, in order; "ordered": one row
     # at a time in input order (exactly once under task retries, docs/guarantees.md)
-    stream: bool | str = True
+    stream: bool | str = "ordered"  # exactly once under retries (docs/guarantees.md)
     # move work between engines (connectors/ray_migration.py); None: on when the pool can
     # hold more than one actor
     migration: bool | None = None

@@ -13,7 +13,7 @@ import pytest
 
 from batchgen_data.cli.main import Job, build_parser
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "data" / "openai_batch.jsonl"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batch_api" / "openai_batch.jsonl"
 pytestmark = pytest.mark.slow
 
 

@@ -26,7 +26,6 @@ raw, as `LLM.generate` sends it, and `messages` is an ordinary column.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from batchgen_data.chat import check_template_kwargs, has_chat_template, prompt_
 from batchgen_data.connectors import row_extras
 from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.structured.params import json_text
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
 PARAMS_COLUMN = "sampling_params"
@@ -188,10 +188,7 @@ def parse_overrides(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RowError(f"sampling_params is not valid JSON: {e}") from None
+        value = json_text(value, "sampling_params", RowError)
     if not isinstance(value, dict):
         raise RowError(f"sampling_params must be a dict, got {type(value).__name__}")
     value = {k: v for k, v in value.items() if v is not None}

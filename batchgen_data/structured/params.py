@@ -17,6 +17,15 @@ from typing import Any
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def json_text(text: str, what: str, error: type[Exception] = ValueError) -> Any:
+    """`text` parsed as JSON; a parse failure raises `error` naming the field `what`.
+    Shared by every column that takes either an object or its JSON text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} is not valid JSON: {e}") from None
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     json: dict[str, Any] | str | None = None  # a JSON schema (dict, or its JSON text)
@@ -82,10 +91,7 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
+            value = json_text(value, "structured_outputs")
         if not isinstance(value, Mapping):
             raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict, got "
                             f"{type(value).__name__}")
@@ -106,10 +112,7 @@ def from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if rf is None:
         return None
     if isinstance(rf, str):
-        try:
-            rf = json.loads(rf)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"response_format is not valid JSON: {e}") from None
+        rf = json_text(rf, "response_format")
     if not isinstance(rf, Mapping):
         raise ValueError(f"response_format must be an object, got {type(rf).__name__}")
     kind = rf.get("type")

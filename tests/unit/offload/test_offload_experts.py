@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
+from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.offload import GIB, weight_bytes
 from batchgen_data.offload.experts import ExpertStreamer, _runs
@@ -20,9 +21,10 @@ from batchgen_data.offload.experts import ExpertStreamer, _runs
 EXPERTS, TOP_K = 16, 2
 
 
-def _moe(seed: int = 0) -> FusedMoE:
+def _moe(seed: int = 0, triton: bool = False) -> FusedMoE:
     torch.manual_seed(seed)
-    layer = FusedMoE(24, 12, num_experts=EXPERTS, top_k=TOP_K, norm_topk_prob=True)
+    with building(LayerBackend(torch.device("cpu"), torch.float32, triton=triton)):
+        layer = FusedMoE(24, 16, num_experts=EXPERTS, top_k=TOP_K, norm_topk_prob=True)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
@@ -43,7 +45,7 @@ def test_streamed_experts_match_resident_bit_for_bit(tokens: int) -> None:
     streamer = ExpertStreamer([layer], num_sets=2, device=torch.device("cpu"))
     layer.expert_stream = streamer.fetch
     assert layer.w13.numel() == 0 and layer.w2.numel() == 0  # the bytes left the layer
-    per_expert = (2 * 12 * 24 + 24 * 12) * 4
+    per_expert = (2 * 16 * 24 + 24 * 16) * 4
     for step in range(2):  # both expert sets, the second call reusing the first's slots
         got = layer(x)
         assert torch.equal(got, want)
@@ -54,6 +56,19 @@ def test_streamed_experts_match_resident_bit_for_bit(tokens: int) -> None:
     assert torch.equal(layer.take_expert_tokens(), 2 * ref.take_expert_tokens())
     if tokens == 1:
         assert streamer.bytes_moved == 2 * TOP_K * per_expert  # k of E experts, not E
+
+
+def test_streamed_experts_on_the_triton_path() -> None:
+    """The GPU's expert kernel (under the Triton interpreter) takes the n routed experts and
+    the remapped ids as it takes the layer's own."""
+    pytest.importorskip("triton")
+    ref, layer = _moe(triton=True), _moe(triton=True)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
+    want = ref(x)
+    streamer = ExpertStreamer([layer], num_sets=1, device=torch.device("cpu"))
+    layer.expert_stream = streamer.fetch
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert 0 < streamer.bytes_moved < EXPERTS * (3 * 16 * 24) * 4
 
 
 @pytest.fixture(scope="module")

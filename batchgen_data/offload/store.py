@@ -9,7 +9,9 @@ work is enqueued), the layer's bytes are made to be in a slot, its tensors are p
 of that slot, and the next offloaded layer starts copying into another slot. With two slots the
 copy of layer i+1 overlaps the compute of layer i (`copy.StreamCopier`); after the last
 offloaded layer the first one is prefetched for the next step. The model code is untouched: this works for any decoder
-stack exposed as `model.layers`, dense or MoE.
+stack exposed as `model.layers`, dense or MoE. With `stream_experts`, an MoE layer's experts are
+not in its slot: `experts.ExpertStreamer` copies in only the routed ones when the layer's router
+has run (the store installs its `fetch` as each layer's `FusedMoE.expert_stream`).
 
 Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
 stay resident, and so do integer buffers (state such as an MoE layer's per-expert token counts,

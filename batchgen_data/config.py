@@ -76,6 +76,8 @@ class EngineConfig:
     cpu_offload_gb: float = 0.0
     # an absolute cap on the device's weight bytes (streaming workspace included); None: no cap
     weight_memory_bytes: int | None = None
+    # streamed MoE layers copy in only the experts a step routes to (False: whole layers)
+    stream_experts: bool = True
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -93,6 +95,8 @@ class EngineConfig:
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: must be a number >= 0")
+        if not isinstance(self.stream_experts, bool):
+            raise TypeError(f"stream_experts={self.stream_experts!r}: must be True or False")
         if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
             raise ValueError(f"weight_memory_bytes={self.weight_memory_bytes!r}: must be >= 1")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

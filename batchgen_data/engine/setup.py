@@ -87,7 +87,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if offload:
         from batchgen_data.offload import offload_model, scheduler_for
         streamed = offload_model(model, config.cpu_offload_gb, device, hf_config,
-                                 config.weight_memory_bytes)
+                                 config.weight_memory_bytes, stream_experts=config.stream_experts)
         if streamed is not None:
             store, plan = streamed
             sc = scheduler_for(sc, plan)

@@ -9,6 +9,7 @@ prefill chunks) a torch reference that gathers each sequence's blocks and runs d
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class AttentionMetadata:
     # torch path only, built once per step and shared by every layer:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
+    # a micro-batch whose KV is not in this cache (host memory, offload/kv_tier.py): called as
+    # kv_route(attention_module, q, k, v) -> [T, H, D] instead of attending here
+    kv_route: Callable[..., torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -52,6 +56,8 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D].
         Returns [T, H, D]."""
+        if meta.kv_route is not None:
+            return meta.kv_route(self, q, k, v)
         return self._forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.c_decode)
 
 

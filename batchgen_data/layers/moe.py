@@ -33,6 +33,11 @@ from batchgen_data.layers.linear import Linear
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                      torch.Tensor]
 
+# (layer, ids [T, k], counts [E] or None) -> (w13 [n, 2I, H], w2 [n, H, I], ids and counts
+# re-indexed to those n experts): see `FusedMoE.experts_for`
+ExpertStream = Callable[["FusedMoE", torch.Tensor, torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +120,8 @@ class FusedMoE(nn.Module):
         self._gpu_experts: ExpertsFn | None = _triton_experts() if self.triton else None
         # the CPU path reuses the activation kernel the backend picked for the dense MLPs
         self.act = SiluAndMul()
+        # set by the weight store when this layer's experts stream from host memory
+        self.expert_stream: ExpertStream | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, H] holds this step's tokens of every scheduled sequence (each one a coroutine
@@ -124,15 +131,26 @@ class FusedMoE(nn.Module):
             # graph-capturable count: a fixed-size scatter, no host sync
             flat = ids.reshape(-1)
             self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
-            out = self._gpu_experts(x, self.w13, self.w2, weights, ids)
+            w13, w2, ids, _ = self.experts_for(ids, None)
+            out = self._gpu_experts(x, w13, w2, weights, ids)
         else:
             counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
             self.expert_tokens += counts
-            out = cpu_fused_experts(x, self.w13, self.w2, weights, ids, self.act, counts)
+            w13, w2, ids, counts = self.experts_for(ids, counts)
+            out = cpu_fused_experts(x, w13, w2, weights, ids, self.act, counts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return out
+
+    def experts_for(self, ids: torch.Tensor, counts: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(w13, w2, ids, counts) to compute this step's experts with: the layer's own weights,
+        or, when weights stream (`offload/experts.py`), only the experts `ids` [T, k] routes to,
+        copied in by `expert_stream`, with `ids` and `counts` re-indexed to them."""
+        if self.expert_stream is None:
+            return self.w13, self.w2, ids, counts
+        return self.expert_stream(self, ids, counts)
 
     def take_expert_tokens(self) -> torch.Tensor:
         """Tokens each expert received since the last call ([E] int64), and a fresh count."""

@@ -3,7 +3,8 @@
 `offload_model` plans (`plan.py`: what stays resident, how many slots, how big a step) and
 installs a `WeightStore` (`store.py`) on a loaded model: the streamed decoder layers' weights
 move to (pinned) host memory and are copied into a small device workspace right before each
-layer runs, the next layer's copy overlapping the current layer's compute (`copy.py`). The
+layer runs, the next layer's copy overlapping the current layer's compute (`copy.py`); an MoE
+layer's experts stream one routed expert at a time (`experts.py`). The
 engine's setup calls it when `cpu_offload_gb > 0` or `weight_memory_bytes` is set. Outputs are
 the resident path's exactly: the same kernels read the same bytes, only from another buffer.
 """
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from batchgen_data.config import SchedulerConfig
+from batchgen_data.offload.experts import expert_set_bytes
 from batchgen_data.offload.plan import OffloadPlan, Rates, make_plan, measure_rates
-from batchgen_data.offload.store import WeightStore, layer_bytes, weight_bytes
+from batchgen_data.offload.store import WeightStore, layer_bytes, streamed_moes, weight_bytes
 
 __all__ = ["OffloadPlan", "Rates", "WeightStore", "device_budget", "offload_model",
            "scheduler_for", "measure_rates", "weight_bytes"]
@@ -45,10 +47,13 @@ def device_budget(total_bytes: int, cpu_offload_gb: float, weight_memory_bytes: 
 
 def offload_model(model: nn.Module, cpu_offload_gb: float, device: torch.device,
                   hf_config: Any = None, weight_memory_bytes: int | None = None,
-                  rates: Rates | None = None) -> tuple[WeightStore, OffloadPlan] | None:
+                  rates: Rates | None = None, stream_experts: bool = True
+                  ) -> tuple[WeightStore, OffloadPlan] | None:
     """Streams enough of `model`'s decoder layers (built and loaded on the CPU) that its device
     weights, workspace included, stay within `device_budget`, and moves the rest of the model to
-    `device`. None (the whole model moved) when the weights fit the budget."""
+    `device`. None (the whole model moved) when the weights fit the budget. With
+    `stream_experts`, a streamed MoE layer copies in only the experts its tokens are routed to
+    (`experts.py`) when that workspace fits the budget; else whole layers stream."""
     total = weight_bytes(model)
     budget = device_budget(total, cpu_offload_gb, weight_memory_bytes)
     if budget >= total:
@@ -62,10 +67,25 @@ def offload_model(model: nn.Module, cpu_offload_gb: float, device: torch.device,
     params = exact[largest] // dtype.itemsize
     plan = make_plan(layer_bytes(model), other, budget, rates, params,
                      active_fraction(hf_config))
-    store = WeightStore(model, list(plan.offloaded), plan.num_slots, device)
+    granular = stream_experts and experts_fit(model, plan)
+    store = WeightStore(model, list(plan.offloaded), plan.num_slots, device, granular)
     model.to(device)
     store.finish(model)
     return store, plan
+
+
+def experts_fit(model: nn.Module, plan: OffloadPlan) -> bool:
+    """Whether the streamed layers hold MoE experts that can stream apart within the plan's
+    budget: per layer slot, the largest layer without its experts plus one expert set as large
+    as the largest streamed MoE layer's experts (a model mixing dense and MoE layers may need
+    more than its largest whole layer)."""
+    moes = streamed_moes(model, list(plan.offloaded))
+    if not moes:
+        return False
+    dense = layer_bytes(model, experts=False)
+    slot = max(dense[i] for i in plan.offloaded) + max(expert_set_bytes(m.w13, m.w2)
+                                                         for m in moes)
+    return plan.resident_bytes + plan.num_slots * slot <= plan.budget_bytes
 
 
 def scheduler_for(sc: SchedulerConfig, plan: OffloadPlan) -> SchedulerConfig:

@@ -9,7 +9,9 @@ work is enqueued), the layer's bytes are made to be in a slot, its tensors are p
 of that slot, and the next offloaded layer starts copying into another slot. With two slots the
 copy of layer i+1 overlaps the compute of layer i (`copy.StreamCopier`); after the last
 offloaded layer the first one is prefetched for the next step. The model code is untouched: this works for any decoder
-stack exposed as `model.layers`, dense or MoE.
+stack exposed as `model.layers`, dense or MoE. With `stream_experts`, an MoE layer's experts are
+not in its slot: `experts.ExpertStreamer` copies in only the routed ones when the layer's router
+has run (the store installs its `fetch` as each layer's `FusedMoE.expert_stream`).
 
 Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
 stay resident, and so do integer buffers (state such as an MoE layer's per-expert token counts,
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.offload.copy import Copier, host_buffer, make_copier
+from batchgen_data.offload.experts import ExpertStreamer
 
 _ALIGN = 256  # byte alignment of each tensor in a slot (CUDA kernels' and SIMD loads' needs)
 
@@ -80,10 +84,13 @@ def _shared(model: nn.Module) -> tuple[set[int], set[int]]:
     return modules, {tid for tid, n in refs.items() if n > 1}
 
 
-def layer_tensors(layer: nn.Module, shared: tuple[set[int], set[int]]
+def layer_tensors(layer: nn.Module, shared: tuple[set[int], set[int]],
+                  skip: frozenset[int] = frozenset()
                   ) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
-    """(owner, name, is_parameter, tensor) for the tensors only this layer holds."""
+    """(owner, name, is_parameter, tensor) for the tensors only this layer holds, except the
+    tensors whose ids are in `skip`."""
     shared_modules, shared_tensors = shared
+    shared_tensors = shared_tensors | skip
     out = []
     for m in layer.modules():
         if id(m) in shared_modules:
@@ -104,13 +111,22 @@ def layer_tensors(layer: nn.Module, shared: tuple[set[int], set[int]]
     return out
 
 
-def layer_bytes(model: nn.Module, aligned: bool = True) -> list[int]:
-    """Bytes each decoder layer would stream: its own tensors, padded as in a slot (`aligned`)
-    or exact."""
+def streamed_moes(model: nn.Module, indices: list[int]) -> list[FusedMoE]:
+    """The MoE blocks of decoder layers `indices` whose experts are not shared elsewhere."""
+    _, shared_tensors = _shared(model)
+    return [m for i in indices for m in model.layers[i].modules()
+            if isinstance(m, FusedMoE) and id(m.w13) not in shared_tensors]
+
+
+def layer_bytes(model: nn.Module, aligned: bool = True, experts: bool = True) -> list[int]:
+    """Bytes each decoder layer would stream in its slot: its own tensors, padded as in a slot
+    (`aligned`) or exact; without its MoE experts (`experts=False`: they stream apart)."""
     shared = _shared(model)
     align = _ALIGN if aligned else 1
+    skip = frozenset() if experts else frozenset(
+        id(p) for m in model.modules() if isinstance(m, FusedMoE) for p in (m.w13, m.w2))
     return [sum(-(-t.numel() * t.element_size() // align) * align
-                for *_, t in layer_tensors(layer, shared)) for layer in model.layers]
+                for *_, t in layer_tensors(layer, shared, skip)) for layer in model.layers]
 
 
 class WeightStore:
@@ -119,10 +135,16 @@ class WeightStore:
     leave the model here (their parameters keep an empty placeholder until used)."""
 
     def __init__(self, model: nn.Module, indices: list[int], num_slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, stream_experts: bool = False) -> None:
         assert indices and num_slots >= 1
         self.device = device
         shared = _shared(model)
+        # expert-granular streaming: the MoE layers' experts leave the layer slots first (their
+        # tensors become empty placeholders, which `_take` skips) and stream per routed expert
+        moes = streamed_moes(model, indices) if stream_experts else []
+        self.experts = ExpertStreamer(moes, num_slots, device) if moes else None
+        for moe in moes:
+            moe.expert_stream = self._fetch_experts
         self.layers = [self._take(model.layers[i], i, shared, device) for i in indices]
         self.slot_bytes = max(layer.nbytes for layer in self.layers)
         self.workspace = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
@@ -172,7 +194,23 @@ class WeightStore:
 
     @property
     def workspace_bytes(self) -> int:
-        return self.slot_bytes * len(self.workspace)
+        experts = self.experts.workspace_bytes if self.experts is not None else 0
+        return self.slot_bytes * len(self.workspace) + experts
+
+    def _note_peak(self) -> None:
+        held = sum(self.layers[p].nbytes for p in self._holder if p is not None)
+        if self.experts is not None:
+            held += self.experts.held_bytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes + held)
+
+    def _fetch_experts(self, moe: FusedMoE, ids: torch.Tensor, counts: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        assert self.experts is not None
+        before = self.experts.bytes_moved
+        out = self.experts.fetch(moe, ids, counts)
+        self.bytes_moved += self.experts.bytes_moved - before
+        self._note_peak()
+        return out
 
     # ---- streaming ------------------------------------------------------------------------
     def _load(self, pos: int, avoid: int | None) -> int:
@@ -190,8 +228,7 @@ class WeightStore:
         self.bytes_moved += layer.nbytes
         self._holder[slot] = pos
         self._slot_of[pos] = slot
-        held = sum(self.layers[p].nbytes for p in self._holder if p is not None)
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes + held)
+        self._note_peak()
         return slot
 
     def _bind(self, pos: int, slot: int) -> None:

@@ -7,17 +7,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *args: str) -> tuple[str, list[dict[str, Any]]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "benchmarks/offload.py", "--cpu", "--workdir",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           str(tmp_path), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.stdout, [json.loads(line) for line in proc.stdout.splitlines()
+                         if line.startswith("{")]
+
+
+def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
+    stdout, lines = _bench(tmp_path)
     runs = {r["system"]: r for r in lines if "system" in r}
     assert set(runs) == {"hf_accelerate", "batchgen_data"}
     hf, ours = runs["hf_accelerate"], runs["batchgen_data"]
@@ -25,7 +33,20 @@ def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     assert hf["bytes_per_token"] > 0 and ours["bytes_per_token"] > 0
     assert 0 < ours["peak_resident_bytes"] <= ours["budget_bytes"]
     summary = next(r for r in lines if r.get("summary") == "offload")
-    assert summary["check"] is True and "PASS" in proc.stdout
+    assert summary["check"] is True and "PASS" in stdout
     # nobody moves less than the weights beyond the budget once per output position
     assert summary["floor_bytes_per_token"] <= min(hf["bytes_per_token"],
                                                    ours["bytes_per_token"])
+
+
+@pytest.mark.slow
+def test_offload_benchmark_moe_reports_expert_and_layer_streaming(tmp_path: Path) -> None:
+    stdout, lines = _bench(tmp_path, "--model", "tiny_moe")
+    runs = {r["system"]: r for r in lines if "system" in r}
+    assert set(runs) == {"hf_accelerate", "batchgen_data", "batchgen_data_whole_layers"}
+    experts, layers = runs["batchgen_data"], runs["batchgen_data_whole_layers"]
+    assert experts["output_tokens"] == layers["output_tokens"] > 0
+    assert 0 < experts["bytes_per_token"] < layers["bytes_per_token"]
+    summary = next(r for r in lines if r.get("summary") == "offload")
+    assert summary["check"] is True
+    assert summary["expert_vs_layer_bytes"] < 1

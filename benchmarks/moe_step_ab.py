@@ -14,6 +14,8 @@ Strategies (all exact: same fp32 products and sums, checked against the first on
            (`_experts_grouped`; torch >= 2.9 has it on the CPU)
   padded   every expert's group padded to the largest and one `torch.bmm` per projection over
            all experts (reads idle experts' weights too; here for comparison only)
+(Also tried and dropped: the grouped call with the operands swapped, W_e @ x^T per group, which
+BLAS runs as a weight-streaming kernel for a single matrix at 2-4 rows: 0.5-0.9x here.)
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/moe_step_ab.py
     .venv/bin/python benchmarks/moe_step_ab.py --tokens 4,32 --repeat 5 --threads 1

@@ -50,8 +50,8 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return version >= (major, minor)
 
 
-# torch._grouped_mm has a CPU kernel from 2.9, which wants 16-byte aligned operands until 2.11
-# (mmap-loaded weights need not be); from 2.11 on it takes any strides and dtype we use
+# torch._grouped_mm has a CPU kernel from 2.9, which wants 16-byte aligned operands up to 2.10
+# (mmap-loaded weights need not be; transformers gates its own use on the same versions)
 GROUPED_MM = hasattr(torch, "_grouped_mm") and _torch_at_least(2, 11)
 
 

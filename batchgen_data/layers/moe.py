@@ -11,7 +11,8 @@ optional part of the layer, so the checkpoint's names (`mlp.shared_expert.*`) ma
 Which implementation runs is decided once, when the layer is built (`layers.backend`): the Triton
 grouped GEMM (`batchgen_data.kernels.fused_moe.fused_experts`) on the Triton backend, else
 `cpu_fused_experts`, which sorts the (token, expert) pairs by expert and runs one matmul per
-expert that received tokens, so each expert's weights are read once per step however many
+expert that received tokens (`torch._grouped_mm` walks the groups in C++ where torch has it on
+the CPU, else a Python loop), so each expert's weights are read once per step however many
 sequences sent it tokens. That is where expert-level batching pays: the step's tokens of every
 sequence suspended at this layer arrive here as one batch (see `models/moe.py`).
 
@@ -49,6 +50,16 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
     return weights, ids
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return version >= (major, minor)
+
+
+# torch._grouped_mm has a CPU kernel from 2.9, which wants 16-byte aligned operands up to 2.10
+# (mmap-loaded weights need not be; transformers gates its own use on the same versions)
+GROUPED_MM = hasattr(torch, "_grouped_mm") and _torch_at_least(2, 11)
+
+
 def cpu_fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       act: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -56,13 +67,53 @@ def cpu_fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """The experts' output [T, H] for routed tokens: one gate/up and one down matmul per expert
     that received tokens (none per token). `act` maps [n, 2I] to [n, I] (default SiLU(gate) *
     up); `counts` [E], if given, are the tokens per expert (`bincount` of `topk_ids`)."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
+    experts = _experts_grouped if GROUPED_MM else _experts_loop
+    return experts(hidden, w13, w2, topk_weights, topk_ids, act, counts)
+
+
+def _sort_pairs(topk_ids: torch.Tensor, num_experts: int, counts: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, token_of, counts): the T*k (token, choice) pairs sorted by expert, tokens in
+    order within an expert; the token of each sorted pair; tokens per expert [E]."""
     flat = topk_ids.reshape(-1)  # [T*k]: pair p is token p // k's j-th choice
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+    order = torch.argsort(flat, stable=True)
     if counts is None:
         counts = torch.bincount(flat, minlength=num_experts)
-    token_of = order // top_k  # [T*k] token of each sorted pair
+    return order, order // topk_ids.shape[1], counts
+
+
+def _combine(hidden: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
+             order: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+    """sum over each token's pairs of weight * expert output, back in token order [T, H]."""
+    weights = topk_weights.reshape(-1).index_select(0, order)  # [T*k] float32
+    # HF scales each expert's output by its routing weight (in float32 for Mixtral) before the sum
+    scaled = (out.float() * weights[:, None]).to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token_of, scaled)
+
+
+def _experts_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     counts: torch.Tensor | None = None) -> torch.Tensor:
+    """`cpu_fused_experts` as two `torch._grouped_mm` calls: torch walks the experts' token
+    groups in C++ (an empty group costs no weight read), so a step pays one dispatch per
+    projection instead of two per active expert from Python. Same matmuls, same sums."""
+    order, token_of, counts = _sort_pairs(topk_ids, w13.shape[0], counts)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
+    x = hidden.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)  # [T*k, 2I]
+    inter = act(gate_up) if act is not None else _silu_mul(gate_up)  # [T*k, I]
+    out = torch._grouped_mm(inter, w2.transpose(1, 2), offs=ends)  # [T*k, H]
+    return _combine(hidden, out, topk_weights, order, token_of)
+
+
+def _experts_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    """`cpu_fused_experts` with a Python loop over the active experts (torch without a CPU
+    `_grouped_mm`)."""
+    order, token_of, counts = _sort_pairs(topk_ids, w13.shape[0], counts)
     x = hidden.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
     out = torch.empty_like(x)
     start = 0
@@ -74,12 +125,7 @@ def cpu_fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         inter = act(gate_up) if act is not None else _silu_mul(gate_up)  # [n, I]
         out[rows] = torch.mm(inter, w2[e].t())  # [n, H]
         start += n
-    weights = topk_weights.reshape(-1).index_select(0, order)  # [T*k] float32
-    # HF scales each expert's output by its routing weight (in float32 for Mixtral) before the sum
-    scaled = (out.float() * weights[:, None]).to(hidden.dtype)
-    result = torch.zeros_like(hidden)
-    result.index_add_(0, token_of, scaled)
-    return result
+    return _combine(hidden, out, topk_weights, order, token_of)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -89,3 +89,30 @@ def test_pins_are_taken_back_one_program_at_a_time(model: str) -> None:
     big = LLM(model, max_model_len=128, max_num_seqs=16, block_size=BLOCK)
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in big.run(data, three_turns,
                                                                           use_tqdm=False)]
+
+
+def test_connector_programs_are_bounded_and_reuse_their_conversation(model: str) -> None:
+    """The same squeeze through the path Ray and Spark share (DrivenPrograms over a driver)."""
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.programs.driven import DrivenPrograms
+
+    data = rows(16)
+    driver = EngineDriver(Engine.from_kwargs(model, max_model_len=128, max_num_seqs=16,
+                                             block_size=BLOCK, num_kv_blocks=64))
+    programs = DrivenPrograms(driver, three_turns)
+    try:
+        outs = [f.result(240) for f in [programs.submit(r) for r in data]]
+        assert driver.call(lambda e: (len(e.pins), e.num_unfinished(), e.pool.num_free)
+                           ).result(60) == (0, 0, 64)
+    finally:
+        programs.shutdown()
+        driver.shutdown()
+    big = LLM(model, max_model_len=128, max_num_seqs=16, block_size=BLOCK)
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in big.run(data, three_turns,
+                                                                          use_tqdm=False)]
+    reused = [o for o in outs
+              if all(c >= (prev + MAX_TOKENS - 1) // BLOCK * BLOCK
+                     for (c, _), (_, prev) in zip(o["cached"][1:], o["cached"][:-1]))]
+    assert len(reused) >= 0.9 * len(data), [o["cached"] for o in outs]
+    assert 1 < programs.admission.max_in_flight < len(data)

@@ -3,7 +3,8 @@
 It never asks "prefill or decode": every sequence simply has pending tokens (`num_tokens -
 num_computed_tokens`). Each step fills a token budget in priority order — running sequences
 first (so they finish and free memory), then held ones, then new ones — chunking long prompts to
-fit. When KV blocks run out it preempts the running sequences that are cheapest to bring back
+fit. When KV blocks run out it first asks `reclaim` for evictable blocks held outside the queues
+(the engine's prefix pins), then preempts the running sequences that are cheapest to bring back
 (fewest computed tokens): it holds them for memory, and `decide_held_kv` says whether their KV
 goes to the host tier or is dropped and recomputed (often from the prefix cache) on resume.
 

@@ -42,16 +42,16 @@ class EngineDriver:
     # ---- client side (any thread) -----------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, prompt: str | None = None,
-               pin: str | None = None) -> Future:
-        """Queue one request; invalid input raises ValueError here, synchronously. `pin` as
-        in `Engine.submit`."""
+               pin: str | None = None, front: bool = False) -> Future:
+        """Queue one request; invalid input raises ValueError here, synchronously. `pin` and
+        `front` as in `Engine.submit`."""
         self.engine.check_request(prompt_token_ids, params)
         fut: Future = Future()
 
         def add(engine: Engine) -> None:
             try:
                 rid = engine.submit(prompt_token_ids, params, request_id=request_id, prompt=prompt,
-                                    pin=pin)
+                                    pin=pin, front=front)
             except Exception as e:  # e.g. a duplicate request id: fail this request only
                 fut.set_exception(e)
                 return

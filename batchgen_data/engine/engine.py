@@ -52,6 +52,7 @@ class Engine:
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
         self.stats = EngineStats()
         self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (engine/pins.py)
+        self.scheduler.reclaim = self._reclaim_pins
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
         # called with every step's shape before the model runs (sim/calibrate.py times steps)
@@ -84,9 +85,11 @@ class Engine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
-               pin: str | None = None) -> str:
+               pin: str | None = None, front: bool = False) -> str:
         """`pin`: when the request finishes, keep its cached KV under that key until
-        `unpin(pin)` (a program's next step extends this conversation: engine/pins.py)."""
+        `unpin(pin)` (a program's next step extends this conversation: engine/pins.py).
+        `front`: queue it ahead of the waiting requests (a started program's next step goes
+        before new programs, so it finishes while its KV is still there)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
@@ -99,7 +102,7 @@ class Engine:
             seed = self._seed_for(params.seed, i)
             max_tokens = min(params.max_tokens or room, room)
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens))
-        self._add(req)
+        self._add(req, front=front)
         return rid
 
     def _seed_for(self, seed: int | None, index: int) -> int:
@@ -130,11 +133,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         finished, self._pending_out = self._pending_out, []
         out = self.scheduler.schedule()
-        if len(self.pins) and (out.held or (not out.seqs and self.scheduler.has_work())):
-            # short of blocks: pinned prefixes are the cheapest memory to give back
+        if len(self.pins) and not out.seqs and self.scheduler.has_work():
+            # nothing could run even after the scheduler reclaimed pins behind the queue's
+            # head (those left belong to programs between steps): never stall on a pin
             self.pins.release_all()
-            if not out.seqs:
-                out = self.scheduler.schedule()
+            out = self.scheduler.schedule()
         if self.on_step is not None:
             self.on_step(StepShape.of(out))
         self._move_kv(out)
@@ -206,6 +209,27 @@ class Engine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._pending_out.append(req.output(self.stopper))
         return True
+
+    def _reclaim_pins(self, need: int, asking: Sequence | None) -> int:
+        """The scheduler is `need` blocks short: drop pins, least valuable first. A pin is worth
+        more the nearer its program's next step is to running, so the order is the queue read
+        from its back (held for memory, then waiting, is the order steps resume in); for a
+        running sequence (`asking` None) then also programs between steps and, last, running
+        ones (their step holds its own blocks, so their pins free little). A waiting sequence
+        (`asking`) may only take pins from the steps queued behind it."""
+        if not len(self.pins):
+            return 0
+        queued = [s.request_id for s in (*self.scheduler.held, *self.scheduler.waiting)]
+        if asking is not None:
+            queued = queued[queued.index(asking.request_id) + 1:] if asking.request_id in \
+                queued else []
+        keys = [self.requests[rid].pin for rid in reversed(queued) if rid in self.requests]
+        if asking is None:
+            active = {r.pin for r in self.requests.values()}
+            running = {self.requests[s.request_id].pin for s in self.scheduler.running}
+            keys += [k for k in self.pins.keys() if k not in active]
+            keys += [k for k in self.pins.keys() if k in running]
+        return self.pins.reclaim(need, [k for k in dict.fromkeys(keys) if k is not None])
 
     def unpin(self, key: str) -> bool:
         """Release the KV kept under `key` by requests submitted with `pin=key`; False if none."""

@@ -3,7 +3,8 @@
 It never asks "prefill or decode": every sequence simply has pending tokens (`num_tokens -
 num_computed_tokens`). Each step fills a token budget in priority order — running sequences
 first (so they finish and free memory), then held ones, then new ones — chunking long prompts to
-fit. When KV blocks run out it preempts the running sequences that are cheapest to bring back
+fit. When KV blocks run out it first asks `reclaim` for evictable blocks held outside the queues
+(the engine's prefix pins), then preempts the running sequences that are cheapest to bring back
 (fewest computed tokens): it holds them for memory, and `decide_held_kv` says whether their KV
 goes to the host tier or is dropped and recomputed (often from the prefix cache) on resume.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from batchgen_data.config import SchedulerConfig
@@ -91,6 +92,10 @@ class Scheduler:
         self.num_preemptions = 0
         # admit new work only while this many blocks stay free, so decodes have room to grow
         self.watermark = max(1, pool.num_blocks // 100)
+        # seam for evictable memory held outside the queues (the engine's prefix pins): called
+        # with (blocks short, the sequence asking or None for a running one) before anything is
+        # preempted or left waiting; returns the blocks it freed
+        self.reclaim: Callable[[int, Sequence | None], int] | None = None
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -121,7 +126,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending_tokens, budget)
-            while not self._can_grow(seq, n, keep_free=0):
+            while not self._make_room(seq, n, keep_free=0, asking=None):
                 victim = self._pick_victim(self.running[i + 1:]) or seq
                 self._preempt(victim, out)
                 if victim is seq:
@@ -145,7 +150,7 @@ class Scheduler:
             if seq.host_kv is None and seq.num_computed_tokens == 0:
                 self._match_prefix(seq)
             n = min(seq.num_pending_tokens, budget)
-            if not self._can_grow(seq, n, keep_free=self.watermark):
+            if not self._make_room(seq, n, keep_free=self.watermark, asking=seq):
                 if seq.host_kv is None:
                     self.release(seq)  # give back prefix hits; matched again next step
                     seq.num_computed_tokens = 0
@@ -179,6 +184,13 @@ class Scheduler:
 
     def _can_grow(self, seq: Sequence, n: int, keep_free: int) -> bool:
         return self._blocks_needed(seq, n) + keep_free <= self.pool.num_free
+
+    def _make_room(self, seq: Sequence, n: int, keep_free: int, asking: Sequence | None) -> bool:
+        """`_can_grow`, after asking `reclaim` for the blocks missing, if any."""
+        short = self._blocks_needed(seq, n) + keep_free - self.pool.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short, asking)
+        return self._can_grow(seq, n, keep_free)
 
     def grow(self, seq: Sequence, n: int) -> None:
         """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free)."""

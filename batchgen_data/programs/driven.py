@@ -1,9 +1,10 @@
 """Programs over an `EngineDriver`: what the Ray and Spark connectors run per row.
 
-`submit(row)` returns a Future of the program's output dict. Each step's Generates go to the
-driver like any row's request (so they batch with every other row and program on the engine,
-and Ray's migration can move them like any request); when a step's last result arrives, the
-program resumes on one small worker thread of its own: user code and chat-template rendering
+`submit(row)` returns a Future of the program's output dict. Programs start as the engine's
+KV pool has room for them (`admission.ProgramAdmission`, as offline); the others wait in a
+backlog and start as programs end. Each step's Generates go to the driver like any row's request (so they batch with every other row and program on the engine,
+and Ray's migration can move them like any request; a started program's next step is queued
+ahead of new programs' first steps); when a step's last result arrives, the program resumes on one small worker thread of its own: user code and chat-template rendering
 never run on the engine thread, and a slow program delays nobody's tokens. A failed program
 resolves its Future with a `ProgramError` (a row error); a dead engine with `EngineDeadError`.
 """
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.programs.admission import ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
 from batchgen_data.programs.steps import StepRequest, render, result_of, seeded_step
@@ -53,14 +56,17 @@ class DrivenPrograms:
         self._prefix = prefix
         self._ids = itertools.count()
         self._live: dict[Future, _Live] = {}
-        # one thread: programs advance one at a time, in the order their steps finished
+        # one thread: programs advance one at a time, in the order their steps finished; the
+        # admission state and the backlog are only touched there
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-programs")
+        self.admission = ProgramAdmission.for_engine(driver.engine)
+        self._backlog: deque[_Live] = deque()  # submitted, not started: no room yet
 
     def submit(self, row: dict[str, Any], key: Any = None) -> Future:
         fut: Future = Future()
         live = _Live(f"{self._prefix}-{next(self._ids)}", ProgramRun(self.program, row), fut, key)
         self._live[fut] = live
-        self._worker.submit(self._guarded, live, self._start, live)
+        self._worker.submit(self._guarded, live, self._queue, live)
         return fut
 
     def abandon(self, futures: Iterable[Future]) -> None:
@@ -68,6 +74,8 @@ class DrivenPrograms:
         gone = [self._live.pop(f) for f in list(futures) if f in self._live]
         if gone and getattr(self.driver, "dead", None) is None:
             self.driver.call(lambda engine: [self._drop(engine, live) for live in gone])
+        if gone:
+            self._later(self._left, gone)
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -83,6 +91,22 @@ class DrivenPrograms:
                 self.driver.call(lambda engine: self._drop(engine, live))
         except BaseException as e:  # noqa: BLE001 - whatever breaks must reach the row's waiter
             self._finish(live, e)
+
+    def _queue(self, live: _Live) -> None:
+        self._backlog.append(live)
+        self._fill()
+
+    def _fill(self) -> None:
+        """Start backlog programs while the KV pool has room for them (admission.py)."""
+        while self._backlog and self.admission.may_start():
+            live = self._backlog.popleft()
+            if live.row_future in self._live:  # not abandoned meanwhile
+                self._guarded(live, self._start, live)
+
+    def _left(self, gone: list[_Live]) -> None:
+        for live in gone:
+            self.admission.end(live.pid, completed=False)
+        self._fill()
 
     def _start(self, live: _Live) -> None:
         live.run.start()
@@ -113,9 +137,16 @@ class DrivenPrograms:
     def _submit_step(self, live: _Live, reqs: list[StepRequest]) -> None:
         live.requests, live.results = reqs, [None] * len(reqs)
         live.in_flight = [f"{live.pid}-{live.run.num_steps}-{slot}" for slot in range(len(reqs))]
+        engine = self.driver.engine
+        rooms = [engine.max_model_len - len(r.prompt_token_ids) for r in reqs]
+        self.admission.reserve(live.pid, self.admission.step_blocks(
+            [len(r.prompt_token_ids) for r in reqs],
+            [min(r.params.max_tokens or room, room) for r, room in zip(reqs, rooms)]))
         for slot, (req, rid) in enumerate(zip(reqs, live.in_flight)):
+            # a started program's next step goes before new programs' first steps
             step_fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
-                                          prompt=req.prompt, pin=live.pid)
+                                          prompt=req.prompt, pin=live.pid,
+                                          front=bool(live.run.history))
             step_fut.add_done_callback(
                 lambda f, s=slot: self._worker.submit(self._guarded, live, self._on_step, live,
                                                       s, f))
@@ -129,6 +160,7 @@ class DrivenPrograms:
             self._finish(live, exc)
             return
         live.results[slot] = result_of(live.requests[slot], step_fut.result())
+        self.admission.step_done(len(live.results[slot].token_ids))  # type: ignore[union-attr]
         if all(r is not None for r in live.results):
             live.in_flight = []
             live.run.feed(live.results)  # type: ignore[arg-type]
@@ -137,12 +169,21 @@ class DrivenPrograms:
     def _finish(self, live: _Live, exc: BaseException | None) -> None:
         if self._live.pop(live.row_future, None) is None:
             return  # abandoned, or already finished by an earlier failure
+        self.admission.end(live.pid, completed=exc is None)
         if getattr(self.driver, "dead", None) is None:
             self.driver.call(lambda engine: self._drop(engine, live))
         if exc is not None:
             live.row_future.set_exception(exc)
         else:
             live.row_future.set_result(live.run.output)
+        # its room goes to the backlog (later, on this thread: this may run inside `_fill`)
+        self._later(self._fill)
+
+    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._worker.submit(fn, *args)
+        except RuntimeError:  # shut down: nothing is left to start
+            pass
 
     @staticmethod
     def _drop(engine: Any, live: _Live) -> None:

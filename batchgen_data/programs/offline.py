@@ -1,29 +1,36 @@
 """`ProgramRunner`: many rows' programs over one `Engine`, in the caller's thread.
 
-Every program's pending step is in the engine at once, so the steps of all programs share each
-batch; when a step finishes its program resumes at once and its next step joins the queue, so a
-program that loops longer never holds up the others. Each program pins its KV prefix under its
-own key between steps (`Engine.submit(pin=)`) and releases it when it ends. `LLM.run` is this
-runner driven to the end; tests and the benchmark also use `export`/`import_` to move a program
-to another engine mid-flight.
+The steps of all programs in flight share each batch; when a step finishes its program resumes
+at once and its next step joins the queue ahead of new programs' first steps (depth first), so
+a started program finishes while its KV is still there and a program that loops longer never
+holds up the others. How many programs are in flight is bounded by the KV pool
+(`admission.ProgramAdmission`): the others wait in a backlog and start as programs end. Each
+program pins its KV prefix under its own key between steps (`Engine.submit(pin=)`) and
+releases it when it ends. `LLM.run` is this runner driven to the end; tests and the benchmark
+also use `export`/`import_` to move a program to another engine mid-flight.
 """
 from __future__ import annotations
 
 import itertools
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from batchgen_data.engine.engine import Engine
+from batchgen_data.programs.admission import ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
+from batchgen_data.programs.stats import ProgramStats
 from batchgen_data.programs.steps import StepRequest, render, result_of
 from batchgen_data.sampling_params import SamplingParams
 
 
 class ProgramRunner:
     def __init__(self, engine: Engine, program: Program,
-                 defaults: SamplingParams | None = None, on_error: str = "row") -> None:
+                 defaults: SamplingParams | None = None, on_error: str = "row",
+                 admission: ProgramAdmission | None = None) -> None:
+        """`admission`: the in-flight bound (default: sized from the engine's KV pool)."""
         if on_error not in ("row", "raise"):
             raise ValueError(f"on_error={on_error!r}: use 'row' or 'raise'")
         self.engine = engine
@@ -36,20 +43,30 @@ class ProgramRunner:
         self._owner: dict[str, tuple[str, int]] = {}  # request id -> (program id, slot)
         self._got: dict[str, list[tuple[StepRequest, GenerateResult | None]]] = {}
         self._finished: list[tuple[str, dict[str, Any]]] = []
+        self.admission = admission or ProgramAdmission.for_engine(engine)
+        self.stats = ProgramStats()
+        # programs not started yet: (id, row) or, for an imported one, (id, exported state)
+        self._backlog: deque[tuple[str, dict[str, Any], bool]] = deque()
 
     def add(self, row: dict[str, Any]) -> str:
-        """Start the program on `row`; returns its id (finished ones come out of `step`)."""
-        run = ProgramRun(self.program, row)
-        run.start()
-        return self._launch(run)
+        """Queue the program on `row`; it starts as soon as the KV pool has room for it.
+        Returns its id (finished ones come out of `step`)."""
+        return self._queue(row, imported=False)
 
     def import_(self, state: dict[str, Any]) -> str:
-        """Continue an exported program here: replayed to its pending step, which runs again."""
-        return self._launch(ProgramRun.replay(self.program, state))
+        """Continue an exported program here: replayed to its pending step, which runs again
+        (before the programs that have not started yet)."""
+        return self._queue(state, imported=True)
 
     def export(self, pid: str) -> dict[str, Any]:
-        """Take a live program out of this runner as plain data (its in-flight step aborted)."""
+        """Take a program out of this runner as plain data (its in-flight step aborted)."""
+        for entry in self._backlog:
+            if entry[0] == pid:
+                self._backlog.remove(entry)
+                _, data, imported = entry
+                return data if imported else ProgramRun(self.program, data).export()
         run = self.runs.pop(pid)
+        self.admission.end(pid, completed=False)
         for rid in [r for r, (p, _) in self._owner.items() if p == pid]:
             del self._owner[rid]
             self.engine.abort(rid)
@@ -58,7 +75,7 @@ class ProgramRunner:
         return run.export()
 
     def has_unfinished(self) -> bool:
-        return bool(self.runs) or bool(self._finished)
+        return bool(self.runs) or bool(self._backlog) or bool(self._finished)
 
     def step(self) -> list[tuple[str, dict[str, Any]]]:
         """One engine step; the programs that ended in it as (id, output dict)."""
@@ -70,12 +87,17 @@ class ProgramRunner:
                     continue  # an aborted step of an exported program
                 pid, slot = owner
                 got = self._got[pid]
-                got[slot] = (got[slot][0], result_of(got[slot][0], out))
+                result = result_of(got[slot][0], out)
+                got[slot] = (got[slot][0], result)
+                self.admission.step_done(len(result.token_ids))
+                self.stats.record(self.runs[pid].num_steps, len(result.prompt_token_ids),
+                                  result.num_cached_tokens)
                 if all(r is not None for _, r in got):
                     del self._got[pid]
                     run = self.runs[pid]
                     run.feed([r for _, r in got])  # type: ignore[misc]
                     self._resubmit(pid, run)
+        self._fill()
         finished, self._finished = self._finished, []
         return finished
 
@@ -99,14 +121,31 @@ class ProgramRunner:
         """Drop every live program: its in-flight steps aborted, its pins released."""
         for pid in list(self.runs):
             self.export(pid)
+        self._backlog.clear()
         self._finished.clear()
 
     # ---- internals ------------------------------------------------------------------------
-    def _launch(self, run: ProgramRun) -> str:
+    def _queue(self, data: dict[str, Any], imported: bool) -> str:
         pid = f"program-{self._prefix}-{next(self._ids)}"
-        self.runs[pid] = run
-        self._resubmit(pid, run)
+        entry = (pid, data, imported)
+        # a moved program was in flight already: it goes before those not started
+        self._backlog.appendleft(entry) if imported else self._backlog.append(entry)
+        self._fill()
         return pid
+
+    def _fill(self) -> None:
+        """Start backlog programs while the KV pool has room for them (admission.py)."""
+        while self._backlog and self.admission.may_start():
+            pid, data, imported = self._backlog.popleft()
+            if imported:
+                run = ProgramRun.replay(self.program, data)
+            else:
+                run = ProgramRun(self.program, data)
+                run.start()
+            self.runs[pid] = run
+            self.stats.programs_started += 1
+            self._resubmit(pid, run)
+            self.stats.max_in_flight = max(self.stats.max_in_flight, len(self.runs))
 
     def _resubmit(self, pid: str, run: ProgramRun) -> None:
         """Submit the run's pending step, or retire the run when it has ended."""
@@ -118,13 +157,21 @@ class ProgramRunner:
                 run.fail(f"program {run.program.name!r} step {run.num_steps}: {e}")
             else:
                 self._got[pid] = [(req, None) for req in reqs]
+                self.admission.reserve(pid, self.admission.step_blocks(
+                    [len(r.prompt_token_ids) for r in reqs], [self._limit(r) for r in reqs]))
                 for slot, req in enumerate(reqs):
+                    # a started program's next step goes before new programs' first steps
                     rid = self.engine.submit(req.prompt_token_ids, req.params, prompt=req.prompt,
-                                             pin=pid)
+                                             pin=pid, front=bool(run.history))
                     self._owner[rid] = (pid, slot)
                 return
         del self.runs[pid]
         self.engine.unpin(pid)
+        self.admission.end(pid)
         if run.error is not None and self.on_error == "raise":
             raise ProgramError(run.error)
         self._finished.append((pid, run.output if run.error is None else {"error": run.error}))
+
+    def _limit(self, req: StepRequest) -> int:
+        room = self.engine.max_model_len - len(req.prompt_token_ids)
+        return min(req.params.max_tokens or room, room)

@@ -66,8 +66,9 @@ def test_the_next_step_reuses_the_pinned_conversation(model: str) -> None:
     assert [o["text"] for o in runs[True]] == [o["text"] for o in runs[False]]
     pinned = [o for o in runs[True] if o["cached"] >= o["full"]]
     unpinned = [o for o in runs[False] if o["cached"] >= o["full"]]
-    # the pins' cap (half the pool) holds two conversations here; without pins none survive
-    assert len(pinned) >= 2 and len(unpinned) < len(pinned), (runs[True], runs[False])
+    # every program's next step reuses its conversation; without pins it is only luck, which
+    # the programs' depth-first order makes likely here (test_programs_kv.py squeezes harder)
+    assert len(pinned) == len(rows) and len(unpinned) <= len(pinned), (runs[True], runs[False])
 
 
 @program(max_steps=2)

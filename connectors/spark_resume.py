@@ -24,12 +24,12 @@ def write_generated(df: Any, output_path: str, id_col: str, parts: int = 8,
     `generate_kwargs` go to `generate_df` (model, sampling_params, engine kwargs, ...). Ids
     must be unique in `df`. Returns the number of rows this call sent to the engines.
     """
+    if not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts={parts!r}: must be an int >= 1")
     from pyspark.sql import functions as F
 
     from batchgen_data.connectors.spark import generate_df
 
-    if not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"parts={parts!r}: must be an int >= 1")
     if id_col not in df.columns:
         raise ValueError(f"id_col={id_col!r} not in DataFrame columns {df.columns}")
     submitted = 0

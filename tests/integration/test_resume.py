@@ -100,6 +100,7 @@ def check_resumed(model: str, out: Path, done: set[int], seen_second: list[int])
 
 
 def test_ray_job_killed_halfway_resumes_without_regenerating(model: str, tmp_path: Path) -> None:
+    pytest.importorskip("ray.data.checkpoint")
     out, ckpt = tmp_path / "out", tmp_path / "out.checkpoint"
     seen = [tmp_path / f"seen{k}" for k in range(3)]
     for d in seen:

@@ -72,9 +72,9 @@ def raylet_pid() -> int | None:
     import ray._private.worker
 
     node = ray._private.worker._global_node
-    for name, procs in (node.live_processes() if node is not None else []):
-        if name == "raylet" and procs:
-            return procs[0].process.pid
+    for name, process in (node.live_processes() if node is not None else []):
+        if name == "raylet":
+            return process.pid
     return None
 
 

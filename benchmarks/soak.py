@@ -2,13 +2,15 @@
 
 Rows of a few tokens each go through `BatchGenPredictor` (row streaming on, migration on). Every
 `--interval` seconds the driver records rows done, rows/s, each engine actor's RSS and its KV
-block pool, and the object store's use. At the end it checks that every row came back exactly
-once and that each engine's block pool is empty again, fits the RSS slope over the second half
-of the run (a leak shows as a slope; start-up does not), writes a PNG, and prints a table plus
-one JSON line.
+block pool, and the object store's use (the shared memory the raylet's plasma store has
+touched). At the end it checks that every row came back exactly once and that each engine's
+block pool is empty again, fits each actor's RSS slope over the second half of the run (a leak
+shows as a slope; start-up and the allocator's warm-up do not), states how steady throughput
+was (median rows/s over the intervals and their spread, warm-up and the last partial interval
+left out), writes a PNG, and prints a table plus one JSON line.
 
-    python benchmarks/soak.py --rows 2000                  # a check (a couple of minutes)
-    python benchmarks/soak.py --rows 100000 --actors 2     # the soak (quiet machine)
+    python benchmarks/soak.py --rows 5000                          # a check (minutes)
+    python benchmarks/soak.py --rows 100000 --plot docs/img/soak.png   # the soak
 
 `--model` takes a model directory; without it a tiny random Llama (the tests' builder) is made
 in a temporary directory, so the run measures the connector and Ray, not the model.
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -29,7 +30,7 @@ from typing import Any, Iterator
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_report  # noqa: E402
+from _common import format_table  # noqa: E402
 
 from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming  # noqa: E402
 
@@ -66,14 +67,29 @@ class SoakPredictor(BatchGenPredictor):
         tmp.replace(self.stats_file)  # readers never see half a file
 
 
-def object_store_mib() -> float:
-    """Pages of /dev/shm in use: the object store's shared memory, a high-water mark (freed
-    objects leave their pages mapped), so a leak shows as growth that never stops. Ray's own
-    memory summary needs grpcio, which this environment lacks."""
+def raylet_pid() -> int | None:
+    """The raylet of this driver's local Ray: it hosts the object store (plasma)."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    for name, process in (node.live_processes() if node is not None else []):
+        if name == "raylet":
+            return process.pid
+    return None
+
+
+def object_store_mib(pid: int | None) -> float:
+    """Shared memory the raylet has touched (`RssShmem`): the plasma store's pages in use, a
+    high-water mark (freed objects leave their pages mapped), so a leak shows as growth that
+    never stops. Unlike /dev/shm as a whole it counts this job's Ray only. Ray's own memory
+    summary needs grpcio, which this environment lacks."""
     try:
-        return round(shutil.disk_usage("/dev/shm").used / 2**20, 1)
-    except OSError:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, TypeError):
         return 0.0
+    kib = next((int(line.split()[1]) for line in status.splitlines()
+                if line.startswith("RssShmem:")), 0)
+    return round(kib / 1024, 1)
 
 
 def tiny_model(where: Path) -> str:
@@ -85,7 +101,8 @@ def tiny_model(where: Path) -> str:
     return str(where)
 
 
-def sample(stats_dir: Path, t0: float, done: int, last: tuple[float, int]) -> dict[str, Any]:
+def sample(stats_dir: Path, t0: float, done: int, last: tuple[float, int],
+           store_pid: int | None) -> dict[str, Any]:
     actors = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
     now = time.time()
     rate = (done - last[1]) / max(now - last[0], 1e-9)
@@ -93,19 +110,42 @@ def sample(stats_dir: Path, t0: float, done: int, last: tuple[float, int]) -> di
             "actors": len(actors),
             "rss_mib_max": round(max((a["rss"] for a in actors), default=0) / 2**20, 1),
             "pool_used_max": max((a["pool_used"] for a in actors), default=0),
-            "object_store_mib": object_store_mib(),
+            "object_store_mib": object_store_mib(store_pid),
             "rss_mib": {a["pid"]: round(a["rss"] / 2**20, 1) for a in actors}}
 
 
-def slope_mib_per_10k(series: list[dict[str, Any]]) -> float:
-    """Least-squares slope of the largest actor RSS over rows done, second half of the run."""
-    pts = [(s["rows"], s["rss_mib_max"]) for s in series[len(series) // 2:] if s["actors"]]
+def slope(pts: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x (0.0 with fewer than two distinct x)."""
     if len(pts) < 2:
         return 0.0
     mx = sum(x for x, _ in pts) / len(pts)
     my = sum(y for _, y in pts) / len(pts)
     var = sum((x - mx) ** 2 for x, _ in pts)
-    return 0.0 if var == 0 else 1e4 * sum((x - mx) * (y - my) for x, y in pts) / var
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in pts) / var
+
+
+def rss_slopes(series: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per actor, over the second half of the run: RSS slope in MiB/h and MiB per 10k rows."""
+    half = series[len(series) // 2:]
+    out = {}
+    for pid in sorted({p for s in half for p in s["rss_mib"]}):
+        pts = [(s["t_s"], s["rows"], s["rss_mib"][pid]) for s in half if pid in s["rss_mib"]]
+        out[str(pid)] = {"mib_per_h": round(3600 * slope([(t, r) for t, _, r in pts]), 1),
+                         "mib_per_10k_rows": round(1e4 * slope([(n, r) for _, n, r in pts]), 2)}
+    return out
+
+
+def steadiness(series: list[dict[str, Any]]) -> dict[str, float]:
+    """Median rows/s over the intervals and its spread (p10, p90, coefficient of variation),
+    without the first quarter of the samples (start-up, warm-up) and the last partial one."""
+    rates = sorted(s["rows_per_s"] for s in series[len(series) // 4:-1])
+    if not rates:
+        return {"median": 0.0, "p10": 0.0, "p90": 0.0, "cv": 0.0}
+    mean = sum(rates) / len(rates)
+    sd = (sum((r - mean) ** 2 for r in rates) / len(rates)) ** 0.5
+    pick = lambda q: rates[min(len(rates) - 1, int(q * len(rates)))]  # noqa: E731
+    return {"median": pick(0.5), "p10": pick(0.1), "p90": pick(0.9),
+            "cv": round(sd / mean, 3) if mean else 0.0}
 
 
 def plot(series: list[dict[str, Any]], path: Path) -> None:
@@ -126,6 +166,7 @@ def plot(series: list[dict[str, Any]], path: Path) -> None:
     axes[2].set_ylabel("object store (MiB)")
     axes[2].set_xlabel("seconds")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
 
 
@@ -146,8 +187,11 @@ def main() -> None:
     model = args.model or tiny_model(work / "model")
     stats_dir = work / "stats"
     stats_dir.mkdir()
-    ray.init(num_cpus=max(2, args.actors), include_dashboard=False, log_to_driver=False,
+    # logical CPUs: every engine actor, its read and map tasks, and Ray Data's own actors get
+    # a slot, so all `--actors` engines start even on a 2-core machine
+    ray.init(num_cpus=args.actors + 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
+    store_pid = raylet_pid()
     ray.data.DataContext.get_current().enable_progress_bars = False
     enable_row_streaming()
     ds = ray.data.range(args.rows).map(
@@ -161,6 +205,7 @@ def main() -> None:
         compute=ray.data.ActorPoolStrategy(size=args.actors, max_concurrent_calls_per_actor=4),
         num_cpus=0.5)  # half a CPU each: actors holding whole CPUs starve the read tasks
 
+    load_start = os.getloadavg()
     t0 = time.time()
     series: list[dict[str, Any]] = []
     seen: set[int] = set()
@@ -172,22 +217,27 @@ def main() -> None:
         seen.update(ids)
         errors += batch.num_rows - batch.column("error").null_count
         if time.time() - last[0] >= args.interval:
-            series.append(sample(stats_dir, t0, len(seen), last))
+            series.append(sample(stats_dir, t0, len(seen), last, store_pid))
             last = (time.time(), len(seen))
     wall = time.time() - t0
-    series.append(sample(stats_dir, t0, len(seen), last))
+    series.append(sample(stats_dir, t0, len(seen), last, store_pid))
     final = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
     idle = [a for a in final if a["calls_in_flight"] == 0]
     plot(series, Path(args.plot))
-    print_report([{k: v for k, v in s.items() if k != "rss_mib"} for s in series], COLUMNS)
+    step = max(1, len(series) // 40)  # the table: about 40 rows; the PNG has them all
+    print(format_table(series[::step] + ([series[-1]] if (len(series) - 1) % step else []),
+                       COLUMNS))
     print(json.dumps({
-        "rows": args.rows, "rows_out": len(seen), "lost": args.rows - len(seen),
+        "rows": args.rows, "max_tokens": args.max_tokens, "actors_asked": args.actors,
+        "rows_out": len(seen), "lost": args.rows - len(seen),
         "repeated": repeats, "errors": errors, "wall_s": round(wall, 1),
         "rows_per_s": round(len(seen) / wall, 1),
-        "rss_slope_mib_per_10k_rows": round(slope_mib_per_10k(series), 3),
+        "rows_per_s_intervals": steadiness(series),
+        "rss_slope_second_half": rss_slopes(series),
         "rss_mib_end": {a["pid"]: round(a["rss"] / 2**20, 1) for a in final},
         "object_store_mib_peak": max(s["object_store_mib"] for s in series),
         "block_pool_empty_at_end": bool(idle) and all(a["pool_used"] == 0 for a in idle),
+        "load_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         "plot": str(Path(args.plot).resolve())}))
     ray.shutdown()
 

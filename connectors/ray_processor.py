@@ -26,6 +26,7 @@ from batchgen_data.config import make_engine_config
 from batchgen_data.connectors import ray_blocks, row_extras
 from batchgen_data.connectors.ray_migration import MigrationOptions
 from batchgen_data.connectors.ray_predictor import BatchGenPredictor
+from batchgen_data.connectors.resume import checkpoint_config
 from batchgen_data.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class BatchGenProcessorConfig:
     migration: bool | None = None
     migration_options: Mapping[str, Any] | None = None  # MigrationOptions fields
     program: Any = None  # a @batchgen_data.program run on every row (docs/programs.md)
+    # resume after a crash: a directory (beside the output, not in it) where Ray Data records
+    # the ids of rows written; a rerun skips them before they reach an engine (resume.py)
+    resume_from: str | None = None
+    id_column: str = "id"  # unique per row, from the read through to the write
 
     @property
     def migration_on(self) -> bool:
@@ -88,6 +93,8 @@ class BatchGenProcessorConfig:
                             f"{type(self.program).__name__}")
         row_extras.default_params(self.sampling_params)  # response_format allowed here
         check_template_kwargs(dict(self.chat_template_kwargs or {}))
+        if self.resume_from is not None:
+            checkpoint_config(self.resume_from, self.id_column)  # a bad path fails here
 
     def constructor_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
         """`fn_constructor_kwargs` for `BatchGenPredictor`; `job_id` names the coordinator."""
@@ -152,16 +159,24 @@ class Processor:
         # one migration coordinator per processor: its actors move work among themselves only
         self.job_id = uuid.uuid4().hex[:16]
         self.predictor: type[BatchGenPredictor] = BatchGenPredictor  # seam for benchmarks
+        self.predictor_kwargs: dict[str, Any] = {}  # and the extra arguments a subclass takes
         ray_blocks.install()  # the rule must be in the driver before Ray Data plans the job
 
     def __call__(self, ds: "ray.data.Dataset") -> "ray.data.Dataset":
+        if self.config.resume_from is not None:
+            # the Dataset's own context (shared by the Datasets made from it), not the
+            # driver's current one: other jobs in this process are not checkpointed
+            ds.context.checkpoint_config = checkpoint_config(self.config.resume_from,
+                                                             self.config.id_column)
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time.
         ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
         quiet_small_input_warning(self.predictor.__name__)
-        ds = ds.map_batches(self.predictor, **self.config.map_batches_kwargs(self.job_id))
+        kw = self.config.map_batches_kwargs(self.job_id)
+        kw["fn_constructor_kwargs"].update(self.predictor_kwargs)
+        ds = ds.map_batches(self.predictor, **kw)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
         return ds

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from batchgen_data.connectors import common, row_extras, spark_task
 from batchgen_data.connectors.programs import attach_program_outputs, require_schema
+from batchgen_data.connectors.resume import skip_written
 from batchgen_data.connectors.spark_task import TaskSettings
 from batchgen_data.connectors.spark_streaming import in_completion_order, in_input_order
 
@@ -108,6 +109,7 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
                 apply_chat_template: bool = True, stats: Any = None,
                 program: Any = None, chat_template: str | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None,
+                resume_from: str | None = None,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
@@ -118,10 +120,16 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     samples to (for `report_html`).
     Per-row columns, when present: `sampling_params`, `structured_outputs`, `response_format`,
     `chat_template_kwargs` (docs/structured-output.md).
+    `resume_from`: an output location (Parquet) whose `id_col` values are skipped, i.e. rows
+    a crashed run already wrote (`spark_resume.write_generated` writes in resumable parts).
     """
     for col in (prompt_col if program is None else None, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
+    if resume_from is not None:
+        if id_col is None:
+            raise ValueError("resume_from needs id_col: the ids tell written rows apart")
+        df = skip_written(df, resume_from, id_col)
     settings = replace(TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                            debug_stats, engine_kwargs, apply_chat_template,
                                            program, chat_template, chat_template_kwargs),

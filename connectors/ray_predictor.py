@@ -2,8 +2,8 @@
 
     ds.map_batches(BatchGenPredictor, batch_size=32, batch_format="pyarrow",
                    fn_constructor_kwargs=dict(model=None, sampling_params={"max_tokens": 64}),
-                   compute=ray.data.ActorPoolStrategy(size=2), num_cpus=0.5,
-                   max_concurrency=4)   # input batches in flight per actor
+                   compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=k),
+                   num_cpus=0.5)  # k = window_batches(max_num_seqs, 32): batches per actor
 
 Each actor builds one engine and an `EngineDriver` that steps it on a background thread. The
 actor must be threaded (`max_concurrency` > 1): Ray then runs several `__call__`s at once, and

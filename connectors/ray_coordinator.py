@@ -65,7 +65,7 @@ class Reply:
 def kv_nbytes(state: dict[str, Any]) -> int:
     """Bytes of KV an exported state carries (0 for a queued row or a recompute move)."""
     return sum(t.numel() * t.element_size()
-               for seq in state["seqs"] for layer in seq.get("kv") or () for t in layer)
+               for seq in state.get("seqs", ()) for layer in seq.get("kv") or () for t in layer)
 
 
 def coordinator_name(job_id: str | None, fingerprint: str) -> str:

@@ -78,6 +78,9 @@ class _Away:
     future: Future
     dst: str
     since: float
+    # what the import message carried; an ObjectRef is kept here so the shipped state stays
+    # in the object store until the row is home, however Ray counts the importer's borrow
+    parcel: Any = None
 
 
 class MigrationClient:
@@ -219,8 +222,9 @@ class MigrationClient:
 
         now = time.monotonic()
         for rid, state, fut in self.driver.call(take).result():
-            self.away[rid] = _Away(state, fut, dst, now)
-            self._post(dst, ("import", self.engine_id, self._parcel(state), rid))
+            parcel = self._parcel(state)
+            self.away[rid] = _Away(state, fut, dst, now, parcel)
+            self._post(dst, ("import", self.engine_id, parcel, rid))
             self.counts["exported"] += 1
             self.counts["kv_shipped"] += sum(s.get("kv") is not None for s in state["seqs"])
 

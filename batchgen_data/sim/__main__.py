@@ -16,6 +16,8 @@ import sys
 from typing import Any
 
 from batchgen_data.sim import DEFAULT_PRESET, MODES, SimConfig, evaluate
+from batchgen_data.sim.ep_preset import EP_PRESETS
+from batchgen_data.sim.lockstep import EP_MODES
 from batchgen_data.sim.workload import WORKLOADS
 
 
@@ -39,10 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=("random", "longest-first"), default="random",
                    help="row order; longest-first is an oracle (it reads the output lengths) "
                         "that shows what knowing them in advance would give")
-    p.add_argument("--preset", default=DEFAULT_PRESET, help="cost-model preset or .json file")
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help="cost-model preset or .json file; ep-moe-dsv3 / qwen3-235b: an "
+                        "expert-parallel MoE cluster of --actors GPUs in lockstep groups of 16")
     p.add_argument("--overlap", action="store_true",
                    help="roofline step time (compute hides under memory); pair with --max-finishes 1")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated; default {','.join(MODES)} (expert-parallel presets: "
+                        f"{','.join(EP_MODES)})")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-concurrent-batches", type=int, default=8,
                    help="static; static-tuned uses max(this, ceil(max_num_seqs / batch_size))")
@@ -71,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace, actors: int) -> SimConfig:
     return SimConfig(
         actors=actors, rows=args.rows, workload=args.workload, seed=args.seed, seeds=args.seeds,
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), preset=args.preset,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes
+        else (EP_MODES if args.preset in EP_PRESETS else MODES), preset=args.preset,
         overlap=args.overlap, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_finishes=args.max_finishes,
         batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
@@ -92,16 +99,16 @@ def _table(report: dict[str, Any]) -> str:
     lines = [f"actors={report['actors']} rows={report['rows']} workload={report['workload']} "
              f"preset={report['preset']} seeds={report['seeds']} "
              f"stragglers={report['stragglers']} skew={report['startup_skew_s']}s",
-             f"{'mode':<13} {'BCT s':>9} {'min..max':>17} {'/tuned':>7} {'/cont':>7} "
+             f"{'mode':<19} {'BCT s':>9} {'min..max':>17} {'/tuned':>7} {'/cont':>7} "
              f"{'util':>6} {'moved':>7}"]
     vs_tuned = report["ratio_vs_tuned_static"] or {}
     vs_cont = report["ratio_vs_continuous"] or {}
     for m, s in report["modes"].items():
         lo, hi = report["bct_s_spread"][m]
         moved = sum(v for k, v in s["moved"].items() if k != "kv_shipped")
-        lines.append(f"{m:<13} {report['bct_s'][m]:>9.1f} {lo:>8.1f}..{hi:<8.1f} "
+        lines.append(f"{m:<19} {report['bct_s'][m]:>9.1f} {lo:>8.1f}..{hi:<8.1f} "
                      f"{vs_tuned.get(m, float('nan')):>7.3f} {vs_cont.get(m, float('nan')):>7.3f} "
-                     f"{s['utilization']:>6.3f} {moved:>7}")
+                     f"{s.get('utilization', float('nan')):>6.3f} {moved:>7}")
     lines.append(f"packing bound (longest row alone): {report['packing_bound_s']} s")
     return "\n".join(lines)
 
@@ -118,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(cm.to_json())
         print(json.dumps(diag))
         return 0
+    if args.plot and args.preset in EP_PRESETS:
+        _parser().error("--plot: not available for expert-parallel presets")
     counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.actors]
     reports = []
     for n in counts:

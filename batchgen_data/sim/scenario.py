@@ -11,7 +11,10 @@ The helpers `straggler_factors` and `startup_delays` are public so that an emula
 """
 from __future__ import annotations
 
+import multiprocessing
 import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +23,9 @@ import numpy as np
 from batchgen_data.sim import compare
 from batchgen_data.sim.actor import EngineShape
 from batchgen_data.sim.costmodel import DEFAULT_PRESET, CostModel, get_preset
+from batchgen_data.sim.ep_preset import EP_PRESETS, EPPreset
+from batchgen_data.sim.lockstep import EP_MODES, EPMode, EPResult, solo_decode_s
+from batchgen_data.sim.lockstep_run import EPCluster
 from batchgen_data.sim.modes import MODES, mode_config
 from batchgen_data.sim.result import SimResult, solo_times
 from batchgen_data.sim.workload import Workload, make_workload
@@ -84,10 +90,18 @@ class SimConfig:
             raise ValueError(f"seeds={self.seeds!r}: must be >= 1")
         if self.order not in ("random", "longest-first"):
             raise ValueError(f"order={self.order!r}: must be 'random' or 'longest-first'")
-        bad = [m for m in self.modes if m not in MODES]
+        valid = EP_MODES if self.expert_parallel else MODES
+        bad = [m for m in self.modes if m not in valid]
         if bad or not self.modes:
-            raise ValueError(f"modes={self.modes!r}: valid: {MODES}")
+            raise ValueError(f"modes={self.modes!r}: valid: {valid}")
         parse_stragglers(self.stragglers)
+        if self.expert_parallel and self.startup_skew_s:
+            raise ValueError("startup_skew_s: not modelled for expert-parallel presets")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """An expert-parallel MoE preset: `actors` counts GPUs, cut into lockstep groups."""
+        return self.preset in EP_PRESETS
 
     def cost(self) -> CostModel:
         cost = get_preset(self.preset)
@@ -102,8 +116,10 @@ class SimConfig:
         return wl.longest_first() if self.order == "longest-first" else wl
 
 
-def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, SimResult], float]:
+def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], float]:
     """Every mode on one seed's workload and cluster; also that seed's packing bound (s)."""
+    if cfg.expert_parallel:
+        return run_seed_ep(cfg, seed, jobs)
     cost = cfg.cost()
     wl = cfg.workload_for(seed)
     frac, factor = parse_stragglers(cfg.stragglers)
@@ -119,6 +135,43 @@ def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, SimRes
     return results, bound
 
 
+def _ep_one(wl: Workload, gpus: int, preset: str, mode: str, factors: list[float],
+            tick_s: float) -> EPResult:
+    return EPCluster(wl, gpus, EP_PRESETS[preset], EPMode(mode, tick_s=tick_s), factors).run()
+
+
+def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], float]:
+    """The expert-parallel lockstep cluster (lockstep.py): `cfg.actors` GPUs, one seed."""
+    wl = cfg.workload_for(seed)
+    frac, factor = parse_stragglers(cfg.stragglers)
+    factors = straggler_factors(cfg.actors, frac, factor, seed)
+    args = [(wl, cfg.actors, cfg.preset, m, factors, cfg.tick_s) for m in cfg.modes]
+    if jobs <= 1 or len(args) <= 1:
+        results = {m: _ep_one(*a) for m, a in zip(cfg.modes, args)}
+    else:
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(min(jobs, len(args)), mp_context=ctx) as pool:
+            futs = [pool.submit(_ep_one, *a) for a in args]
+            results = {m: f.result() for m, f in zip(cfg.modes, futs)}
+    return results, ep_packing_bound(wl, EP_PRESETS[cfg.preset])
+
+
+def ep_packing_bound(wl: Workload, p: EPPreset, top: int = 256) -> float:
+    """The longest row alone in a group (`solo_decode_s`), over every row: exact, computed for
+    the `top` longest outputs once the rest are shown not to matter (solo time grows with both
+    lengths, so a shorter output with the longest prompt bounds every other row)."""
+    order = np.argsort(-wl.output_lens, kind="stable")
+    head = order[:top]
+    best = max(solo_decode_s(p, int(wl.input_lens[i]), int(wl.output_lens[i])) for i in head)
+    if len(order) > top:
+        rest = order[top:]
+        cap = solo_decode_s(p, int(wl.input_lens[rest].max()), int(wl.output_lens[rest].max()))
+        if cap > best:
+            best = max(best, max(solo_decode_s(p, int(wl.input_lens[i]), int(wl.output_lens[i]))
+                                 for i in rest))
+    return best
+
+
 def _median_ratio(bct: dict[str, list[float]], base: str) -> dict[str, float] | None:
     if base not in bct:
         return None
@@ -128,6 +181,8 @@ def _median_ratio(bct: dict[str, list[float]], base: str) -> dict[str, float] | 
 
 def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     """Run the experiment; the report `python -m batchgen_data.sim --json` prints."""
+    if cfg.expert_parallel:
+        return evaluate_ep(cfg, jobs)
     cost = cfg.cost()
     shape = cfg.shape(cost)
     seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
@@ -161,4 +216,35 @@ def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
         "packing_bound_s": round(statistics.median(bounds), 3),
         "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
         "modes": {m: r.summary() for m, r in first.items()},  # details of the first seed
+    }
+
+
+def evaluate_ep(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
+    """`evaluate` for an expert-parallel preset: the same report keys, GPUs for actors."""
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    bct: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    bounds: list[float] = []
+    first: dict[str, Any] = {}
+    for s in seeds:
+        results, bound = run_seed_ep(cfg, s, jobs)
+        first = first or results
+        bounds.append(bound)
+        for m, r in results.items():
+            bct[m].append(r.bct_s)
+    p = EP_PRESETS[cfg.preset]
+    return {
+        "gpus": cfg.actors, "actors": cfg.actors, "rows": cfg.rows, "workload": cfg.workload,
+        "seeds": seeds, "order": cfg.order, "preset": p.name, "stragglers": cfg.stragglers,
+        "startup_skew_s": 0.0,
+        "engine": {"group_gpus": p.group_gpus, "seats_per_rank": p.seats_per_rank,
+                   "prefill_budget": p.prefill_budget,
+                   "anchor_tokens_per_gpu_s": round(p.anchor_tokens_per_gpu_s(), 1)},
+        "bct_s": {m: round(statistics.median(v), 3) for m, v in bct.items()},
+        "bct_s_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in bct.items()},
+        "bct_s_by_seed": {m: [round(x, 3) for x in v] for m, v in bct.items()},
+        "ratio_vs_tuned_static": _median_ratio(bct, "static-tuned"),
+        "ratio_vs_continuous": _median_ratio(bct, "continuous"),
+        "packing_bound_s": round(statistics.median(bounds), 3),
+        "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
+        "modes": {m: r.summary() for m, r in first.items()},
     }

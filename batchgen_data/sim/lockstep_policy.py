@@ -71,7 +71,7 @@ def _feed_short_groups(c: "EPCluster", now: float) -> None:
     gave: set[int] = set()
     for dst in short:
         donors = [i for i in range(len(c.groups))
-                  if i != dst and i not in gave and active[i] > 0 and i not in short[:0]]
+                  if i != dst and i not in gave and active[i] > 0]
         if not donors:
             return
         src = max(donors, key=lambda i: (times[i], i))

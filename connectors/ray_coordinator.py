@@ -5,8 +5,10 @@ Each `BatchGenPredictor` engine calls `exchange` a few times a second with its `
 delivered; it gets back a `Reply`: the moves it must make as a donor and the messages addressed
 to it. Both are frozen dataclasses of plain values, pickled as they are across Ray. The
 coordinator is a post office and a planner, nothing more: decisions come from
-`batchgen_data.placement`, request state and results travel as plain data in the messages, and
-rows always belong to the engine whose task received them. Losing the coordinator therefore
+`batchgen_data.placement`, request state and results travel as plain data in the messages
+(a state carrying KV as an `ObjectRef` only: the bytes go from the owner's object store to the
+importer, never through this single-threaded actor; `kv_bytes_relayed` in `stats()` counts any
+that did), and rows always belong to the engine whose task received them. Losing the coordinator therefore
 loses no rows; engines see the failed call and fall back to running their own work.
 
 The actor is detached (a predictor's death must not take it along) and ends itself once no
@@ -30,7 +32,8 @@ from batchgen_data.placement import (
     plan_moves)
 
 NAMESPACE = "batchgen_data"
-Message = tuple[Any, ...]  # ("import", owner_id, state) | ("deliver", rid, output) | ("failed", rid)
+# ("import", owner_id, state or ObjectRef of it, rid) | ("deliver", rid, output) | ("failed", rid)
+Message = tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,10 @@ class Report:
     # nothing to give and must take nothing (see MigrationClient.leave_call)
     accepting: bool = True
     owned: int = 0  # unfinished rows its tasks wait for (those running elsewhere included)
+    # KV this engine has fetched from the object store so far, and the seconds its puts and
+    # gets took (totals: the coordinator sums the latest over engines)
+    kv_bytes_received: int = 0
+    kv_transfer_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,12 @@ class Reply:
     # another live engine still owns unfinished rows: a finished engine keeps its last task
     # open while this is True, so Ray Data keeps it alive as a receiver for the others' tail
     others_busy: bool
+
+
+def kv_nbytes(state: dict[str, Any]) -> int:
+    """Bytes of KV an exported state carries (0 for a queued row or a recompute move)."""
+    return sum(t.numel() * t.element_size()
+               for seq in state["seqs"] for layer in seq.get("kv") or () for t in layer)
 
 
 def coordinator_name(job_id: str | None, fingerprint: str) -> str:
@@ -87,6 +100,9 @@ class Coordinator:
         self.busy_until: dict[str, float] = {}
         self.num_moves = 0
         self.num_exchanges = 0
+        self.kv_bytes_relayed = 0  # KV that reached this actor inline in mail (should stay 0)
+        # each engine's latest transfer totals, kept after it stops reporting
+        self.transfers: dict[str, tuple[int, float]] = {}
         self._last_seen = time.monotonic()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
@@ -97,8 +113,11 @@ class Coordinator:
         self.num_exchanges += 1
         engine_id = report.load.engine_id
         self.reports[engine_id] = (now, report)
+        self.transfers[engine_id] = (report.kv_bytes_received, report.kv_transfer_s)
         live = self._live(now)
         for dst, msg in outbox:
+            if msg[0] == "import" and isinstance(msg[2], dict):
+                self.kv_bytes_relayed += kv_nbytes(msg[2])
             if dst in live:  # mail to a dead engine is dropped: its sender reclaims the row
                 self.mail[dst].append(msg)
         self._plan(now, live)
@@ -107,10 +126,14 @@ class Coordinator:
                      tuple(sorted(live)), others_busy)
 
     def stats(self) -> dict[str, Any]:
-        """Moves planned, exchanges served, and this process's CPU seconds so far (its start-up
-        included)."""
+        """Moves planned, exchanges served, this process's CPU seconds so far (its start-up
+        included), and the KV moved between engines through the object store (bytes, and the
+        put + get seconds engines spent on it)."""
         return {"num_moves": self.num_moves, "engines": sorted(self.reports),
-                "num_exchanges": self.num_exchanges, "cpu_s": round(time.process_time(), 3)}
+                "num_exchanges": self.num_exchanges, "cpu_s": round(time.process_time(), 3),
+                "kv_bytes_moved": sum(b for b, _ in self.transfers.values()),
+                "kv_transfer_s": round(sum(s for _, s in self.transfers.values()), 6),
+                "kv_bytes_relayed": self.kv_bytes_relayed}
 
     def _live(self, now: float) -> set[str]:
         dead = [e for e, (t, _) in self.reports.items() if now - t > self.dead_after_s]

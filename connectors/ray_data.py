@@ -13,7 +13,7 @@ from __future__ import annotations
 from batchgen_data.connectors.ray_blocks import install as _install_rule
 from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.connectors.ray_processor import (
-    BatchGenProcessorConfig, Processor, build_processor)
+    BatchGenProcessorConfig, Processor, build_processor, window_batches)
 
 
 def enable_row_streaming() -> bool:
@@ -26,4 +26,4 @@ def enable_row_streaming() -> bool:
 
 
 __all__ = ["BatchGenPredictor", "BatchGenProcessorConfig", "Processor", "build_processor",
-           "enable_row_streaming"]
+           "enable_row_streaming", "window_batches"]

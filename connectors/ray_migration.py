@@ -8,7 +8,9 @@ that calls the job's coordinator (`ray_coordinator`) every `interval_s`. Ownersh
   are, running ones through hold + export), keeps the exported state, and mails it to the
   receiver;
 * the **importer** continues the request (`Engine.import_`; KV recomputed unless the policy
-  chose to ship it) and mails the finished `RequestOutput` back;
+  chose to ship it) and mails the finished `RequestOutput` back. A state that carries KV does
+  not travel through the coordinator: the owner `ray.put`s it and mails only the `ObjectRef`,
+  which the importer resolves from the object store (point to point, timed and counted);
 * the owner resolves the Future with it, so the owner's task yields the row, exactly once.
 
 If the importer stops reporting (dead) or the result does not come back within `timeout_s`,
@@ -26,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from batchgen_data.connectors.ray_coordinator import Message, Reply, Report
+from batchgen_data.connectors.ray_coordinator import Message, Reply, Report, kv_nbytes
 
 if TYPE_CHECKING:
     from batchgen_data.engine.driver import EngineDriver
@@ -58,6 +60,10 @@ class MigrationOptions:
     # force a move without depending on wall-clock speed. 0 holds before the first step
     # (waiting rows move); a few steps in, running rows move (with their KV when shipped).
     hold_for_move_after: int = -1
+    # what may move: queued rows (never scheduled, no KV: late binding) and started sequences
+    # (running, held: migration proper). The predictor sets both from `late_binding`/`migration`
+    move_queued: bool = True
+    move_started: bool = True
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
@@ -88,8 +94,11 @@ class MigrationClient:
         self.outbox: list[tuple[str, Message]] = []
         # kv_shipped: exported sequences that carried their KV; kv_imported_tokens: tokens of
         # KV an import kept (the receiver computes only the rest)
+        # kv_bytes_sent / kv_put_s: KV the owner put into the object store and the time that
+        # took; kv_bytes_received / kv_get_s: the importer's side of the same transfer
         self.counts = {"exported": 0, "imported": 0, "delivered": 0, "reclaimed": 0,
-                       "kv_shipped": 0, "kv_imported_tokens": 0}
+                       "kv_shipped": 0, "kv_imported_tokens": 0, "kv_bytes_sent": 0,
+                       "kv_put_s": 0.0, "kv_bytes_received": 0, "kv_get_s": 0.0}
         self.disabled = False
         self.others_busy = False  # another live engine still owns unfinished rows
         self.active_calls = 0  # the predictor's __call__s now running
@@ -178,15 +187,21 @@ class MigrationClient:
         report = self.driver.call(self._snapshot).result()
         with self._lock:
             outbox, self.outbox = self.outbox, []
+        c = self.counts
         report = replace(report, accepting=self.active_calls > 0,
-                         owned=report.owned + len(self.away))
+                         owned=report.owned + len(self.away),
+                         kv_bytes_received=c["kv_bytes_received"],
+                         kv_transfer_s=c["kv_put_s"] + c["kv_get_s"])
         ref = self.coordinator.exchange.remote(report, outbox)
         return ray.get(ref, timeout=self.options.rpc_timeout_s)
 
     def _snapshot(self, engine: Engine) -> Report:
         """Engine thread: load report plus the owned requests that may move (guests never move
         on)."""
-        return Report(engine.load(self.engine_id), tuple(engine.movable(exclude=self.guests)),
+        opts = self.options
+        movable = [r for r in engine.movable(exclude=self.guests)
+                   if (opts.move_queued if r.kind == "waiting" else opts.move_started)]
+        return Report(engine.load(self.engine_id), tuple(movable),
                       owned=engine.num_unfinished(exclude=self.guests))
 
     # ---- owner side ---------------------------------------------------------------------
@@ -205,9 +220,24 @@ class MigrationClient:
         now = time.monotonic()
         for rid, state, fut in self.driver.call(take).result():
             self.away[rid] = _Away(state, fut, dst, now)
-            self._post(dst, ("import", self.engine_id, state))
+            self._post(dst, ("import", self.engine_id, self._parcel(state), rid))
             self.counts["exported"] += 1
             self.counts["kv_shipped"] += sum(s.get("kv") is not None for s in state["seqs"])
+
+    def _parcel(self, state: dict[str, Any]) -> Any:
+        """What the import message carries: a queued row's state as it is (token ids and
+        params, small), a state with KV as an `ObjectRef`, so the coordinator relays a handle
+        and the bytes go from the owner's object store to the importer's."""
+        nbytes = kv_nbytes(state)
+        if nbytes == 0:
+            return state
+        import ray
+
+        t0 = time.perf_counter()
+        ref = ray.put(state)
+        self.counts["kv_put_s"] += time.perf_counter() - t0
+        self.counts["kv_bytes_sent"] += nbytes
+        return ref
 
     def _reclaim_lost(self, live: set[str]) -> None:
         now = time.monotonic()
@@ -249,7 +279,7 @@ class MigrationClient:
     def _receive(self, msg: Message) -> None:
         kind = msg[0]
         if kind == "import":
-            self._import(msg[1], msg[2])
+            self._import(msg[1], msg[2], msg[3])
         elif kind in ("deliver", "failed"):
             away = self.away.pop(msg[1], None)
             if away is None:
@@ -261,8 +291,25 @@ class MigrationClient:
                 away.future.set_result(msg[2])
                 self.counts["delivered"] += 1
 
-    def _import(self, owner: str, state: dict[str, Any]) -> None:
-        rid = state["request_id"]
+    def _unpack(self, parcel: Any) -> dict[str, Any]:
+        """The exported state of an import message, fetched from the object store if need be."""
+        if isinstance(parcel, dict):
+            return parcel
+        import ray
+
+        t0 = time.perf_counter()
+        state = ray.get(parcel, timeout=self.options.rpc_timeout_s)
+        self.counts["kv_get_s"] += time.perf_counter() - t0
+        self.counts["kv_bytes_received"] += kv_nbytes(state)
+        return state
+
+    def _import(self, owner: str, parcel: Any, rid: str) -> None:
+        try:
+            state = self._unpack(parcel)
+        except Exception as e:  # noqa: BLE001 - object lost or owner gone: it runs at home
+            log.warning("batchgen migration: cannot fetch row %s from %s (%r)", rid, owner, e)
+            self._post(owner, ("failed", rid))
+            return
         fut: Future = Future()
 
         def add(engine: Engine) -> None:

@@ -25,9 +25,12 @@ retried after its actor died can then lose some rows and repeat others: CI saw i
 (docs/guarantees.md). With `stream=False` each input batch comes back whole, in input order, as
 `ray.data.llm` does.
 
-With `migration=True` (the default) the actors of one job share a coordinator actor that moves
-waiting and long-running requests from busy engines to idle ones; results still come back
-through the task that received the row (`ray_migration`, docs/ray_data.md).
+With `late_binding=True` the actors of one job share a coordinator actor that moves queued rows
+(received, not yet scheduled by the engine: no KV) to engines with a free seat, so rows bound
+early by a deep window still start wherever a seat frees first. `migration=True` (the default)
+also moves started (running, held) sequences from busy engines to idle ones; `late_binding=None`
+follows `migration`. Results still come back through the task that received the row
+(`ray_migration`, docs/ray_data.md).
 
 With `program=` (a `@batchgen_data.program`) each row runs that program instead of one
 generation; its output dict becomes the columns (connectors/programs.py, docs/programs.md).
@@ -94,6 +97,7 @@ class BatchGenPredictor:
                  on_error: str = "row", stream: bool | str = "ordered",
                  apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
+                 late_binding: bool | None = None,
                  program: Any = None, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
                  **engine_kwargs: Any) -> None:
@@ -101,7 +105,10 @@ class BatchGenPredictor:
         if stream not in STREAM_MODES:
             raise ValueError(f"stream={stream!r}: use one of {STREAM_MODES}")
         self.stream = stream
-        options = MigrationOptions(**(migration_options or {}))  # TypeError on unknown names
+        late_binding = migration if late_binding is None else late_binding
+        # either one runs the coordinator; each decides which kind of work it may move
+        options = MigrationOptions(**{**(migration_options or {}), "move_queued": late_binding,
+                                      "move_started": migration})
         self.driver = self.start_driver(model, engine_kwargs)
         builder = RequestBuilder.from_engine(self.driver.engine, sampling_params,
                                              apply_chat_template, chat_template,
@@ -113,7 +120,8 @@ class BatchGenPredictor:
         # engines of one job share a coordinator: same Ray job and same predictor config
         fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items()),
                             getattr(program, "name", None)))
-        self.migration = start_migration(self.driver, fingerprint, options) if migration else None
+        self.migration = (start_migration(self.driver, fingerprint, options)
+                          if migration or late_binding else None)
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
         self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)
 

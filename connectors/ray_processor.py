@@ -14,6 +14,7 @@ row-streaming rule (`ray_blocks`) in this driver process, where Ray Data plans t
 """
 from __future__ import annotations
 
+import math
 import re
 import uuid
 import warnings
@@ -46,7 +47,10 @@ class BatchGenProcessorConfig:
     apply_chat_template: bool = True
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's
     chat_template_kwargs: Mapping[str, Any] | None = None  # e.g. {"enable_thinking": False}
-    max_concurrent_batches: int = 4  # input batches served at once by one actor
+    # input batches served at once by one actor (its max_concurrency); None: `window_batches`,
+    # enough for `window_depth` x max_num_seqs rows in its engine
+    max_concurrent_batches: int | None = None
+    window_depth: float = 2.0  # rows in an engine's window per seat: the seats plus a queue
     max_tasks_in_flight_per_actor: int | None = None
     should_continue_on_error: bool = True  # False: the first bad row fails the job
     accelerator_type: str | None = None
@@ -62,7 +66,22 @@ class BatchGenProcessorConfig:
     # hold more than one actor
     migration: bool | None = None
     migration_options: Mapping[str, Any] | None = None  # MigrationOptions fields
+    # queued rows (not yet scheduled) may move to an engine with a free seat; None: as migration
+    late_binding: bool | None = None
     program: Any = None  # a @batchgen_data.program run on every row (docs/programs.md)
+
+    @property
+    def late_binding_on(self) -> bool:
+        return self.migration_on if self.late_binding is None else self.late_binding
+
+    @property
+    def concurrent_batches(self) -> int:
+        """Input batches one actor serves at once: the field, else from the window depth."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        seats = make_engine_config(self.model_source,
+                                   **dict(self.engine_kwargs)).scheduler.max_num_seqs
+        return window_batches(seats, self.batch_size, self.window_depth)
 
     @property
     def migration_on(self) -> bool:
@@ -77,8 +96,10 @@ class BatchGenProcessorConfig:
         if not 1 <= len(sizes) <= 2 or any(not isinstance(s, int) or s < 1 for s in sizes) \
                 or sizes[0] > sizes[-1]:
             raise ValueError(f"concurrency={self.concurrency!r}: use n >= 1 or (m, n), 1 <= m <= n")
-        if self.max_concurrent_batches < 1:
+        if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches={self.max_concurrent_batches!r}: must be >= 1")
+        if not self.window_depth > 0:
+            raise ValueError(f"window_depth={self.window_depth!r}: must be > 0")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
         make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
@@ -100,6 +121,7 @@ class BatchGenProcessorConfig:
                     chat_template=self.chat_template,
                     chat_template_kwargs=dict(self.chat_template_kwargs or {}),
                     migration=self.migration_on, migration_options=options,
+                    late_binding=self.late_binding_on,
                     program=self.program, **dict(self.engine_kwargs))
 
     def map_batches_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
@@ -107,10 +129,12 @@ class BatchGenProcessorConfig:
         import ray.data
 
         in_flight = self.max_tasks_in_flight_per_actor
-        if in_flight is None and self.migration_on:
-            # late binding: no batches queued at an actor beyond the ones it serves, so rows
-            # stay unassigned until some engine has room (migration handles what is bound)
-            in_flight = self.max_concurrent_batches
+        calls = self.concurrent_batches
+        if in_flight is None and (self.migration_on or self.late_binding_on):
+            # no batches queued at an actor beyond the ones it serves (where no engine sees
+            # them): rows stay unbound until a window has room, and the coordinator moves
+            # queued rows that were bound to a busy engine
+            in_flight = calls
 
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
@@ -120,7 +144,7 @@ class BatchGenProcessorConfig:
             sizes = dict(size=self.concurrency)
         compute = ray.data.ActorPoolStrategy(
             **sizes, max_tasks_in_flight_per_actor=in_flight,
-            max_concurrent_calls_per_actor=self.max_concurrent_batches,
+            max_concurrent_calls_per_actor=calls,
             # several __call__s run at once on one actor; the predictor is thread-safe
             enable_true_multi_threading=True)
         kw: dict[str, Any] = dict(batch_size=self.batch_size, batch_format="pyarrow",
@@ -133,6 +157,17 @@ class BatchGenProcessorConfig:
         if self.runtime_env is not None:
             kw["runtime_env"] = self.runtime_env
         return kw
+
+
+def window_batches(max_num_seqs: int, batch_size: int, depth: float = 2.0) -> int:
+    """Input batches an actor must serve at once to keep `depth` x `max_num_seqs` rows in its
+    engine: its seats full and a queue behind them. Ray's vLLM stage asks for at least
+    ceil(max_num_seqs / batch_size) (depth 1); a batch held by its slowest row then leaves seats
+    empty, which the queue of a deeper window fills."""
+    if max_num_seqs < 1 or batch_size < 1 or not depth > 0:
+        raise ValueError(f"window_batches({max_num_seqs!r}, {batch_size!r}, {depth!r}): "
+                         "needs max_num_seqs >= 1, batch_size >= 1, depth > 0")
+    return max(1, math.ceil(max_num_seqs * depth / batch_size))
 
 
 class Processor:

@@ -1,0 +1,290 @@
+"""Ray in the loop at 16+ actors, with EMULATED compute: BCT of four ways to feed the actors.
+
+A real Ray Data job (`build_processor`, the real `BatchGenPredictor`, engine scheduler,
+coordinator and migration protocol) where the model is replaced by the emulated runner
+(batchgen_data/engine/emulated_runner.py): each engine step sleeps the simulator's modelled
+step time (`--preset`, default h200-llama8b: c0 + c_mem + per-token + per-KV terms) and each row
+stops at the output length the workload drew for it. No model runs: **compute is emulated**,
+so 16-32 actors fit on a 2-core box. Times are reported in modelled seconds (wall / `--scale`).
+
+* `--tokens-per-step g`: one emulated token stands for g real ones (`emulated_runner.coarsen`);
+  the workload's lengths are rounded up to multiples of g, rows finish and join every g tokens.
+* `--scale`: wall seconds slept per modelled second; the engines' measured Python/Ray overhead
+  (time between two steps of a busy engine over its step time) is printed: keep it < 10%.
+* `--stragglers FRAC:FACTOR`: the first round(FRAC x actors) actors step FACTOR x slower.
+
+Arms (docs/ray_data.md): `tuned` whole batch as ray.data.llm runs it (stream=False,
+batch_size x max_concurrent_batches >= max_num_seqs, Ray's default queue of 2 x that per
+actor); `stream` (rows stay where Ray bound them, window of 2 x max_num_seqs rows); `late`
+(+ row-level late binding); `migrate` (+ moving started sequences). Each seed draws a new
+workload (sim/workload.py); the simulator (batchgen_data.sim) runs the same configuration on
+the same coarse cost model and lengths, and its BCT is printed next to Ray's.
+
+    python benchmarks/ray_emulated.py --quick               # 4 actors, 1 seed, ~2 min
+    python benchmarks/ray_emulated.py --actors 16 --seeds 5 --stragglers 0.125:1.5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_report  # noqa: E402
+from _emulated_sim import sim_bcts  # noqa: E402
+
+from batchgen_data.engine.emulated_runner import EmulatedSpec, coarsen, encode_prompt  # noqa: E402
+from batchgen_data.sim.result import solo_times  # noqa: E402
+from batchgen_data.sim.workload import Workload, make_workload  # noqa: E402
+
+ARMS = ("tuned", "stream", "late", "migrate")
+COLUMNS = ["stragglers", "seed", "arm", "bct_ray_s", "bct_sim_s", "ray_vs_sim", "vs_tuned",
+           "packing_bound_s", "moves", "overhead", "wall_s"]
+
+
+def coarse_workload(name: str, rows: int, seed: int, g: int) -> Workload:
+    """The simulator's workload with lengths in coarse tokens (rounded up to g real tokens)."""
+    wl = make_workload(name, rows, seed)
+    up = lambda a: np.maximum(1, -(-a // g))  # noqa: E731
+    return Workload(f"{name}/g{g}", up(wl.input_lens), up(wl.output_lens), -(-wl.max_output // g))
+
+
+def slow_actors(stragglers: str | None, actors: int) -> tuple[int, float]:
+    """(how many actors are slow, their slowdown) from `FRAC:FACTOR`."""
+    if not stragglers:
+        return 0, 1.0
+    frac, factor = (float(x) for x in stragglers.split(":"))
+    if not 0 <= frac <= 1 or factor <= 0:
+        raise ValueError(f"--stragglers {stragglers!r}: FRAC in [0, 1], FACTOR > 0")
+    return round(frac * actors), factor
+
+
+def emulated_predictor(barrier_name: str, num_slow: int, slowdown: float) -> type:
+    """`BatchGenPredictor` whose engine is emulated: the actor takes a ticket from the barrier
+    (tickets below `num_slow` make stragglers), waits there until every actor has its engine (so
+    start-up, which is not emulated, stays out of the BCT), and tags each output row with its
+    owner, yield time and the runner's measured overhead. Built here so importing this module
+    does not import Ray."""
+    import pyarrow as pa
+    import ray
+
+    from batchgen_data.connectors.ray_data import BatchGenPredictor
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
+
+    class EmulatedPredictor(BatchGenPredictor):  # type: ignore[misc, valid-type]
+        def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
+            import torch
+
+            torch.set_num_threads(1)  # logits of [seats, 512]: one thread, no oversubscription
+            barrier = ray.get_actor(barrier_name)
+            self.ticket = ray.get(barrier.ticket.remote())
+            spec = EmulatedSpec.parse(model or "")
+            if self.ticket < num_slow:
+                spec = EmulatedSpec(spec.preset, spec.scale, slowdown, spec.tokens_per_step)
+            driver = EngineDriver(Engine.from_kwargs(spec.model_string(), **engine_kwargs))
+            ray.get(barrier.arrive.remote())
+            return driver
+
+        def __call__(self, batch: Any):  # type: ignore[no-untyped-def]
+            for table in super().__call__(batch):
+                n = table.num_rows
+                runner = self.driver.engine.runner
+                for name, value, typ in (("bench_owner", self.ticket, pa.int64()),
+                                         ("bench_wall", time.time(), pa.float64()),
+                                         ("bench_overhead", runner.overhead(), pa.float64())):
+                    table = table.append_column(name, pa.array([value] * n, typ))
+                yield table
+
+    return EmulatedPredictor
+
+
+class Barrier:
+    """Hands out actor tickets and holds every actor until all `n` have built their engines."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n, self.tickets, self.arrived = n, 0, 0
+        self.t0: float | None = None
+        self.cv = threading.Condition()
+
+    def ticket(self) -> int:
+        with self.cv:
+            self.tickets += 1
+            return self.tickets - 1
+
+    def arrive(self) -> float:
+        with self.cv:
+            self.arrived += 1
+            if self.arrived == self.n:
+                self.t0 = time.time()
+                self.cv.notify_all()
+            self.cv.wait_for(lambda: self.t0 is not None)
+            return self.t0  # type: ignore[return-value]
+
+    def start(self) -> float | None:
+        return self.t0
+
+
+def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
+               max_tokens: int) -> Any:
+    from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig
+
+    seats = args.max_num_seqs
+    feed: dict[str, Any] = {
+        "tuned": dict(stream=False, migration=False, late_binding=False,
+                      max_concurrent_batches=math.ceil(seats / args.batch_size)),
+        "stream": dict(stream="ordered", migration=False, late_binding=False),
+        "late": dict(stream="ordered", migration=False, late_binding=True),
+        "migrate": dict(stream="ordered", migration=True),
+    }[arm]
+    return BatchGenProcessorConfig(
+        model_source=model, concurrency=args.actors, batch_size=args.batch_size,
+        num_cpus=args.actor_cpus, sampling_params={"max_tokens": max_tokens, "temperature": 0.0},
+        engine_kwargs={"max_num_seqs": seats, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "max_model_len": max_len},
+        migration_options={"interval_s": args.interval}, **feed)
+
+
+def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.Namespace,
+            num_slow: int, slowdown: float) -> dict[str, Any]:
+    import ray
+
+    from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
+    from batchgen_data.connectors.ray_processor import build_processor
+
+    spec = EmulatedSpec(args.preset, args.scale, 1.0, args.tokens_per_step)
+    max_len = int(wl.input_lens.max()) + wl.max_output + 1
+    processor = build_processor(arm_config(arm, args, spec.model_string(), max_len, wl.max_output))
+    name = f"emul-barrier-{processor.job_id}"
+    barrier = ray.remote(num_cpus=0, max_concurrency=args.actors + 8)(Barrier).options(
+        name=name).remote(args.actors)
+    processor.predictor = emulated_predictor(name, num_slow, slowdown)
+    wall0 = time.time()
+    out = processor(ray.data.from_items(rows)).take_all()
+    wall = time.time() - wall0
+    t0 = ray.get(barrier.start.remote())
+    ids = sorted(r["id"] for r in out)
+    assert ids == list(range(len(rows))), f"{arm}: a row was lost or repeated"
+    bad = [r for r in out if r["error"] is not None
+           or r["num_generated_tokens"] != int(wl.output_lens[r["id"]])]
+    assert not bad, f"{arm}: {len(bad)} rows wrong, e.g. {bad[0]['error']!r}"
+    moves = 0
+    if arm in ("late", "migrate"):
+        coord = ray.get_actor(coordinator_name(processor.job_id, ""), namespace=NAMESPACE)
+        moves = ray.get(coord.stats.remote())["num_moves"]
+    ray.kill(barrier)
+    last = {}
+    for r in out:  # each actor's overhead as of its last yield
+        if r["bench_wall"] >= last.get(r["bench_owner"], (0.0, 0.0))[0]:
+            last[r["bench_owner"]] = (r["bench_wall"], r["bench_overhead"])
+    return {"arm": arm, "bct_ray_s": (max(r["bench_wall"] for r in out) - t0) / args.scale,
+            "moves": moves, "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 actors, 1 seed, 512 rows")
+    ap.add_argument("--actors", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--workload", default="reasoning")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--stragglers", default="0.125:1.5", help="FRAC:FACTOR; '' for none")
+    ap.add_argument("--both", action="store_true", help="run with and without stragglers")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--preset", default="h200-llama8b")
+    ap.add_argument("--tokens-per-step", type=int, default=64)
+    ap.add_argument("--scale", type=float, default=0.1, help="wall s per modelled s")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--interval", type=float, default=0.1,
+                    help="migration interval_s (wall): how often engines report")
+    ap.add_argument("--actor-cpus", type=float, default=0.05)
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.actors, args.seeds, args.rows = 4, 1, 512
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import ray
+    from ray import cloudpickle
+
+    args = parse_args(argv)
+    if __name__ != "__main__":  # imported (tests): ship the classes by value to the actors
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    arms = args.arms.split(",")
+    settings = [args.stragglers, ""] if args.both else [args.stragglers]
+    print(f"EMULATED COMPUTE: engines sleep the '{args.preset}' cost model's step time x "
+          f"{args.scale} (no model runs); {args.actors} actors, {args.max_num_seqs} seats, "
+          f"{args.rows} {args.workload} rows, g={args.tokens_per_step} tokens per step", flush=True)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             object_store_memory=1 << 30)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    cost = coarsen(EmulatedSpec(args.preset).cost_model(), args.tokens_per_step)
+    records: list[dict[str, Any]] = []
+    try:
+        for stragglers in settings:
+            num_slow, slowdown = slow_actors(stragglers, args.actors)
+            for seed in range(args.seeds):
+                wl = coarse_workload(args.workload, args.rows, seed, args.tokens_per_step)
+                rows = [{"id": i, "prompt_token_ids": encode_prompt(int(o), int(n), i)}
+                        for i, (n, o) in enumerate(zip(wl.input_lens, wl.output_lens))]
+                bound = float(solo_times(wl, cost).max())
+                sim = {} if args.no_sim else sim_bcts(wl, args, cost, num_slow, slowdown, seed)
+                for k in range(len(arms)):  # rotate the order: the box is shared and noisy
+                    arm = arms[(k + seed) % len(arms)]
+                    rec = run_arm(arm, rows, wl, args, num_slow, slowdown)
+                    rec.update(stragglers=stragglers or "none", seed=seed,
+                               packing_bound_s=round(bound, 1), bct_sim_s=sim.get(arm))
+                    print(json.dumps(rec), flush=True)
+                    records.append(rec)
+    finally:
+        ray.shutdown()
+    return report(records, args)
+
+
+def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    for rec in records:
+        tuned = next((r["bct_ray_s"] for r in records if r["arm"] == "tuned"
+                      and (r["seed"], r["stragglers"]) == (rec["seed"], rec["stragglers"])), None)
+        rec["vs_tuned"] = round(rec["bct_ray_s"] / tuned, 3) if tuned else None
+        sim = rec.get("bct_sim_s")
+        rec["ray_vs_sim"] = round(rec["bct_ray_s"] / sim, 3) if sim else None
+        rec["bct_ray_s"] = round(rec["bct_ray_s"], 1)
+        rec["overhead"] = round(rec["overhead"], 3)
+    print_report(records, COLUMNS)
+    summary: dict[str, Any] = {"compute": "emulated", "actors": args.actors, "rows": args.rows,
+                               "seeds": args.seeds, "preset": args.preset,
+                               "tokens_per_step": args.tokens_per_step, "scale": args.scale,
+                               "max_num_seqs": args.max_num_seqs, "batch_size": args.batch_size}
+    for setting in dict.fromkeys(r["stragglers"] for r in records):
+        rs = [r for r in records if r["stragglers"] == setting]
+        mig = [r["vs_tuned"] for r in rs if r["arm"] == "migrate" and r["vs_tuned"] is not None]
+        agree = [abs(r["ray_vs_sim"] - 1) for r in rs if r["ray_vs_sim"] is not None]
+        key = "" if setting == (args.stragglers or "none") else f"_{setting}"
+        summary[f"bct_ratio_migration_vs_tuned_static{key}"] = (
+            round(statistics.median(mig), 3) if mig else None)
+        summary[f"packing_bound_s{key}"] = round(statistics.median(
+            r["packing_bound_s"] for r in rs), 1)
+        summary[f"max_ray_vs_sim_error{key}"] = round(max(agree), 3) if agree else None
+        summary[f"max_overhead{key}"] = max(r["overhead"] for r in rs)
+    summary["stragglers"] = args.stragglers or "none"
+    print(json.dumps(summary))
+    return records
+
+
+if __name__ == "__main__":
+    main()

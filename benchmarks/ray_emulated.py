@@ -151,7 +151,17 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
         num_cpus=args.actor_cpus, sampling_params={"max_tokens": max_tokens, "temperature": 0.0},
         engine_kwargs={"max_num_seqs": seats, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "max_model_len": max_len},
-        migration_options={"interval_s": args.interval}, **feed)
+        migration_options={"interval_s": args.interval, "placement": placement(args)}, **feed)
+
+
+def placement(args: argparse.Namespace) -> dict[str, Any]:
+    """Placement thresholds counted in tokens, in coarse tokens (the defaults / g), so a coarse
+    run moves the same rows a real one would; both the connector and the simulator get these."""
+    from batchgen_data.placement import PlacementConfig
+
+    g, cfg = args.tokens_per_step, PlacementConfig()
+    return {"seat_receivers": True, "min_running_age": -(-cfg.min_running_age // g),
+            "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
 
 
 def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.Namespace,
@@ -202,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--preset", default="h200-llama8b")
     ap.add_argument("--tokens-per-step", type=int, default=64)
-    ap.add_argument("--scale", type=float, default=0.1, help="wall s per modelled s")
+    ap.add_argument("--scale", type=float, default=0.2, help="wall s per modelled s")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -2,16 +2,19 @@
 
 Each simulated actor runs the engine's own `Scheduler` over a real `BlockPool` and host tier;
 the model runner is replaced by a step-time cost model (`costmodel.py`) and sampling by "stop at
-the row's output length". The cluster compares three ways of feeding actors (`modes.py`):
-ray.data.llm's static batches, streaming without migration, and streaming with the placement
-policy of `batchgen_data.placement` moving the long tail between actors.
+the row's output length". The cluster compares ways of feeding actors that all get the same engine (`modes.py`):
+ray.data.llm's static batches with its defaults and tuned as Ray's warning asks, streaming,
+streaming with row-level late binding, and late binding plus the placement policy of
+`batchgen_data.placement` moving started sequences. Stragglers, start-up skew and several seeds
+are part of an experiment (`scenario.py`).
 
-    python -m batchgen_data.sim --actors 128 --rows 200000 --workload reasoning --json
+    python -m batchgen_data.sim --actors 16 --rows 20000 --stragglers 0.125:1.5 --seeds 5 --json
 """
 from __future__ import annotations
 
 import multiprocessing
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -24,19 +27,24 @@ from batchgen_data.sim.workload import Workload, make_workload
 
 
 def simulate(wl: Workload, actors: int, cost: CostModel, mode: ModeConfig,
-             shape: EngineShape | None = None) -> SimResult:
-    """Run one mode to completion; without `shape`, the preset's vLLM-default engine shape."""
-    return Cluster(wl, actors, cost, shape or EngineShape.for_cost(cost), mode).run()
+             shape: EngineShape | None = None, slowdown: Sequence[float] | None = None,
+             start_at: Sequence[float] | None = None) -> SimResult:
+    """Run one mode to completion; without `shape`, the preset's vLLM-default engine shape.
+    `slowdown` / `start_at`: per-actor step-time factors and start times (see `Cluster`)."""
+    return Cluster(wl, actors, cost, shape or EngineShape.for_cost(cost), mode,
+                   slowdown, start_at).run()
 
 
 def compare(wl: Workload, actors: int, cost: CostModel, shape: EngineShape | None = None,
             modes: tuple[str, ...] = MODES, jobs: int = 1,
+            slowdown: Sequence[float] | None = None, start_at: Sequence[float] | None = None,
             **mode_kwargs: Any) -> dict[str, SimResult]:
-    """Run each mode on the same workload, `jobs` of them at once in worker processes;
-    `mode_kwargs` go to `mode_config`; without `shape`, the preset's vLLM-default engine shape."""
+    """Run each mode on the same workload and cluster, `jobs` of them at once in worker
+    processes; `mode_kwargs` go to `mode_config`; without `shape`, the preset's vLLM-default
+    engine shape. Every mode gets the same engine shape, stragglers and start-up delays."""
     shape = shape or EngineShape.for_cost(cost)
-    args = [(wl, actors, cost, mode_config(m, shape.max_num_seqs, **mode_kwargs), shape)
-            for m in modes]
+    args = [(wl, actors, cost, mode_config(m, shape.max_num_seqs, **mode_kwargs), shape,
+             slowdown, start_at) for m in modes]
     if jobs <= 1 or len(modes) <= 1:
         return {m: simulate(*a) for m, a in zip(modes, args)}
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
@@ -45,6 +53,9 @@ def compare(wl: Workload, actors: int, cost: CostModel, shape: EngineShape | Non
         return {m: f.result() for m, f in zip(modes, futures)}
 
 
+# after `compare`, which scenario.py imports from this package
+from batchgen_data.sim.scenario import SimConfig, evaluate  # noqa: E402
+
 __all__ = ["Cluster", "CostModel", "DEFAULT_PRESET", "EngineShape", "MODES", "ModeConfig",
-           "PRESETS", "SimResult", "Workload", "compare", "get_preset", "make_workload",
-           "mode_config", "simulate"]
+           "PRESETS", "SimConfig", "SimResult", "Workload", "compare", "evaluate", "get_preset",
+           "make_workload", "mode_config", "simulate"]

@@ -16,6 +16,7 @@ import heapq
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -23,21 +24,31 @@ import numpy as np
 from batchgen_data.placement import find_receivers, pick_donors, plan_moves, rows_wanted
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.sim.actor import EngineShape, SimActor, Span
-from batchgen_data.sim.costmodel import CostModel
+from batchgen_data.sim.costmodel import CostModel, scaled
 from batchgen_data.sim.modes import ModeConfig
 from batchgen_data.sim.result import SimResult
 from batchgen_data.sim.workload import Workload
 
-_END, _ARRIVE, _TICK = 0, 1, 2
+_END, _ARRIVE, _TICK, _UP = 0, 1, 2, 3
 
 
 class Cluster:
     def __init__(self, wl: Workload, num_actors: int, cost: CostModel, shape: EngineShape,
-                 mode: ModeConfig) -> None:
+                 mode: ModeConfig, slowdown: Sequence[float] | None = None,
+                 start_at: Sequence[float] | None = None) -> None:
+        """`slowdown[i]` multiplies actor i's step times (stragglers); actor i takes no rows
+        before `start_at[i]` seconds (start-up skew). Both default to a uniform cluster."""
         if num_actors < 1:
             raise ValueError(f"actors={num_actors!r}: must be >= 1")
         self.wl, self.cost, self.shape, self.mode = wl, cost, shape, mode
-        self.actors = [SimActor(i, cost, shape) for i in range(num_actors)]
+        self.slowdown = list(slowdown) if slowdown is not None else [1.0] * num_actors
+        self.start_at = list(start_at) if start_at is not None else [0.0] * num_actors
+        if len(self.slowdown) != num_actors or len(self.start_at) != num_actors:
+            raise ValueError("slowdown and start_at need one entry per actor")
+        if min(self.slowdown) <= 0 or min(self.start_at) < 0:
+            raise ValueError("slowdown must be > 0 and start_at >= 0")
+        self.actors = [SimActor(i, scaled(cost, f), shape) for i, f in enumerate(self.slowdown)]
+        self.started = [t <= 0.0 for t in self.start_at]
         self.params = SamplingParams(temperature=0.0, max_tokens=wl.max_output, ignore_eos=True)
         self.inp = wl.input_lens.tolist()
         self.out = wl.output_lens.tolist()
@@ -69,7 +80,7 @@ class Cluster:
 
     # ---- dispatcher ---------------------------------------------------------------------
     def _wants(self, a: int) -> bool:
-        if self.next_batch >= self.num_batches:
+        if self.next_batch >= self.num_batches or not self.started[a]:
             return False
         if self.mode.static:
             return self.batches_open[a] < self.mode.tasks_in_flight
@@ -184,15 +195,24 @@ class Cluster:
         else:
             self._interrupt(dst, now)
 
+    def _up(self, now: float, a: int) -> None:
+        """Actor `a` finished starting (model loaded): it binds rows and starts stepping."""
+        self.started[a] = True
+        while self._wants(a):
+            self._bind(a, now)
+        if self.span[a] is None and self.actors[a].has_work():
+            self._start(a, now)
+
     def _tick(self, now: float) -> None:
         pcfg = self.placement
         loads = [act.load(now, self.span[i]) for i, act in enumerate(self.actors)
-                 if not self.exports[i] and not self.inbound[i]]
+                 if not self.exports[i] and not self.inbound[i] and self.started[i]]
         receivers = find_receivers(loads, pcfg)
         if receivers:
             donors = pick_donors(loads, pcfg)[:self.mode.max_donors]
-            summaries = {d.engine_id: self.actors[d.engine_id].summaries(
-                pcfg.max_requests_per_receiver) for d in donors}
+            kinds = self.mode.movable  # late-bind: only rows no engine has started
+            summaries = {d.engine_id: [q for q in self.actors[d.engine_id].summaries(
+                pcfg.max_requests_per_receiver) if q.kind in kinds] for d in donors}
             for mv in plan_moves(loads, summaries, pcfg):
                 for rid in mv.request_ids:
                     self.exports[mv.src].append((int(rid), mv.dst, mv.ship_kv))
@@ -217,7 +237,10 @@ class Cluster:
                     self._bind(a, 0.0)
                     progress = True
         for a in range(len(self.actors)):
-            self._start(a, 0.0)
+            if self.started[a]:
+                self._start(a, 0.0)
+            else:
+                self._push(self.start_at[a], _UP, a)
         if self.mode.migrate:
             self._push(self.mode.tick_s, _TICK, None)
         while self._events and self.num_finished < self.wl.num_rows:
@@ -226,6 +249,8 @@ class Cluster:
                 self._span_end(now, *data)  # type: ignore[misc]
             elif kind == _ARRIVE:
                 self._arrive(now, *data)  # type: ignore[misc]
+            elif kind == _UP:
+                self._up(now, data)  # type: ignore[arg-type]
             else:
                 self._tick(now)
         if self.num_finished != self.wl.num_rows:

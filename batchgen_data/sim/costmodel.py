@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from batchgen_data.placement import TransferCost
@@ -145,6 +145,18 @@ PRESETS: dict[str, CostModel] = {
         source="calibrate, 2026-11-29: SmolLM2-135M fp32 on a 2-core Xeon VM, 48 steps"),
 }
 DEFAULT_PRESET = "h200-llama8b"
+
+
+def scaled(cost: CostModel, factor: float) -> CostModel:
+    """The same device `factor` times slower at every step (a straggler: thermal throttling, a
+    noisy neighbour, an older GPU); memory, KV size and link speeds are unchanged."""
+    if factor == 1.0:
+        return cost
+    if factor <= 0:
+        raise ValueError(f"factor={factor!r}: must be > 0")
+    return replace(cost, name=f"{cost.name}x{factor:g}", c0=cost.c0 * factor,
+                   c_tok=cost.c_tok * factor, c_kv=cost.c_kv * factor,
+                   c_seq=cost.c_seq * factor, c_mem=cost.c_mem * factor)
 
 
 def get_preset(name: str) -> CostModel:

@@ -1,37 +1,47 @@
-"""The three ways of feeding actors that the simulator compares.
+"""The ways of feeding actors that the simulator compares; every one gets the same engine.
 
-* `static` — ray.data.llm today: rows are cut into input batches of `batch_size` (default 32,
-  `vLLMEngineProcessorConfig.batch_size`); an actor runs at most `max_concurrent_batches` (8) of
-  them at once (the actor's Ray Core `max_concurrency`) and a batch returns when its slowest row
-  is done. Ray Data keeps up to `max_tasks_in_flight` batches bound to each actor: by default
-  2 x `max_concurrent_batches` (ray/llm/_internal/batch/processor/vllm_engine_proc.py passes
-  `max_tasks_in_flight_per_actor` to `ActorPoolStrategy`; unset, Ray Data 2.60 uses
+* `static` — ray.data.llm with its defaults: rows are cut into input batches of `batch_size`
+  (32, `vLLMEngineProcessorConfig.batch_size`); an actor runs at most `max_concurrent_batches`
+  (8) of them at once (the actor's Ray Core `max_concurrency`) and a batch returns when its
+  slowest row is done. Ray Data keeps up to `max_tasks_in_flight` batches bound to each actor:
+  by default 2 x `max_concurrent_batches` (ray/llm/_internal/batch/processor/vllm_engine_proc.py
+  passes `max_tasks_in_flight_per_actor` to `ActorPoolStrategy`; unset, Ray Data 2.60 uses
   `DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR` = 2). The bound batches beyond
   the running ones wait in the actor's task queue, unseen by its engine, and start in order as
   running batches return; a new batch goes to the actor with the fewest batches in flight.
-* `continuous` — this project's connector without migration: input batches stream in whenever
-  fewer than `max_num_seqs + queue_depth` rows are unfinished (the connector's default window is
-  2 x max_num_seqs), finished rows stream out, and every row stays on the actor it was bound to.
-* `migrate` — the same streaming, with late binding (a shallow queue of one input batch beyond
-  the seats) and the placement policy moving work between actors every `tick_s`.
+  With 1024 seats the engine never sees more than 32 x 8 = 256 rows: Ray's own
+  `vllm_engine_stage.py` warns a user in that case to raise `max_concurrent_batches` to at least
+  ceil(max_num_seqs / batch_size).
+* `static-tuned` — the same, configured as that warning says: `max_concurrent_batches` =
+  max(the given value, ceil(max_num_seqs / batch_size)), so whole batches can fill every seat.
+* `continuous` — this project's streaming connector without the coordinator: input batches
+  stream in whenever fewer than `max_num_seqs + queue_depth` rows are unfinished (a 2 x
+  max_num_seqs window), finished rows stream out, every row stays on the actor it was bound to.
+* `late-bind` — streaming with row-level late binding: a shallow window (one input batch beyond
+  the seats) and a coordinator that may hand rows no engine has started (waiting ones) to an
+  engine short of work; a row that started stays where it started.
+* `migrate` — late binding plus moving started sequences (held and running, with or without
+  their KV) by the placement policy of `batchgen_data.placement`, every `tick_s`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchgen_data.placement import PlacementConfig
+from batchgen_data.placement import KINDS, PlacementConfig
 
-MODES = ("static", "continuous", "migrate")
+MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate")
+# what the coordinator may move in each mode that has one (the others have no coordinator)
+MOVABLE: dict[str, tuple[str, ...]] = {"late-bind": ("waiting",), "migrate": KINDS}
 
 
 @dataclass(frozen=True, slots=True)
 class ModeConfig:
     name: str
     batch_size: int = 32
-    max_concurrent_batches: int = 8  # static only
+    max_concurrent_batches: int = 8  # static modes only
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    migrate: bool = False
-    tick_s: float = 0.25  # coordinator period (migrate only)
+    migrate: bool = False  # a coordinator runs (late-bind, migrate)
+    tick_s: float = 0.25  # coordinator period
     rpc_latency_s: float = 2e-3  # one coordinator round trip / one moved request's control data
     max_donors: int = 16  # donors the coordinator asks for request summaries per round
     max_tasks_in_flight: int | None = None  # static only; None: 2 x max_concurrent_batches
@@ -50,22 +60,37 @@ class ModeConfig:
 
     @property
     def tasks_in_flight(self) -> int:
-        """Input batches Ray Data binds to one actor at a time (static mode)."""
+        """Input batches Ray Data binds to one actor at a time (static modes)."""
         return self.max_tasks_in_flight or 2 * self.max_concurrent_batches
 
     @property
     def static(self) -> bool:
-        return self.name == "static"
+        return self.name in ("static", "static-tuned")
+
+    @property
+    def movable(self) -> tuple[str, ...]:
+        """Request kinds the coordinator may move ("waiting" = not started on any engine)."""
+        return MOVABLE.get(self.name, KINDS) if self.migrate else ()
+
+
+def tuned_concurrency(max_num_seqs: int, batch_size: int, max_concurrent_batches: int = 8) -> int:
+    """What Ray's vllm_engine_stage.py asks for: enough concurrent batches to fill the seats."""
+    return max(max_concurrent_batches, -(-max_num_seqs // batch_size))
 
 
 def mode_config(name: str, max_num_seqs: int, batch_size: int = 32,
                 max_concurrent_batches: int = 8, tick_s: float = 0.25,
                 placement: PlacementConfig | None = None,
                 max_tasks_in_flight: int | None = None) -> ModeConfig:
-    """The defaults used for the headline comparison."""
+    """The configuration each mode gets in the comparison, at `max_num_seqs` seats."""
+    if name == "static-tuned":
+        max_concurrent_batches = tuned_concurrency(max_num_seqs, batch_size,
+                                                   max_concurrent_batches)
+        if max_tasks_in_flight is not None:
+            max_tasks_in_flight = max(max_tasks_in_flight, max_concurrent_batches)
     if name == "continuous":
         pcfg = PlacementConfig(queue_depth=max_num_seqs)  # the connector's 2 x max_num_seqs window
     else:
         pcfg = placement or PlacementConfig(queue_depth=batch_size)
-    return ModeConfig(name, batch_size, max_concurrent_batches, pcfg, name == "migrate", tick_s,
-                      max_tasks_in_flight=max_tasks_in_flight)
+    return ModeConfig(name, batch_size, max_concurrent_batches, pcfg,
+                      name in MOVABLE, tick_s, max_tasks_in_flight=max_tasks_in_flight)

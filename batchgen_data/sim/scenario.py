@@ -1,0 +1,164 @@
+"""One simulated experiment as a value: cluster, engine, workload, seeds, stragglers, skew.
+
+`evaluate(SimConfig(...))` runs every mode on every seed and returns the report the command
+line prints with `--json`: per-mode BCT (median over seeds, spread, per seed), the ratios to
+`static-tuned` and `continuous` (median over seeds of the per-seed ratio), and the packing
+bound. Each seed draws its own workload, its own stragglers and its own start-up delays, and
+every mode of that seed sees exactly the same ones, so a ratio compares schedules, not luck.
+
+The helpers `straggler_factors` and `startup_delays` are public so that an emulated Ray run
+(`benchmarks/ray_emulated.py`) can build the very same cluster for a seed.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from batchgen_data.sim import compare
+from batchgen_data.sim.actor import EngineShape
+from batchgen_data.sim.costmodel import DEFAULT_PRESET, CostModel, get_preset
+from batchgen_data.sim.modes import MODES, mode_config
+from batchgen_data.sim.result import SimResult, solo_times
+from batchgen_data.sim.workload import Workload, make_workload
+
+
+def parse_stragglers(spec: str | None) -> tuple[float, float]:
+    """"FRAC:FACTOR" (e.g. "0.125:1.5": an eighth of the actors 1.5x slower) -> (frac, factor)."""
+    if not spec:
+        return 0.0, 1.0
+    try:
+        frac_s, factor_s = spec.split(":")
+        frac, factor = float(frac_s), float(factor_s)
+    except ValueError:
+        raise ValueError(f"stragglers={spec!r}: expected FRAC:FACTOR, e.g. 0.125:1.5") from None
+    if not 0.0 <= frac <= 1.0 or factor <= 0:
+        raise ValueError(f"stragglers={spec!r}: FRAC must be in [0, 1] and FACTOR > 0")
+    return frac, factor
+
+
+def straggler_factors(actors: int, frac: float, factor: float, seed: int) -> list[float]:
+    """Step-time factor per actor: round(frac x actors) of them, drawn by `seed`, get `factor`."""
+    k = int(round(frac * actors))
+    slow = np.random.default_rng([seed, 1]).choice(actors, size=k, replace=False)
+    out = [1.0] * actors
+    for i in slow.tolist():
+        out[i] = factor
+    return out
+
+
+def startup_delays(actors: int, skew_s: float, seed: int) -> list[float]:
+    """Seconds each actor takes to start (load its model): uniform in [0, skew_s]."""
+    if skew_s < 0:
+        raise ValueError(f"startup_skew_s={skew_s!r}: must be >= 0")
+    if skew_s == 0:
+        return [0.0] * actors
+    return np.random.default_rng([seed, 2]).uniform(0.0, skew_s, actors).tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    actors: int
+    rows: int
+    workload: str = "reasoning"
+    seed: int = 0  # the first seed; seeds seed .. seed + seeds - 1 run
+    seeds: int = 1
+    modes: tuple[str, ...] = MODES
+    preset: str = DEFAULT_PRESET  # a preset name or a calibrate .json file
+    overlap: bool = False  # roofline step time
+    max_num_seqs: int | None = None  # None: the preset's vLLM default
+    max_num_batched_tokens: int | None = None
+    max_finishes: int | None = None
+    batch_size: int = 32
+    max_concurrent_batches: int = 8  # `static`; `static-tuned` raises it to fill the seats
+    max_tasks_in_flight: int | None = None
+    tick_s: float = 0.25
+    stragglers: str | None = None  # "FRAC:FACTOR"
+    startup_skew_s: float = 0.0
+    order: str = "random"  # or "longest-first" (an oracle)
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"seeds={self.seeds!r}: must be >= 1")
+        if self.order not in ("random", "longest-first"):
+            raise ValueError(f"order={self.order!r}: must be 'random' or 'longest-first'")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"modes={self.modes!r}: valid: {MODES}")
+        parse_stragglers(self.stragglers)
+
+    def cost(self) -> CostModel:
+        cost = get_preset(self.preset)
+        return replace(cost, name=cost.name + "+overlap", overlap=True) if self.overlap else cost
+
+    def shape(self, cost: CostModel) -> EngineShape:
+        return EngineShape.for_cost(cost, self.max_num_seqs, self.max_num_batched_tokens,
+                                    max_finishes=self.max_finishes)
+
+    def workload_for(self, seed: int) -> Workload:
+        wl = make_workload(self.workload, self.rows, seed)
+        return wl.longest_first() if self.order == "longest-first" else wl
+
+
+def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, SimResult], float]:
+    """Every mode on one seed's workload and cluster; also that seed's packing bound (s)."""
+    cost = cfg.cost()
+    wl = cfg.workload_for(seed)
+    frac, factor = parse_stragglers(cfg.stragglers)
+    slowdown = straggler_factors(cfg.actors, frac, factor, seed)
+    start_at = startup_delays(cfg.actors, cfg.startup_skew_s, seed)
+    results = compare(wl, cfg.actors, cost, cfg.shape(cost), cfg.modes, jobs=jobs,
+                      slowdown=slowdown, start_at=start_at, batch_size=cfg.batch_size,
+                      max_concurrent_batches=cfg.max_concurrent_batches, tick_s=cfg.tick_s,
+                      max_tasks_in_flight=cfg.max_tasks_in_flight)
+    # no schedule splits a row across engines: the longest row alone on the fastest actor,
+    # started when the first actor is up, is a floor for every mode
+    bound = min(start_at) + float(np.max(solo_times(wl, cost)))
+    return results, bound
+
+
+def _median_ratio(bct: dict[str, list[float]], base: str) -> dict[str, float] | None:
+    if base not in bct:
+        return None
+    return {m: round(statistics.median(v / b for v, b in zip(vals, bct[base])), 4)
+            for m, vals in bct.items()}
+
+
+def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
+    """Run the experiment; the report `python -m batchgen_data.sim --json` prints."""
+    cost = cfg.cost()
+    shape = cfg.shape(cost)
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    bct: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    bounds: list[float] = []
+    first: dict[str, SimResult] = {}
+    for s in seeds:
+        results, bound = run_seed(cfg, s, jobs)
+        first = first or results
+        bounds.append(bound)
+        for m, r in results.items():
+            bct[m].append(r.bct_s)
+    feeds = {m: mode_config(m, shape.max_num_seqs, cfg.batch_size, cfg.max_concurrent_batches,
+                            max_tasks_in_flight=cfg.max_tasks_in_flight)
+             for m in ("static", "static-tuned") if m in cfg.modes}
+    return {
+        "actors": cfg.actors, "rows": cfg.rows, "workload": cfg.workload, "seeds": seeds,
+        "order": cfg.order, "preset": cost.name, "stragglers": cfg.stragglers,
+        "startup_skew_s": cfg.startup_skew_s,
+        "engine": {"max_num_seqs": shape.max_num_seqs,
+                   "max_num_batched_tokens": shape.max_num_batched_tokens,
+                   "block_size": shape.block_size, "max_finishes": shape.finishes_per_run},
+        "static_feed": {m: {"batch_size": f.batch_size,
+                            "max_concurrent_batches": f.max_concurrent_batches,
+                            "max_tasks_in_flight": f.tasks_in_flight} for m, f in feeds.items()},
+        "bct_s": {m: round(statistics.median(v), 3) for m, v in bct.items()},
+        "bct_s_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in bct.items()},
+        "bct_s_by_seed": {m: [round(x, 3) for x in v] for m, v in bct.items()},
+        "ratio_vs_tuned_static": _median_ratio(bct, "static-tuned"),
+        "ratio_vs_continuous": _median_ratio(bct, "continuous"),
+        "packing_bound_s": round(statistics.median(bounds), 3),
+        "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
+        "modes": {m: r.summary() for m, r in first.items()},  # details of the first seed
+    }

@@ -47,7 +47,8 @@ from batchgen_data.sim.workload import Workload, make_workload  # noqa: E402
 
 ARMS = ("tuned", "stream", "late", "migrate")
 COLUMNS = ["stragglers", "seed", "arm", "bct_ray_s", "bct_sim_s", "ray_vs_sim", "sim_slots_s",
-           "ray_vs_sim_slots", "vs_tuned", "packing_bound_s", "moves", "overhead", "wall_s"]
+           "ray_vs_sim_slots", "vs_tuned", "sim_vs_tuned", "packing_bound_s", "moves", "overhead",
+           "wall_s"]
 
 
 def coarse_workload(name: str, rows: int, seed: int, g: int) -> Workload:
@@ -207,6 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--workload", default="reasoning")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--stragglers", default="0.125:1.5", help="FRAC:FACTOR; '' for none")
     ap.add_argument("--both", action="store_true", help="run with and without stragglers")
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -222,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="migration interval_s (wall): how often engines report")
     ap.add_argument("--actor-cpus", type=float, default=0.05)
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="only the simulator's figures for this configuration (no Ray)")
     args = ap.parse_args(argv)
     if args.quick:
         args.actors, args.seeds, args.rows = 4, 1, 512
@@ -241,17 +245,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"EMULATED COMPUTE: engines sleep the '{args.preset}' cost model's step time x "
           f"{args.scale} (no model runs); {args.actors} actors, {args.max_num_seqs} seats, "
           f"{args.rows} {args.workload} rows, g={args.tokens_per_step} tokens per step", flush=True)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             object_store_memory=1 << 30)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
+    if not args.sim_only:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, object_store_memory=1 << 30)
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
     cost = coarsen(EmulatedSpec(args.preset).cost_model(), args.tokens_per_step)
     records: list[dict[str, Any]] = []
     try:
         for stragglers in settings:
             frac, factor = parse_stragglers(stragglers)
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 factors = straggler_factors(args.actors, frac, factor, seed)
                 wl = coarse_workload(args.workload, args.rows, seed, args.tokens_per_step)
                 rows = [{"id": i, "prompt_token_ids": encode_prompt(int(o), int(n), i)}
@@ -261,7 +266,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                       placement(args))
                 for k in range(len(arms)):  # rotate the order: the box is shared and noisy
                     arm = arms[(k + seed) % len(arms)]
-                    rec = run_arm(arm, rows, wl, args, factors)
+                    rec = ({"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
+                            "wall_s": None} if args.sim_only
+                           else run_arm(arm, rows, wl, args, factors))
                     rec.update(stragglers=stragglers or "none", seed=seed,
                                packing_bound_s=round(bound, 1),
                                bct_sim_s=sim.get(arm, {}).get("sim"),
@@ -269,21 +276,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     print(json.dumps(rec), flush=True)
                     records.append(rec)
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
     return report(records, args)
 
 
 def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
     for rec in records:
-        tuned = next((r["bct_ray_s"] for r in records if r["arm"] == "tuned"
-                      and (r["seed"], r["stragglers"]) == (rec["seed"], rec["stragglers"])), None)
-        rec["vs_tuned"] = round(rec["bct_ray_s"] / tuned, 3) if tuned else None
-        for key, col in (("ray_vs_sim", "bct_sim_s"), ("ray_vs_sim_slots", "sim_slots_s")):
-            sim = rec.get(col)
-            rec[key] = round(rec["bct_ray_s"] / sim, 3) if sim else None
-            rec[col] = round(sim, 1) if sim else None
-        rec["bct_ray_s"] = round(rec["bct_ray_s"], 1)
-        rec["overhead"] = round(rec["overhead"], 3)
+        tuned = next((r for r in records if r["arm"] == "tuned"
+                      and (r["seed"], r["stragglers"]) == (rec["seed"], rec["stragglers"])), {})
+        rec["vs_tuned"] = ratio(rec["bct_ray_s"], tuned.get("bct_ray_s"))
+        rec["sim_vs_tuned"] = ratio(rec["bct_sim_s"], tuned.get("bct_sim_s"))
+    for rec in records:
+        rec["ray_vs_sim"] = ratio(rec["bct_ray_s"], rec["bct_sim_s"])
+        rec["ray_vs_sim_slots"] = ratio(rec["bct_ray_s"], rec["sim_slots_s"])
+        for col, digits in (("bct_ray_s", 1), ("bct_sim_s", 1), ("sim_slots_s", 1),
+                            ("overhead", 3)):
+            rec[col] = round(rec[col], digits) if rec[col] is not None else None
     print_report(records, COLUMNS)
     summary: dict[str, Any] = {"compute": "emulated", "actors": args.actors, "rows": args.rows,
                                "seeds": args.seeds, "preset": args.preset,
@@ -298,12 +310,15 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
             return round(statistics.median(vals), 3) if vals else None
 
         summary[f"bct_ratio_migration_vs_tuned_static{key}"] = median_of("vs_tuned", "migrate")
+        summary[f"sim_ratio_migration_vs_tuned_static{key}"] = median_of("sim_vs_tuned",
+                                                                         "migrate")
         summary[f"packing_bound_s{key}"] = median_of("packing_bound_s")
         for arm in dict.fromkeys(r["arm"] for r in rs):
             summary[f"bct_s{key}_{arm}"] = {"ray": median_of("bct_ray_s", arm),
                                             "sim": median_of("bct_sim_s", arm),
                                             "sim_slots": median_of("sim_slots_s", arm)}
-        summary[f"max_overhead{key}"] = max(r["overhead"] for r in rs)
+        summary[f"max_overhead{key}"] = max((r["overhead"] for r in rs
+                                             if r["overhead"] is not None), default=None)
     summary["stragglers"] = args.stragglers or "none"
     print(json.dumps(summary))
     return records

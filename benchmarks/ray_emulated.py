@@ -60,10 +60,10 @@ def coarse_workload(name: str, rows: int, seed: int, g: int) -> Workload:
 
 def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
     """`BatchGenPredictor` whose engine is emulated: the actor takes a ticket from the barrier
-    (ticket i steps `factors[i]` x slower, as the simulator's actor i does), waits there until every actor has its engine (so
-    start-up, which is not emulated, stays out of the BCT), and tags each output row with its
-    owner, yield time and the runner's measured overhead. Built here so importing this module
-    does not import Ray."""
+    (ticket i steps `factors[i]` x slower, as the simulator's actor i does), waits there until
+    every actor has its engine (so start-up, which is not emulated, stays out of the BCT), and
+    tags each output row with its owner, yield time and the runner's measured overhead. Built
+    here so importing this module does not import Ray."""
     import pyarrow as pa
     import ray
 

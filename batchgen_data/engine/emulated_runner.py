@@ -1,4 +1,4 @@
-"""Emulated compute: a model runner that sleeps each step's modelled time instead of running a model.
+"""Emulated compute: a model runner that sleeps each step's modelled time instead of computing.
 
 Used to run the *real* engine (scheduler, coroutines, sampler), connector, coordinator and
 migration protocol at a scale the development box cannot compute (16-32 Ray actors on 2 cores).
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 import torch
@@ -251,7 +251,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_len = config.max_model_len or _DEFAULT_MAX_LEN
     num_blocks = cc.num_kv_blocks or max(2, cost.kv_capacity_tokens // cc.block_size)
     tokenizer = EmulatedTokenizer()
-    return EngineParts(EmulatedModel(), tokenizer, torch.device("cpu"), max_len,  # type: ignore[arg-type]
+    model: Any = EmulatedModel()  # stands where the torch module would
+    return EngineParts(model, tokenizer, torch.device("cpu"), max_len,
                        BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching),
                        HostKVTier(cc.host_kv_cache_bytes, cost.bytes_per_token),
                        EmulatedRunner(cost, spec),  # type: ignore[arg-type]

@@ -193,12 +193,20 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
         coord = ray.get_actor(coordinator_name(processor.job_id, ""), namespace=NAMESPACE)
         moves = ray.get(coord.stats.remote())["num_moves"]
     ray.kill(barrier)
-    last = {}
-    for r in out:  # each actor's overhead as of its last yield
-        if r["bench_wall"] >= last.get(r["bench_owner"], (0.0, 0.0))[0]:
-            last[r["bench_owner"]] = (r["bench_wall"], r["bench_overhead"])
-    return {"arm": arm, "bct_ray_s": (max(r["bench_wall"] for r in out) - t0) / args.scale,
-            "moves": moves, "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1)}
+    last: dict[int, tuple[float, float]] = {}
+    tokens: dict[int, int] = {}
+    for r in out:  # each owner's tokens, and its overhead as of its last yield
+        owner = r["bench_owner"]
+        tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
+        if r["bench_wall"] >= last.get(owner, (0.0, 0.0))[0]:
+            last[owner] = (r["bench_wall"], r["bench_overhead"])
+    ends = sorted((w - t0) / args.scale for w, _ in last.values())
+    return {"arm": arm, "bct_ray_s": ends[-1], "moves": moves,
+            "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1),
+            # how Ray bound the rows (tokens owned per actor, by ticket; factors say which were
+            # slow) and when each owner yielded its last row: the imbalance behind the BCT
+            "owned_tokens": [tokens.get(i, 0) for i in range(args.actors)],
+            "last_yield_s": [round(e, 1) for e in ends]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -91,7 +91,8 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
                 runner = self.driver.engine.runner
                 for name, value, typ in (("bench_owner", self.ticket, pa.int64()),
                                          ("bench_wall", time.time(), pa.float64()),
-                                         ("bench_overhead", runner.overhead(), pa.float64())):
+                                         ("bench_overhead", runner.overhead(), pa.float64()),
+                                         ("bench_first_step", runner.first_step_at, pa.float64())):
                     table = table.append_column(name, pa.array([value] * n, typ))
                 yield table
 
@@ -195,6 +196,7 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
     ray.kill(barrier)
     last: dict[int, tuple[float, float]] = {}
     tokens: dict[int, int] = {}
+    first = {r["bench_owner"]: r["bench_first_step"] for r in out}
     for r in out:  # each owner's tokens, and its overhead as of its last yield
         owner = r["bench_owner"]
         tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
@@ -206,7 +208,11 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             # how Ray bound the rows (tokens owned per actor, by ticket; factors say which were
             # slow) and when each owner yielded its last row: the imbalance behind the BCT
             "owned_tokens": [tokens.get(i, 0) for i in range(args.actors)],
-            "last_yield_s": [round(e, 1) for e in ends]}
+            "last_yield_s": [round(e, 1) for e in ends],
+            # when each engine first computed: Ray's dispatch lag after the barrier, which
+            # 1 / scale magnifies in modelled seconds (compute is scaled, Ray's latency is not)
+            "first_step_s": sorted(round((f - t0) / args.scale, 1) for f in first.values()
+                                   if f is not None)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

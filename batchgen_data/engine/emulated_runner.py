@@ -165,6 +165,7 @@ class EmulatedRunner:
         self.gap_s = 0.0
         self.busy_sleep_s = 0.0
         self.num_steps = 0
+        self.first_step_at: float | None = None  # time.time() of the first step (dispatch lag)
         self._last_end: float | None = None
         self._overshoot = 0.0  # seconds slept beyond what was asked, not yet paid back
         self._last_ids: frozenset[int] = frozenset()
@@ -179,6 +180,8 @@ class EmulatedRunner:
     def run(self, inp: EmulatedInput) -> torch.Tensor:
         """Sleep the step, then logits [S, VOCAB] that greedy sampling turns into `next_token`."""
         start = time.perf_counter()
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
         # a sequence of the last step is still here: the engine was busy, not waiting for rows
         busy = self._last_end is not None and not self._last_ids.isdisjoint(inp.seq_ids)
         self._sleep(inp.seconds * self.spec.slowdown)

@@ -6,6 +6,8 @@ straggler's time must scale with its slowdown.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from batchgen_data.engine import emulated_runner as emu
@@ -76,6 +78,7 @@ def test_rows_stop_at_their_length_and_time_is_the_cost_models() -> None:
     assert e.runner.num_steps >= max(lengths)
     assert e.runner.slept_s >= 0.5 * e.runner.modelled_s * 1e-3
     assert 0.0 <= e.runner.overhead() < 1.0
+    assert e.runner.first_step_at is not None and e.runner.first_step_at <= time.time()
 
 
 def test_slowdown_and_coarse_time() -> None:

@@ -11,17 +11,21 @@ so 16-32 actors fit on a 2-core box. Times are reported in modelled seconds (wal
   the workload's lengths are rounded up to multiples of g, rows finish and join every g tokens.
 * `--scale`: wall seconds slept per modelled second; the engines' measured Python/Ray overhead
   (time between two steps of a busy engine over its step time) is printed: keep it < 10%.
-* `--stragglers FRAC:FACTOR`: the first round(FRAC x actors) actors step FACTOR x slower.
+* `--stragglers FRAC:FACTOR`: round(FRAC x actors) actors step FACTOR x slower, the same ones
+  the simulator slows for that seed (`sim.scenario.straggler_factors`).
 
 Arms (docs/ray_data.md): `tuned` whole batch as ray.data.llm runs it (stream=False,
-batch_size x max_concurrent_batches >= max_num_seqs, Ray's default queue of 2 x that per
-actor); `stream` (rows stay where Ray bound them, window of 2 x max_num_seqs rows); `late`
-(+ row-level late binding); `migrate` (+ moving started sequences). Each seed draws a new
-workload (sim/workload.py); the simulator (batchgen_data.sim) runs the same configuration on
-the same coarse cost model and lengths, and its BCT is printed next to Ray's.
+max_concurrent_batches = max(8, ceil(max_num_seqs / batch_size)), Ray's default queue of 2 x
+that per actor); `stream` (rows stay where Ray bound them; `--window-depth` x max_num_seqs rows
+per engine); `late` (+ row-level late binding); `migrate` (+ moving started sequences). Each
+seed draws a new workload (sim/workload.py). Next to each Ray BCT the simulator's, on the same
+coarse cost model, lengths, stragglers and tick: `bct_sim_s` (the mode the arm stands for) and
+`sim_slots_s` (its `static` mode with the connector's actual slots, `_emulated_sim.py`).
+BCT counts from the moment every actor has built its engine (actor start-up is not emulated).
 
-    python benchmarks/ray_emulated.py --quick               # 4 actors, 1 seed, ~2 min
-    python benchmarks/ray_emulated.py --actors 16 --seeds 5 --stragglers 0.125:1.5
+    python benchmarks/ray_emulated.py --quick --stragglers 0.25:1.5   # 4 actors, ~5 min loaded
+    python benchmarks/ray_emulated.py --actors 16 --window-depth 4 --seeds 5 --both
+    python benchmarks/ray_emulated.py --actors 16 --window-depth 4 --seeds 5 --both --sim-only
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 
 from batchgen_data.config import EngineConfig, SchedulerConfig
 from batchgen_data.devices import pick_device, resolve_device
+from batchgen_data.engine import emulated_runner
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
@@ -61,6 +62,8 @@ def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
+    if emulated_runner.is_emulated(config.model):  # sleeps modelled step times (benchmarks)
+        return emulated_runner.build_parts(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(pick_device(config.device))

@@ -1,0 +1,349 @@
+"""Ray in the loop at 16+ actors, with EMULATED compute: BCT of four ways to feed the actors.
+
+A real Ray Data job (`build_processor`, the real `BatchGenPredictor`, engine scheduler,
+coordinator and migration protocol) where the model is replaced by the emulated runner
+(batchgen_data/engine/emulated_runner.py): each engine step sleeps the simulator's modelled
+step time (`--preset`, default h200-llama8b: c0 + c_mem + per-token + per-KV terms) and each row
+stops at the output length the workload drew for it. No model runs: **compute is emulated**,
+so 16-32 actors fit on a 2-core box. Times are reported in modelled seconds (wall / `--scale`).
+
+* `--tokens-per-step g`: one emulated token stands for g real ones (`emulated_runner.coarsen`);
+  the workload's lengths are rounded up to multiples of g, rows finish and join every g tokens.
+* `--scale`: wall seconds slept per modelled second; the engines' measured Python/Ray overhead
+  (time between two steps of a busy engine over its step time) is printed: keep it < 10%.
+* `--stragglers FRAC:FACTOR`: round(FRAC x actors) actors step FACTOR x slower, the same ones
+  the simulator slows for that seed (`sim.scenario.straggler_factors`).
+
+Arms (docs/ray_data.md): `tuned` whole batch as ray.data.llm runs it (stream=False,
+max_concurrent_batches = max(8, ceil(max_num_seqs / batch_size)), Ray's default queue of 2 x
+that per actor); `stream` (rows stay where Ray bound them; `--window-depth` x max_num_seqs rows
+per engine); `late` (+ row-level late binding); `migrate` (+ moving started sequences). Each
+seed draws a new workload (sim/workload.py). Next to each Ray BCT the simulator's, on the same
+coarse cost model, lengths, stragglers and tick: `bct_sim_s` (the mode the arm stands for) and
+`sim_slots_s` (its `static` mode with the connector's actual slots, `_emulated_sim.py`).
+BCT counts from the moment every actor has built its engine (actor start-up is not emulated).
+
+    python benchmarks/ray_emulated.py --quick --stragglers 0.25:1.5   # 4 actors, ~5 min loaded
+    python benchmarks/ray_emulated.py --actors 16 --window-depth 4 --seeds 5 --both
+    python benchmarks/ray_emulated.py --actors 16 --window-depth 4 --seeds 5 --both --sim-only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_report  # noqa: E402
+from _emulated_sim import sim_bcts  # noqa: E402
+
+from batchgen_data.engine.emulated_runner import EmulatedSpec, coarsen, encode_prompt  # noqa: E402
+from batchgen_data.sim.modes import tuned_concurrency  # noqa: E402
+from batchgen_data.sim.result import solo_times  # noqa: E402
+from batchgen_data.sim.scenario import parse_stragglers, straggler_factors  # noqa: E402
+from batchgen_data.sim.workload import Workload, make_workload  # noqa: E402
+
+ARMS = ("tuned", "stream", "late", "migrate")
+COLUMNS = ["stragglers", "seed", "arm", "bct_ray_s", "bct_sim_s", "ray_vs_sim", "sim_slots_s",
+           "ray_vs_sim_slots", "vs_tuned", "sim_vs_tuned", "packing_bound_s", "moves", "overhead",
+           "wall_s"]
+
+
+def coarse_workload(name: str, rows: int, seed: int, g: int) -> Workload:
+    """The simulator's workload with lengths in coarse tokens (rounded up to g real tokens)."""
+    wl = make_workload(name, rows, seed)
+    up = lambda a: np.maximum(1, -(-a // g))  # noqa: E731
+    return Workload(f"{name}/g{g}", up(wl.input_lens), up(wl.output_lens), -(-wl.max_output // g))
+
+
+def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
+    """`BatchGenPredictor` whose engine is emulated: the actor takes a ticket from the barrier
+    (ticket i steps `factors[i]` x slower, as the simulator's actor i does), waits there until
+    every actor has its engine (so start-up, which is not emulated, stays out of the BCT), and
+    tags each output row with its owner, yield time and the runner's measured overhead. Built
+    here so importing this module does not import Ray."""
+    import pyarrow as pa
+    import ray
+
+    from batchgen_data.connectors.ray_data import BatchGenPredictor
+    from batchgen_data.engine.driver import EngineDriver
+    from batchgen_data.engine.engine import Engine
+
+    class EmulatedPredictor(BatchGenPredictor):  # type: ignore[misc, valid-type]
+        def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
+            import torch
+
+            torch.set_num_threads(1)  # logits of [seats, 512]: one thread, no oversubscription
+            barrier = ray.get_actor(barrier_name)
+            self.ticket = ray.get(barrier.ticket.remote())
+            spec = EmulatedSpec.parse(model or "")
+            spec = EmulatedSpec(spec.preset, spec.scale, factors[self.ticket],
+                                spec.tokens_per_step)
+            driver = EngineDriver(Engine.from_kwargs(spec.model_string(), **engine_kwargs))
+            ray.get(barrier.arrive.remote())
+            return driver
+
+        def __call__(self, batch: Any):  # type: ignore[no-untyped-def]
+            for table in super().__call__(batch):
+                n = table.num_rows
+                runner = self.driver.engine.runner
+                for name, value, typ in (("bench_owner", self.ticket, pa.int64()),
+                                         ("bench_wall", time.time(), pa.float64()),
+                                         ("bench_overhead", runner.overhead(), pa.float64()),
+                                         ("bench_first_step", runner.first_step_at, pa.float64())):
+                    table = table.append_column(name, pa.array([value] * n, typ))
+                yield table
+
+    return EmulatedPredictor
+
+
+class Barrier:
+    """Hands out actor tickets and holds every actor until all `n` have built their engines."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n, self.tickets, self.arrived = n, 0, 0
+        self.t0: float | None = None
+        self.cv = threading.Condition()
+
+    def ticket(self) -> int:
+        with self.cv:
+            self.tickets += 1
+            return self.tickets - 1
+
+    def arrive(self) -> float:
+        with self.cv:
+            self.arrived += 1
+            if self.arrived == self.n:
+                self.t0 = time.time()
+                self.cv.notify_all()
+            self.cv.wait_for(lambda: self.t0 is not None)
+            return self.t0  # type: ignore[return-value]
+
+    def start(self) -> float | None:
+        return self.t0
+
+
+def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
+               max_tokens: int) -> Any:
+    from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig
+
+    seats = args.max_num_seqs
+    feed: dict[str, Any] = {
+        # ray.data.llm's 8 concurrent batches, raised to fill the seats as Ray's warning says
+        "tuned": dict(stream=False, migration=False, late_binding=False,
+                      max_concurrent_batches=tuned_concurrency(seats, args.batch_size)),
+        "stream": dict(stream="ordered", migration=False, late_binding=False),
+        "late": dict(stream="ordered", migration=False, late_binding=True),
+        "migrate": dict(stream="ordered", migration=True),
+    }[arm]
+    return BatchGenProcessorConfig(
+        model_source=model, concurrency=args.actors, batch_size=args.batch_size,
+        num_cpus=args.actor_cpus, sampling_params={"max_tokens": max_tokens, "temperature": 0.0},
+        engine_kwargs={"max_num_seqs": seats, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "max_model_len": max_len},
+        window_depth=args.window_depth,
+        migration_options={"interval_s": args.interval, "placement": placement(args)}, **feed)
+
+
+def placement(args: argparse.Namespace) -> dict[str, Any]:
+    """Placement thresholds counted in tokens, in coarse tokens (the defaults / g), so a coarse
+    run moves the same rows a real one would; both the connector and the simulator get these."""
+    from batchgen_data.placement import PlacementConfig
+
+    g, cfg = args.tokens_per_step, PlacementConfig()
+    return {"seat_receivers": True, "min_running_age": -(-cfg.min_running_age // g),
+            "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
+
+
+def slots(arm: str, args: argparse.Namespace) -> tuple[int, int | None]:
+    """(input batches an actor serves at once, batches bound to it; None: Ray's 2x default)."""
+    cfg = arm_config(arm, args, EmulatedSpec().model_string(), 4096, 1)
+    calls = cfg.concurrent_batches
+    return calls, calls if (cfg.migration_on or cfg.late_binding_on) else None
+
+
+def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.Namespace,
+            factors: list[float]) -> dict[str, Any]:
+    import ray
+
+    from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
+    from batchgen_data.connectors.ray_processor import build_processor
+
+    spec = EmulatedSpec(args.preset, args.scale, 1.0, args.tokens_per_step)
+    max_len = int(wl.input_lens.max()) + wl.max_output + 1
+    processor = build_processor(arm_config(arm, args, spec.model_string(), max_len, wl.max_output))
+    name = f"emul-barrier-{processor.job_id}"
+    barrier = ray.remote(num_cpus=0, max_concurrency=args.actors + 8)(Barrier).options(
+        name=name).remote(args.actors)
+    processor.predictor = emulated_predictor(name, factors)
+    wall0 = time.time()
+    out = processor(ray.data.from_items(rows)).take_all()
+    wall = time.time() - wall0
+    t0 = ray.get(barrier.start.remote())
+    ids = sorted(r["id"] for r in out)
+    assert ids == list(range(len(rows))), f"{arm}: a row was lost or repeated"
+    bad = [r for r in out if r["error"] is not None
+           or r["num_generated_tokens"] != int(wl.output_lens[r["id"]])]
+    assert not bad, f"{arm}: {len(bad)} rows wrong, e.g. {bad[0]['error']!r}"
+    moves = 0
+    if arm in ("late", "migrate"):
+        coord = ray.get_actor(coordinator_name(processor.job_id, ""), namespace=NAMESPACE)
+        moves = ray.get(coord.stats.remote())["num_moves"]
+    ray.kill(barrier)
+    last: dict[int, tuple[float, float]] = {}
+    tokens: dict[int, int] = {}
+    first = {r["bench_owner"]: r["bench_first_step"] for r in out}
+    for r in out:  # each owner's tokens, and its overhead as of its last yield
+        owner = r["bench_owner"]
+        tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
+        if r["bench_wall"] >= last.get(owner, (0.0, 0.0))[0]:
+            last[owner] = (r["bench_wall"], r["bench_overhead"])
+    ends = sorted((w - t0) / args.scale for w, _ in last.values())
+    return {"arm": arm, "bct_ray_s": ends[-1], "moves": moves,
+            "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1),
+            # how Ray bound the rows (tokens owned per actor, by ticket; factors say which were
+            # slow) and when each owner yielded its last row: the imbalance behind the BCT
+            "owned_tokens": [tokens.get(i, 0) for i in range(args.actors)],
+            "last_yield_s": [round(e, 1) for e in ends],
+            # when each engine first computed: Ray's dispatch lag after the barrier, which
+            # 1 / scale magnifies in modelled seconds (compute is scaled, Ray's latency is not)
+            "first_step_s": sorted(round((f - t0) / args.scale, 1) for f in first.values()
+                                   if f is not None)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="4 actors (one 1.5x slower), 1 seed, 512 rows")
+    ap.add_argument("--actors", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--workload", default="reasoning")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--stragglers", default="0.125:1.5", help="FRAC:FACTOR; '' for none")
+    ap.add_argument("--both", action="store_true", help="run with and without stragglers")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--preset", default="h200-llama8b")
+    ap.add_argument("--tokens-per-step", type=int, default=64)
+    ap.add_argument("--scale", type=float, default=0.2, help="wall s per modelled s")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--window-depth", type=float, default=2.0,
+                    help="streaming arms: rows in an engine's window per seat (connector option)")
+    ap.add_argument("--interval", type=float, default=0.1,
+                    help="migration interval_s (wall): how often engines report")
+    ap.add_argument("--actor-cpus", type=float, default=0.05)
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="only the simulator's figures for this configuration (no Ray)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.actors, args.seeds, args.rows = 4, 1, 512
+        if args.stragglers == ap.get_default("stragglers"):
+            args.stragglers = "0.25:1.5"  # one of 4 actors (0.125 x 4 would round to none)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import ray
+    from ray import cloudpickle
+
+    args = parse_args(argv)
+    if __name__ != "__main__":  # imported (tests): ship the classes by value to the actors
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    arms = args.arms.split(",")
+    settings = [args.stragglers, ""] if args.both else [args.stragglers]
+    arm_slots = {arm: slots(arm, args) for arm in arms}
+    print(f"EMULATED COMPUTE: engines sleep the '{args.preset}' cost model's step time x "
+          f"{args.scale} (no model runs); {args.actors} actors, {args.max_num_seqs} seats, "
+          f"{args.rows} {args.workload} rows, g={args.tokens_per_step} tokens per step", flush=True)
+    if not args.sim_only:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, object_store_memory=1 << 30)
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+    cost = coarsen(EmulatedSpec(args.preset).cost_model(), args.tokens_per_step)
+    records: list[dict[str, Any]] = []
+    try:
+        for stragglers in settings:
+            frac, factor = parse_stragglers(stragglers)
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                factors = straggler_factors(args.actors, frac, factor, seed)
+                wl = coarse_workload(args.workload, args.rows, seed, args.tokens_per_step)
+                rows = [{"id": i, "prompt_token_ids": encode_prompt(int(o), int(n), i)}
+                        for i, (n, o) in enumerate(zip(wl.input_lens, wl.output_lens))]
+                bound = float(solo_times(wl, cost).max())
+                sim = {} if args.no_sim else sim_bcts(wl, args, cost, factors, arm_slots,
+                                                      placement(args))
+                for k in range(len(arms)):  # rotate the order: the box is shared and noisy
+                    arm = arms[(k + seed) % len(arms)]
+                    rec = ({"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
+                            "wall_s": None} if args.sim_only
+                           else run_arm(arm, rows, wl, args, factors))
+                    rec.update(stragglers=stragglers or "none", seed=seed,
+                               packing_bound_s=round(bound, 1),
+                               bct_sim_s=sim.get(arm, {}).get("sim"),
+                               sim_slots_s=sim.get(arm, {}).get("sim_slots"))
+                    print(json.dumps(rec), flush=True)
+                    records.append(rec)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    return report(records, args)
+
+
+def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    for rec in records:
+        tuned = next((r for r in records if r["arm"] == "tuned"
+                      and (r["seed"], r["stragglers"]) == (rec["seed"], rec["stragglers"])), {})
+        rec["vs_tuned"] = ratio(rec["bct_ray_s"], tuned.get("bct_ray_s"))
+        rec["sim_vs_tuned"] = ratio(rec["bct_sim_s"], tuned.get("bct_sim_s"))
+    for rec in records:
+        rec["ray_vs_sim"] = ratio(rec["bct_ray_s"], rec["bct_sim_s"])
+        rec["ray_vs_sim_slots"] = ratio(rec["bct_ray_s"], rec["sim_slots_s"])
+        for col, digits in (("bct_ray_s", 1), ("bct_sim_s", 1), ("sim_slots_s", 1),
+                            ("overhead", 3)):
+            rec[col] = round(rec[col], digits) if rec[col] is not None else None
+    print_report(records, COLUMNS)
+    summary: dict[str, Any] = {"compute": "emulated", "actors": args.actors, "rows": args.rows,
+                               "seeds": args.seeds, "preset": args.preset,
+                               "tokens_per_step": args.tokens_per_step, "scale": args.scale,
+                               "max_num_seqs": args.max_num_seqs, "batch_size": args.batch_size}
+    for setting in dict.fromkeys(r["stragglers"] for r in records):
+        rs = [r for r in records if r["stragglers"] == setting]
+        key = "" if setting == (args.stragglers or "none") else f"_{setting}"
+
+        def median_of(col: str, arm: str | None = None) -> float | None:
+            vals = [r[col] for r in rs if r[col] is not None and arm in (None, r["arm"])]
+            return round(statistics.median(vals), 3) if vals else None
+
+        summary[f"bct_ratio_migration_vs_tuned_static{key}"] = median_of("vs_tuned", "migrate")
+        summary[f"sim_ratio_migration_vs_tuned_static{key}"] = median_of("sim_vs_tuned",
+                                                                         "migrate")
+        summary[f"packing_bound_s{key}"] = median_of("packing_bound_s")
+        for arm in dict.fromkeys(r["arm"] for r in rs):
+            summary[f"bct_s{key}_{arm}"] = {"ray": median_of("bct_ray_s", arm),
+                                            "sim": median_of("bct_sim_s", arm),
+                                            "sim_slots": median_of("sim_slots_s", arm)}
+        summary[f"max_overhead{key}"] = max((r["overhead"] for r in rs
+                                             if r["overhead"] is not None), default=None)
+    summary["stragglers"] = args.stragglers or "none"
+    print(json.dumps(summary))
+    return records
+
+
+if __name__ == "__main__":
+    main()

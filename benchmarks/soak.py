@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
+import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table  # noqa: E402
@@ -51,7 +52,10 @@ class SoakPredictor(BatchGenPredictor):
         with self.lock:
             self.calls_in_flight += 1
         try:
-            yield from super().__call__(batch)
+            for table in super().__call__(batch):
+                # which engine made each row: the driver counts rows per actor
+                yield table.append_column("engine_pid", pa.array([os.getpid()] * table.num_rows,
+                                                                  pa.int64()))
         finally:
             with self.lock:
                 self.calls_in_flight -= 1
@@ -196,6 +200,9 @@ def main() -> None:
     enable_row_streaming()
     ds = ray.data.range(args.rows).map(
         lambda r: {"id": r["id"], "prompt": f"Row {r['id']}: the quick brown fox"})
+    # one input batch per block, as build_processor does (docs/ray_data.md, "Blocks in"):
+    # otherwise a task holds a whole block and one engine can take every row
+    ds = ds.repartition(target_num_rows_per_block=args.batch_size)
     out = ds.map_batches(
         SoakPredictor, batch_size=args.batch_size, batch_format="pyarrow",
         fn_constructor_kwargs=dict(model=model, stats_dir=str(stats_dir),
@@ -210,12 +217,15 @@ def main() -> None:
     series: list[dict[str, Any]] = []
     seen: set[int] = set()
     repeats = errors = 0
+    rows_by_engine: dict[int, int] = {}
     last = (t0, 0)
     for batch in out.iter_batches(batch_format="pyarrow", batch_size=None):
         ids = batch.column("id").to_pylist()
         repeats += len(ids) - len(set(ids) - seen)
         seen.update(ids)
         errors += batch.num_rows - batch.column("error").null_count
+        for pid in batch.column("engine_pid").to_pylist():
+            rows_by_engine[pid] = rows_by_engine.get(pid, 0) + 1
         if time.time() - last[0] >= args.interval:
             series.append(sample(stats_dir, t0, len(seen), last, store_pid))
             last = (time.time(), len(seen))
@@ -232,6 +242,7 @@ def main() -> None:
         "rows_out": len(seen), "lost": args.rows - len(seen),
         "repeated": repeats, "errors": errors, "wall_s": round(wall, 1),
         "rows_per_s": round(len(seen) / wall, 1),
+        "rows_by_engine_pid": rows_by_engine,
         "rows_per_s_intervals": steadiness(series),
         "rss_slope_second_half": rss_slopes(series),
         "rss_mib_end": {a["pid"]: round(a["rss"] / 2**20, 1) for a in final},

@@ -166,15 +166,19 @@ class BatchGenProcessorConfig:
         return kw
 
 
+MAX_WINDOW_BATCHES = 128  # each batch in flight is a thread of the actor: keep that bounded
+
+
 def window_batches(max_num_seqs: int, batch_size: int, depth: float = 2.0) -> int:
     """Input batches an actor must serve at once to keep `depth` x `max_num_seqs` rows in its
     engine: its seats full and a queue behind them. Ray's vLLM stage asks for at least
     ceil(max_num_seqs / batch_size) (depth 1); a batch held by its slowest row then leaves seats
-    empty, which the queue of a deeper window fills."""
+    empty, which the queue of a deeper window fills. At most `MAX_WINDOW_BATCHES` (one thread
+    each): with tiny batches the window is then shallower; use larger batches."""
     if max_num_seqs < 1 or batch_size < 1 or not depth > 0:
         raise ValueError(f"window_batches({max_num_seqs!r}, {batch_size!r}, {depth!r}): "
                          "needs max_num_seqs >= 1, batch_size >= 1, depth > 0")
-    return max(1, math.ceil(max_num_seqs * depth / batch_size))
+    return min(MAX_WINDOW_BATCHES, max(1, math.ceil(max_num_seqs * depth / batch_size)))
 
 
 class Processor:

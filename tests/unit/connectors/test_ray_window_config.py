@@ -19,6 +19,13 @@ def test_window_batches_covers_depth_times_the_seats(seats: int, batch: int, dep
     assert want * batch >= seats * depth  # the window is at least that deep
 
 
+def test_window_batches_is_capped_for_tiny_batches() -> None:
+    # a 4-row CLI job on 2 actors gets batches of 2: 256 seats would ask for 256 threads
+    assert window_batches(256, 2, 2.0) == 128
+    assert window_batches(256, 4, 2.0) == 128
+    assert window_batches(256, 8, 2.0) == 64
+
+
 @pytest.mark.parametrize("bad", [(0, 32, 2.0), (8, 0, 2.0), (8, 32, 0.0), (8, 32, -1.0)])
 def test_window_batches_refuses_bad_values(bad: tuple[int, int, float]) -> None:
     with pytest.raises(ValueError):

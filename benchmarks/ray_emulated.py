@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"EMULATED COMPUTE: engines sleep the '{args.preset}' cost model's step time x "
           f"{args.scale} (no model runs); {args.actors} actors, {args.max_num_seqs} seats, "
           f"{args.rows} {args.workload} rows, g={args.tokens_per_step} tokens per step", flush=True)
-    if not args.sim_only:
+    # a caller's Ray (a test session, a notebook) is used as it is, and left running
+    owns_ray = not args.sim_only and not ray.is_initialized()
+    if owns_ray:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, object_store_memory=1 << 30)
         ctx = ray.data.DataContext.get_current()
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     print(json.dumps(rec), flush=True)
                     records.append(rec)
     finally:
-        if ray.is_initialized():
+        if owns_ray:
             ray.shutdown()
     return report(records, args)
 

@@ -20,7 +20,8 @@ import ray_emulated  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_tiny_emulated_job_with_a_straggler(capsys: pytest.CaptureFixture[str]) -> None:
+def test_tiny_emulated_job_with_a_straggler(ray_local: None,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     records = ray_emulated.main(["--actors", "2", "--rows", "96", "--seeds", "1",
                                  "--arms", "tuned,migrate", "--stragglers", "0.5:2",
                                  "--scale", "0.05", "--max-num-seqs", "8", "--batch-size", "4"])

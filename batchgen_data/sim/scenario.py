@@ -16,7 +16,7 @@ import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -179,22 +179,29 @@ def _median_ratio(bct: dict[str, list[float]], base: str) -> dict[str, float] | 
             for m, vals in bct.items()}
 
 
+def _over_seeds(cfg: SimConfig, run: Callable[[SimConfig, int, int], tuple[dict[str, Any], float]],
+                jobs: int) -> tuple[list[int], dict[str, list[float]], list[float], dict[str, Any]]:
+    """Every seed's run: the seeds, BCTs per mode, packing bounds, and the first seed's results."""
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    bct: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    bounds: list[float] = []
+    first: dict[str, Any] = {}
+    for s in seeds:
+        results, bound = run(cfg, s, jobs)
+        first = first or results
+        bounds.append(bound)
+        for m, r in results.items():
+            bct[m].append(r.bct_s)
+    return seeds, bct, bounds, first
+
+
 def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     """Run the experiment; the report `python -m batchgen_data.sim --json` prints."""
     if cfg.expert_parallel:
         return evaluate_ep(cfg, jobs)
     cost = cfg.cost()
     shape = cfg.shape(cost)
-    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
-    bct: dict[str, list[float]] = {m: [] for m in cfg.modes}
-    bounds: list[float] = []
-    first: dict[str, SimResult] = {}
-    for s in seeds:
-        results, bound = run_seed(cfg, s, jobs)
-        first = first or results
-        bounds.append(bound)
-        for m, r in results.items():
-            bct[m].append(r.bct_s)
+    seeds, bct, bounds, first = _over_seeds(cfg, run_seed, jobs)
     feeds = {m: mode_config(m, shape.max_num_seqs, cfg.batch_size, cfg.max_concurrent_batches,
                             max_tasks_in_flight=cfg.max_tasks_in_flight)
              for m in ("static", "static-tuned") if m in cfg.modes}
@@ -221,16 +228,7 @@ def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
 
 def evaluate_ep(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     """`evaluate` for an expert-parallel preset: the same report keys, GPUs for actors."""
-    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
-    bct: dict[str, list[float]] = {m: [] for m in cfg.modes}
-    bounds: list[float] = []
-    first: dict[str, Any] = {}
-    for s in seeds:
-        results, bound = run_seed_ep(cfg, s, jobs)
-        first = first or results
-        bounds.append(bound)
-        for m, r in results.items():
-            bct[m].append(r.bct_s)
+    seeds, bct, bounds, first = _over_seeds(cfg, run_seed_ep, jobs)
     p = EP_PRESETS[cfg.preset]
     return {
         "gpus": cfg.actors, "actors": cfg.actors, "rows": cfg.rows, "workload": cfg.workload,

@@ -27,7 +27,7 @@ from batchgen_data.sim.ep_preset import EP_PRESETS, EPPreset
 from batchgen_data.sim.lockstep import EP_MODES, EPMode, EPResult, solo_decode_s
 from batchgen_data.sim.lockstep_run import EPCluster
 from batchgen_data.sim.modes import MODES, mode_config
-from batchgen_data.sim.result import SimResult, solo_times
+from batchgen_data.sim.result import solo_times
 from batchgen_data.sim.workload import Workload, make_workload
 
 

@@ -195,6 +195,21 @@ def _over_seeds(cfg: SimConfig, run: Callable[[SimConfig, int, int], tuple[dict[
     return seeds, bct, bounds, first
 
 
+def _bct_summary(bct: dict[str, list[float]], bounds: list[float],
+                 first: dict[str, Any]) -> dict[str, Any]:
+    """The report keys both evaluations share: BCT per mode over seeds, ratios, packing bound."""
+    return {
+        "bct_s": {m: round(statistics.median(v), 3) for m, v in bct.items()},
+        "bct_s_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in bct.items()},
+        "bct_s_by_seed": {m: [round(x, 3) for x in v] for m, v in bct.items()},
+        "ratio_vs_tuned_static": _median_ratio(bct, "static-tuned"),
+        "ratio_vs_continuous": _median_ratio(bct, "continuous"),
+        "packing_bound_s": round(statistics.median(bounds), 3),
+        "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
+        "modes": {m: r.summary() for m, r in first.items()},  # details of the first seed
+    }
+
+
 def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     """Run the experiment; the report `python -m batchgen_data.sim --json` prints."""
     if cfg.expert_parallel:
@@ -215,14 +230,7 @@ def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
         "static_feed": {m: {"batch_size": f.batch_size,
                             "max_concurrent_batches": f.max_concurrent_batches,
                             "max_tasks_in_flight": f.tasks_in_flight} for m, f in feeds.items()},
-        "bct_s": {m: round(statistics.median(v), 3) for m, v in bct.items()},
-        "bct_s_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in bct.items()},
-        "bct_s_by_seed": {m: [round(x, 3) for x in v] for m, v in bct.items()},
-        "ratio_vs_tuned_static": _median_ratio(bct, "static-tuned"),
-        "ratio_vs_continuous": _median_ratio(bct, "continuous"),
-        "packing_bound_s": round(statistics.median(bounds), 3),
-        "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
-        "modes": {m: r.summary() for m, r in first.items()},  # details of the first seed
+        **_bct_summary(bct, bounds, first),
     }
 
 
@@ -237,12 +245,5 @@ def evaluate_ep(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
         "engine": {"group_gpus": p.group_gpus, "seats_per_rank": p.seats_per_rank,
                    "prefill_budget": p.prefill_budget,
                    "anchor_tokens_per_gpu_s": round(p.anchor_tokens_per_gpu_s(), 1)},
-        "bct_s": {m: round(statistics.median(v), 3) for m, v in bct.items()},
-        "bct_s_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in bct.items()},
-        "bct_s_by_seed": {m: [round(x, 3) for x in v] for m, v in bct.items()},
-        "ratio_vs_tuned_static": _median_ratio(bct, "static-tuned"),
-        "ratio_vs_continuous": _median_ratio(bct, "continuous"),
-        "packing_bound_s": round(statistics.median(bounds), 3),
-        "packing_bound_s_by_seed": [round(b, 3) for b in bounds],
-        "modes": {m: r.summary() for m, r in first.items()},
+        **_bct_summary(bct, bounds, first),
     }

@@ -26,7 +26,8 @@ from batchgen_data.layers.linear import Linear
 from batchgen_data.layers.mla import MlaShape, MultiHeadLatentAttention
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.layers.norm import RMSNorm
-from batchgen_data.layers.rotary import RotaryEmbedding, rope_parameters
+from batchgen_data.layers.rotary import RotaryEmbedding
+from batchgen_data.models.deepseek_v3_rope import deepseek_rope
 from batchgen_data.models.deepseek_v3_router import GroupedRouting, GroupedTopkRouter
 from batchgen_data.models.llama import DecoderShape, LlamaDecoderLayer, LlamaMLP
 from batchgen_data.models.moe import MoeForCausalLM, MoeShape
@@ -51,17 +52,6 @@ class DeepseekV3Shape(DecoderShape):
         self.max_positions = config.max_position_embeddings
 
 
-def softmax_scale(config: Any, qk_head_dim: int) -> float:
-    """qk_head_dim ** -0.5; only the default rope is supported (checked here, where the scale
-    would otherwise need yarn's mscale correction)."""
-    kind = rope_parameters(config)["rope_type"]
-    if kind != "default":
-        raise ValueError(f"DeepseekV3ForCausalLM: rope_type={kind!r} is not supported (only "
-                         "'default'; yarn's DeepSeek variant with mscale / mscale_all_dim is "
-                         "not implemented)")
-    return qk_head_dim ** -0.5
-
-
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """`LlamaDecoderLayer`'s residual flow (`attend`, `forward`) around MLA attention."""
 
@@ -83,9 +73,9 @@ class DeepseekV3ForCausalLM(MoeForCausalLM):
         self.routing = self.grouped_routing(config)
         self.moe = self.moe_shape(config)
         self.shape = s = DeepseekV3Shape(config)
-        scale = softmax_scale(config, s.mla.qk_head_dim)
+        rope_config, scale = deepseek_rope(config)  # yarn's DeepSeek variant: deepseek_v3_rope
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.rotary = RotaryEmbedding(config, s.mla.rope, s.max_positions)
+        self.rotary = RotaryEmbedding(rope_config, s.mla.rope, s.max_positions)
         self.embed_tokens = VocabEmbedding(s.vocab, s.hidden, tied_head=self.tie_word_embeddings)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(s, self.rotary, scale, self.make_mlp(config, s, i))

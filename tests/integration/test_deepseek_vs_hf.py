@@ -2,7 +2,7 @@
 `q_lora_rank`, rope interleaved or not) over the latent KV cache, grouped sigmoid routing with
 a non-zero correction bias, shared experts and dense first layers; mixed prompt lengths, small
 prefill chunks, forced preemption, prefix-cache hits, and a running sequence exported from one
-engine and imported into another."""
+engine and imported into another; DeepSeek's yarn rope."""
 from __future__ import annotations
 
 import pickle
@@ -34,6 +34,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=2,
                     norm_topk_prob=False, rope_interleave=False),
 }
+# DeepSeek's yarn: cos/sin scaled by mscale(4, 1) / mscale(4, 0.8), softmax by mscale(4, 0.8)^2
+CONFIGS["yarn"] = dict(CONFIGS["q_lora"], rope_parameters=dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=128, mscale=1.0,
+    mscale_all_dim=0.8, rope_theta=10000.0))
 
 
 def build_deepseek_model(name: str, path: Path, vocab: int) -> Path:
@@ -83,8 +87,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name, case", [(n, c) for n in ("q_lora", "plain_q") for c in CASES]
+                         + [("yarn", "tiny_chunks")])
 def test_greedy_matches_hf(name: str, case: str, deepseek_model) -> None:  # type: ignore[no-untyped-def]
     path, hf = deepseek_model(name)
     llm = LLM(str(path), **CASES[case])

@@ -92,8 +92,30 @@ def test_an_unknown_weight_is_still_refused(tmp_path: Path) -> None:
         load(path)
 
 
-def test_unsupported_rope_scaling_is_refused() -> None:
-    config = tiny_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-                                          "original_max_position_embeddings": 16})
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
+@pytest.mark.parametrize("rope, message", [
+    (dict(rope_type="linear", factor=2.0), "rope_type='linear'"),
+    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, truncate=False),
+     "truncate=False"),
+])
+def test_unsupported_rope_scaling_is_refused(rope: dict, message: str) -> None:  # type: ignore[type-arg]
+    config = tiny_config(rope_parameters={**rope, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match=message):
         loader.build_model(config, torch.float32, torch.device("cpu"))
+
+
+def test_yarn_scales_follow_deepseek() -> None:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
+                                                                      DeepseekV3RotaryEmbedding)
+
+    config = tiny_config(rope_parameters=dict(rope_type="yarn", factor=40.0, rope_theta=1e4,
+                                              original_max_position_embeddings=16,
+                                              mscale=1.0, mscale_all_dim=0.7))
+    model = loader.build_model(config, torch.float32, torch.device("cpu"))
+    hf_rope = DeepseekV3RotaryEmbedding(config)
+    cos, sin = hf_rope(torch.zeros(1), torch.arange(64)[None])
+    ours = model.rotary.cos_sin_cache  # [positions, cos | sin] over the r/2 frequencies
+    assert torch.allclose(ours[:, :2], cos[0, :, :2], atol=1e-5)
+    assert torch.allclose(ours[:, 2:], sin[0, :, :2], atol=1e-5)
+    hf_scale = DeepseekV3Attention(config, 0).scaling
+    assert model.layers[0].self_attn.attn.scale == pytest.approx(hf_scale, rel=1e-6)
+    assert hf_scale != pytest.approx((4 + 4) ** -0.5)  # mscale_all_dim moved it

@@ -157,3 +157,23 @@ def test_export_import_mid_generation(deepseek_model, include_kv: bool) -> None:
         for o in dst.step():
             done[o.request_id] = o.outputs[0].token_ids
     assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_attention_micro_batches_and_streamed_experts(deepseek_model) -> None:  # type: ignore[no-untyped-def]
+    """The MoE-side engine features reach DeepSeek-V3 too: attention in micro-batches of two
+    sequences with the experts once per step, and weights offloaded with per-expert streaming."""
+    from batchgen_data.offload import weight_bytes
+
+    path, hf = deepseek_model("q_lora")
+    prompts = prompts_with_shared_prefix(seed=8)[:4]
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    micro = LLM(str(path), attention_micro_batch_seqs=2, max_num_batched_tokens=9, block_size=4)
+    got = micro.generate([{"prompt_token_ids": p} for p in prompts], greedy(8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    total = weight_bytes(micro.engine.runner.model)
+    streamed = LLM(str(path), cpu_offload_gb=0.4 * total / 2**30, stream_experts=True)
+    assert streamed.engine.runner.weight_store is not None
+    got = streamed.generate([{"prompt_token_ids": p} for p in prompts], greedy(8),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert streamed.engine.stats.offload_bytes_moved > 0

@@ -36,10 +36,11 @@ _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
 class DeepseekV3Shape(DecoderShape):
-    """`DecoderShape` whose KV numbers describe MLA's cache: one latent head per token.
-    (`num_key_value_heads` means nothing to MLA and is not read.)"""
+    """`DecoderShape` whose KV numbers describe MLA's cache: one latent head per token. Filled
+    here rather than by the base, which would read and check `num_key_value_heads`, a number
+    MLA has no use for (DeepSeek-V3's config defaults it to 128 whatever the head count)."""
 
-    def __init__(self, config: Any) -> None:  # noqa: super().__init__ would check kv heads
+    def __init__(self, config: Any) -> None:
         self.mla = MlaShape(config)
         self.hidden = config.hidden_size
         self.num_layers = config.num_hidden_layers

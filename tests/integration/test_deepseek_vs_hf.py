@@ -20,8 +20,8 @@ from test_moe_vs_hf import greedy, hf_greedy, prompts_with_shared_prefix
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-    qk_nope_head_dim=16, v_head_dim=24, routed_scaling_factor=2.5, first_k_dense_replace=1, eos_token_id=2, bos_token_id=0,
-    pad_token_id=0, tie_word_embeddings=False)
+    qk_nope_head_dim=16, v_head_dim=24, routed_scaling_factor=2.5, first_k_dense_replace=1,
+    eos_token_id=2, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
 CONFIGS: dict[str, dict[str, Any]] = {
     # q through its low-rank path; 16 experts in 4 groups, 2 groups kept, top-3; the cached
     # latent head is 48 + 16 = 64 wide (the C decode kernel's width)

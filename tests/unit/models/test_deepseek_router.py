@@ -89,7 +89,8 @@ def test_router_module_equals_hf() -> None:
         hf.e_score_correction_bias.normal_(std=0.3)
     r = GroupedRouting(16, 4, n_group=4, topk_group=2, norm_topk_prob=True, scaling=2.5)
     ours = GroupedTopkRouter(24, r)
-    ours.load_state_dict({"weight": hf.weight, "e_score_correction_bias": hf.e_score_correction_bias})
+    ours.load_state_dict({"weight": hf.weight,
+                          "e_score_correction_bias": hf.e_score_correction_bias})
     x = torch.randn(30, 24)
     _, hf_weights, hf_ids = hf(x)
     weights, ids = ours(x)

@@ -144,7 +144,8 @@ def _triton_experts() -> ExpertsFn:
 
 class FusedMoE(nn.Module):
     """Router + `num_experts` SwiGLU experts of width `intermediate` (+ an optional shared
-    expert with a sigmoid gate); x [T, H] -> [T, H]."""
+    expert, with a sigmoid gate unless `shared_expert_gated=False`); x [T, H] -> [T, H].
+    `router`, when given, replaces softmax top-k routing (the routing hook)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, shared_expert: nn.Module | None = None,
@@ -219,4 +220,5 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"norm_topk_prob={self.norm_topk_prob}, triton={self.triton}")
+                f"norm_topk_prob={self.norm_topk_prob}, custom_router={self.custom_router}, "
+                f"triton={self.triton}")

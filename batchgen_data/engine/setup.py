@@ -120,6 +120,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 
 def _head_dim(hf_config: Any) -> int:
+    latent = getattr(hf_config, "kv_lora_rank", None)
+    if latent:  # MLA (DeepSeek-V3) caches one latent head: layers/mla.py
+        return latent + hf_config.qk_rope_head_dim
     return (getattr(hf_config, "head_dim", None)
             or hf_config.hidden_size // hf_config.num_attention_heads)
 

@@ -144,21 +144,29 @@ def _triton_experts() -> ExpertsFn:
 
 class FusedMoE(nn.Module):
     """Router + `num_experts` SwiGLU experts of width `intermediate` (+ an optional shared
-    expert with a sigmoid gate); x [T, H] -> [T, H]."""
+    expert, with a sigmoid gate unless `shared_expert_gated=False`); x [T, H] -> [T, H].
+    `router`, when given, replaces softmax top-k routing (the routing hook)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, shared_expert: nn.Module | None = None) -> None:
+                 norm_topk_prob: bool, shared_expert: nn.Module | None = None,
+                 router: nn.Module | None = None, shared_expert_gated: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k}: must be in [1, num_experts="
                              f"{num_experts}]")
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.gate = Linear(hidden, num_experts)  # the router (HF's `mlp.gate`)
+        # the router (HF's `mlp.gate`): a plain linear map to logits for `route`, or a `router`
+        # module that returns (weights [T, k] float32, ids [T, k]) itself (DeepSeek-V3's
+        # grouped sigmoid routing, `models/deepseek_v3_router.py`)
+        self.gate = router if router is not None else Linear(hidden, num_experts)
+        self.custom_router = router is not None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.shared_expert = shared_expert
-        self.shared_expert_gate = Linear(hidden, 1) if shared_expert is not None else None
+        # Qwen2-MoE scales its shared expert by a sigmoid gate; DeepSeek-V3 adds it as is
+        gated = shared_expert is not None and shared_expert_gated
+        self.shared_expert_gate = Linear(hidden, 1) if gated else None
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
         self.triton = current().triton
@@ -172,7 +180,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, H] holds this step's tokens of every scheduled sequence (each one a coroutine
         # suspended at its model call): here they meet as one batch per expert
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        if self.custom_router:
+            weights, ids = self.gate(x)  # [T, k] each
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self._gpu_experts is not None:
             # graph-capturable count: a fixed-size scatter, no host sync
             flat = ids.reshape(-1)
@@ -184,9 +195,11 @@ class FusedMoE(nn.Module):
             self.expert_tokens += counts
             w13, w2, ids, counts = self.experts_for(ids, counts)
             out = cpu_fused_experts(x, w13, w2, weights, ids, self.act, counts)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def experts_for(self, ids: torch.Tensor, counts: torch.Tensor | None
@@ -207,4 +220,5 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"norm_topk_prob={self.norm_topk_prob}, triton={self.triton}")
+                f"norm_topk_prob={self.norm_topk_prob}, custom_router={self.custom_router}, "
+                f"triton={self.triton}")

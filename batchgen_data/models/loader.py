@@ -138,16 +138,21 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tenso
     """Copy one checkpoint tensor into the model; returns what it filled (see `load_weights`)."""
     if "rotary_emb" in key:
         return set()
+    skips = getattr(model, "skips_checkpoint_weight", None)
+    if skips is not None and skips(key):  # e.g. DeepSeek-V3's multi-token-prediction layers
+        return set()
     name = moe_weights.rename(key[len("model."):] if key.startswith("model.") else key)
+    # DeepSeek-V3's ungated shared experts sit in FusedMoE's one `shared_expert` slot
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.", 1)
     if name == "lm_head.weight" and model.lm_head is None:
         return set()  # tied to the embedding
     experts = moe_weights.load_expert_weight(params, name, tensor)
     if experts is not None:
         return experts
     m = _NAME.match(name)
-    if m and m.group(2) in _FUSED:
-        fused, shard = _FUSED[m.group(2)]
-        target = f"{m.group(1)}.{fused}.{m.group(3)}"
+    fused, shard = _FUSED.get(m.group(2), (None, 0)) if m else (None, 0)
+    target = f"{m.group(1)}.{fused}.{m.group(3)}" if m and fused else ""
+    if target in params:  # (MLA's own q_proj is not fused: it stays under its name)
         param = params[target]
         sizes = _shard_sizes(model, target)
         start = sum(sizes[:shard])

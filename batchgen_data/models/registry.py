@@ -5,6 +5,7 @@ from typing import Any
 
 from torch import nn
 
+from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
@@ -17,14 +18,16 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # their attention may be windowed by `sliding_window`, which the engine does not implement
 _SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
-_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM")
 
 
 def supported_architectures() -> list[str]:

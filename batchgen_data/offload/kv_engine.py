@@ -10,6 +10,7 @@ weight module runs once over the whole step's tokens however few of them the dev
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.offload.copy import host_buffer
 from batchgen_data.offload.kv_tier import (KVRates, KVTierAttention, MicroBatch, choose_mode,
                                            measure_kv_rates, staging_blocks_for)
 from batchgen_data.offload.module_batch import Placed, TierRouter
@@ -40,10 +42,12 @@ class EngineKVTier:
         self.device = backend.device
         self.itemsize = torch.finfo(backend.dtype).bits // 8
         self.torch_decode = backend.torch_decode_attention
-        # [layers, 2, num_host_blocks, block_size, Hkv, D]; pinned: copies to the GPU are async
-        self.kv = torch.zeros(s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads,
-                              s.head_dim, dtype=backend.dtype,
-                              pin_memory=backend.device.type == "cuda")
+        # [layers, 2, num_host_blocks, block_size, Hkv, D], page-locked at its exact size on
+        # CUDA (torch's pinned allocator would round a 100 GB tier up to 128 GB)
+        shape = (s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim)
+        nbytes = math.prod(shape) * self.itemsize
+        self._buffer = host_buffer(nbytes, self.device)  # owns the registration
+        self.kv = self._buffer.view(backend.dtype).view(shape).zero_()
         caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.staging_blocks = min(num_host_blocks, staging_blocks_for(
             HOST_MICRO_BATCH_SEQS, max_model_len, block_size))

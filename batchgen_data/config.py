@@ -22,6 +22,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.85
     # Host memory for held sequences' KV (swap tier); beyond it, held sequences are recomputed.
     host_kv_cache_bytes: int = 4 << 30
+    # Host memory for running sequences' KV (the KV host tier of module-based batching,
+    # docs/offload.md): steps grow past what the device KV holds. 0: off.
+    host_kv_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -32,6 +35,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes!r}: must be >= 0")
+        if self.host_kv_tier_bytes < 0:
+            raise ValueError(f"host_kv_tier_bytes={self.host_kv_tier_bytes!r}: must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

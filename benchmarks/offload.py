@@ -18,6 +18,16 @@ For an MoE model the engine runs twice: streaming only the routed experts (the d
 `batchgen_data`) and whole layers (`stream_experts=False`, `batchgen_data_whole_layers`); the
 summary's `expert_vs_layer_bytes` is the ratio of their bytes moved per output token.
 
+With `--kv-host-tier-bytes N` the engine also runs with the KV host tier (`host_kv_tier_bytes`,
+row `batchgen_data_kv_host_tier`): sequences beyond the device KV cache (`--kv-device-bytes`
+caps it, for both engine rows) keep their KV in host memory, so a step carries more sequences
+and each streamed layer serves more tokens. The summary's `kv_tier_vs_device_bytes` is its
+weight bytes per output token over the device-KV row's; the check then also compares its greedy
+tokens with the resident engine's.
+
+    python benchmarks/offload.py --cpu --num-requests 16 --kv-device-bytes 150000 \
+        --kv-host-tier-bytes 4000000               # smoke of the host-tier row
+
 The budget is a quarter of the weights (`--budget-frac`). On the CPU accelerate has no device to
 offload to, so its overflow goes to disk (`offload_folder`): the smoke run checks the plumbing,
 never the speed. The H200 models are random (seed 0) and saved once under `--workdir`.
@@ -171,14 +181,15 @@ def _placement(device_map: dict[str, Any], name: str) -> Any:
 
 
 def run_engine(path: Path, prompts: list[list[int]], out_len: int, budget: int,
-               dtype: str, device: str, stream_experts: bool = True) -> dict[str, Any]:
+               dtype: str, device: str, stream_experts: bool = True, **engine_kw: Any
+               ) -> dict[str, Any]:
     from batchgen_data import LLM, SamplingParams
 
     # the absolute cap: the engine's own weight count includes buffers (the rotary cache) that
     # the checkpoint lacks, so a cpu_offload_gb from checkpoint bytes would give it more room
     llm = LLM(str(path), dtype=dtype, device=device, weight_memory_bytes=budget,
               max_model_len=max(map(len, prompts)) + out_len + 1,
-              stream_experts=stream_experts)
+              stream_experts=stream_experts, **engine_kw)
     sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -188,28 +199,32 @@ def run_engine(path: Path, prompts: list[list[int]], out_len: int, budget: int,
     rec = dict(output_tokens=tokens, wall_s=round(wall, 3), tok_s=tokens / wall,
                bytes_per_token=stats.offload_bytes_moved / tokens,
                peak_resident_bytes=stats.offload_peak_resident_bytes,
-               max_batch_seqs=stats.max_batch_seqs)
+               max_batch_seqs=stats.max_batch_seqs, kv_host_seqs_peak=stats.kv_host_seqs_peak,
+               kv_host_bytes_per_token=stats.kv_host_bytes_moved / tokens)
     del llm
     _free(device.startswith("cuda"))
     return rec
 
 
-def check_outputs(path: Path, prompts: list[list[int]], budget: int, dtype: str, device: str
-                  ) -> bool:
-    """Greedy tokens of the streamed engine equal the all-resident engine's (run before timing;
-    both eager, so both run the same kernels)."""
+def check_outputs(path: Path, prompts: list[list[int]], budget: int, dtype: str, device: str,
+                  tier_kw: dict[str, int] | None = None) -> bool:
+    """Greedy tokens of the streamed engine (and of the host-tier one, with `tier_kw`) equal
+    the all-resident engine's (run before timing; all eager, so all run the same kernels)."""
     from batchgen_data import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     outs = []
-    for kw in ({}, {"weight_memory_bytes": budget}):
+    runs: list[dict[str, Any]] = [{}, {"weight_memory_bytes": budget}]
+    if tier_kw:
+        runs.append({"weight_memory_bytes": budget, **tier_kw})
+    for kw in runs:
         llm = LLM(str(path), dtype=dtype, device=device, enforce_eager=True,
                   max_model_len=max(map(len, prompts)) + 9, **kw)
         outs.append([o.outputs[0].token_ids for o in llm.generate(reqs, sp, use_tqdm=False)])
         del llm
         _free(device.startswith("cuda"))
-    return outs[0] == outs[1]
+    return all(o == outs[0] for o in outs[1:])
 
 
 def _free(cuda: bool) -> None:
@@ -232,6 +247,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip comparing streamed and resident greedy outputs first")
+    ap.add_argument("--kv-device-bytes", type=int, default=None,
+                    help="the engine's device KV cache in bytes (kv_cache_memory_bytes)")
+    ap.add_argument("--kv-host-tier-bytes", type=int, default=0,
+                    help="> 0: also run the engine with this KV host tier (host_kv_tier_bytes)")
     args = ap.parse_args()
     cuda = not args.cpu and torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -250,19 +269,27 @@ def main() -> None:
 
     from batchgen_data.offload import measure_rates
 
-    same = check_outputs(path, prompts[:4], budget, dtype_name, device) if args.check else None
+    kv_kw = {} if args.kv_device_bytes is None else {"kv_cache_memory_bytes": args.kv_device_bytes}
+    tier_kw = ({**kv_kw, "host_kv_tier_bytes": args.kv_host_tier_bytes}
+               if args.kv_host_tier_bytes else None)
+    same = (check_outputs(path, prompts[:8], budget, dtype_name, device, tier_kw)
+            if args.check else None)
     print(f"check (streamed == resident greedy tokens): "
           f"{'skipped' if same is None else 'PASS' if same else 'FAIL'}")
 
     bw = measure_rates(torch.device(device), dtype).copy_bytes_per_s
     hf = run_hf(path, prompts, out_len, budget, dtype, cuda, hf_sizes, args.hf_time_limit)
-    ours = run_engine(path, prompts, out_len, budget, dtype_name, device)
+    ours = run_engine(path, prompts, out_len, budget, dtype_name, device, **kv_kw)
     systems = [("hf_accelerate", hf), ("batchgen_data", ours)]
+    if tier_kw:  # KV beyond the device cache in host memory: bigger steps per streamed layer
+        systems.append(("batchgen_data_kv_host_tier",
+                        run_engine(path, prompts, out_len, budget, dtype_name, device,
+                                   **tier_kw)))
     moe = SHAPES[name]["arch"] != "llama"
     if moe:  # the same engine streaming whole MoE layers: what routing-aware copies save
         systems.append(("batchgen_data_whole_layers",
                         run_engine(path, prompts, out_len, budget, dtype_name, device,
-                                   stream_experts=False)))
+                                   stream_experts=False, **kv_kw)))
     records = []
     for system, rec in systems:
         bound = bw / rec["bytes_per_token"] if rec["bytes_per_token"] else None
@@ -272,7 +299,7 @@ def main() -> None:
                             frac_of_bound=rec["tok_s"] / bound if bound else None))
     records[1]["vs_hf_accelerate"] = records[1]["tok_s"] / records[0]["tok_s"]
     print_report(records, ["system", "model", "tok_s", "bytes_per_token", "bound_tok_s",
-                           "frac_of_bound", "wall_s"])
+                           "frac_of_bound", "max_batch_seqs", "wall_s"])
     # the least any system with this budget moves per output token when it streams whole
     # layers: the weights beyond it, once per output position, with all n requests in the same
     # pass (streaming only the routed experts of an MoE can go below it)
@@ -280,9 +307,14 @@ def main() -> None:
     summary = {"summary": "offload", "model": name, "num_requests": n, "check": same,
                "speedup_vs_hf_accelerate": records[1]["vs_hf_accelerate"],
                "floor_bytes_per_token": floor, "floor_bound_tok_s": bw / floor}
+    row = {r["system"]: r for r in records}
     if moe:  # bytes per output token, expert-granular over whole-layer streaming
-        summary["expert_vs_layer_bytes"] = (records[1]["bytes_per_token"]
-                                            / records[2]["bytes_per_token"])
+        summary["expert_vs_layer_bytes"] = (row["batchgen_data"]["bytes_per_token"]
+                                            / row["batchgen_data_whole_layers"]["bytes_per_token"])
+    if tier_kw:  # bytes per output token, with the KV host tier over device KV only
+        summary["kv_tier_vs_device_bytes"] = (
+            row["batchgen_data_kv_host_tier"]["bytes_per_token"]
+            / row["batchgen_data"]["bytes_per_token"])
     print(json.dumps(summary))
 
 

@@ -220,6 +220,9 @@ class EmulatedRunner:
     def offload_counters(self) -> tuple[int, int]:
         return (0, 0)
 
+    def kv_tier_counters(self) -> tuple[int, int]:
+        return (0, 0)
+
     def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:
         """No KV is stored: an empty [num_tokens, 0] pair, after the time its bytes would take."""
         self._sleep(num_tokens * self.cost.bytes_per_token / self.cost.pcie_bytes_per_s)

@@ -167,6 +167,8 @@ class Engine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         (self.stats.offload_bytes_moved,
          self.stats.offload_peak_resident_bytes) = self.runner.offload_counters()
+        (self.stats.kv_host_bytes_moved,
+         self.stats.kv_host_seqs_peak) = self.runner.kv_tier_counters()
         return finished
 
     def _move_kv(self, out: SchedulerOutput) -> None:

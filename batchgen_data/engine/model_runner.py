@@ -3,8 +3,10 @@
 Holds the model weights and the per-layer KV caches, flattens the scheduled sequences into one
 batch (decodes first, then prefill/extend chunks), and returns hidden states at the positions
 whose next token must be sampled: through the first whole-model fast path that serves the step
-(`fast_paths/`: CUDA graphs, the C decode stack), else through the model's own forward. It also
-moves KV between the cache and host memory for hold/resume and export/import.
+(`fast_paths/`: CUDA graphs, the C decode stack), else through the model's own forward. With a
+KV host tier (`offload/kv_engine.py`), a step with host-tier sequences is laid out as micro-batches
+by tier and runs through `module_batch.forward`. It also moves KV between the cache and host
+memory for hold/resume and export/import.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.host_tier import HostKV
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.offload import module_batch
+from batchgen_data.offload.kv_engine import EngineKVTier
 from batchgen_data.offload.store import WeightStore
 
 
@@ -36,13 +40,17 @@ class ModelInput:
     # prompt_logprobs: rows whose logits are wanted (None: no sequence asks), and the result
     prompt_rows: prompt_logprobs.PromptRows | None = None
     prompt_logprobs: list[tuple[Sequence, prompt_logprobs.Entries]] | None = None
+    # micro-batches (token rows, metadata) of a step with host-tier KV; None: one batch
+    parts: list[tuple[slice, AttentionMetadata]] | None = None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 backend: LayerBackend, weight_store: WeightStore | None = None) -> None:
+                 backend: LayerBackend, weight_store: WeightStore | None = None,
+                 kv_tier: EngineKVTier | None = None) -> None:
         self.model = model
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
+        self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
         self.backend = backend  # the one the model's layers were built for
         self.device = device = backend.device
         self.dtype = dtype = backend.dtype
@@ -79,6 +87,12 @@ class ModelRunner:
         store = self.weight_store
         return (0, 0) if store is None else (store.bytes_moved, store.peak_resident_bytes)
 
+    def kv_tier_counters(self) -> tuple[int, int]:
+        """(KV bytes moved between host tier and device so far, most host-tier sequences in
+        one step)."""
+        tier = self.kv_tier
+        return (0, 0) if tier is None else (tier.bytes_moved, tier.host_seqs_peak)
+
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
         s = model.shape
@@ -87,6 +101,11 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)
+        groups = None
+        if self.kv_tier is not None:  # micro-batches by tier when some KV is in host memory
+            groups = self.kv_tier.groups([s.block_ids for s in out.seqs],
+                                         [n == 1 for n in out.num_new_tokens])
+            order = order if groups is None else [i for g in groups for i in g]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -107,7 +126,8 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if groups is None:
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             q_lens.append(n)
             tables.append(blocks)
@@ -115,6 +135,30 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        dev = self.device
+        parts = None
+        if groups is not None:
+            assert self.kv_tier is not None
+            starts = _cumsum([0] + [len(g) for g in groups])
+            rows = [list(range(a, a + len(g))) for a, g in zip(starts, groups)]
+            parts = self.kv_tier.parts(rows, tables, seq_lens, q_lens)
+            meta = parts[0][1]  # fast paths never take a micro-batched step
+        else:
+            meta = self._metadata(tables, slots, seq_lens, q_lens, num_decodes)
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
+            meta=meta,
+            sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
+            sample_seqs=sample_seqs,
+            order=order,
+            prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
+            parts=parts,
+        )
+
+    def _metadata(self, tables: list[list[int]], slots: list[int], seq_lens: list[int],
+                  q_lens: list[int], num_decodes: int) -> AttentionMetadata:
+        """The attention metadata of a step run as one batch over the device cache."""
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         prefill_q = q_lens[num_decodes:]
@@ -133,15 +177,7 @@ class ModelRunner:
         )
         if num_decodes and self.backend.torch_decode_attention:
             self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
-        return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
-            meta=meta,
-            sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
-            sample_seqs=sample_seqs,
-            order=order,
-            prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
-        )
+        return meta
 
     def _decode_gather_index(self, meta: AttentionMetadata, tables: torch.Tensor,
                              lens: list[int]) -> None:
@@ -161,8 +197,10 @@ class ModelRunner:
             return self._run(inp)
 
     def _run(self, inp: ModelInput) -> torch.Tensor:
-        path = next((p for p in self.fast_paths if p.applies(inp)), None)
-        if path is not None:
+        if inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
+            hidden = module_batch.forward(self.model, inp.input_ids, inp.positions,
+                                          self.kv_caches, inp.parts)
+        elif (path := next((p for p in self.fast_paths if p.applies(inp)), None)) is not None:
             hidden = path.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
@@ -180,22 +218,32 @@ class ModelRunner:
         return take() if take is not None else torch.zeros(0, 0, dtype=torch.long)
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
+    def _cache_of(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The cache [layers, 2, blocks, block_size, Hkv, D] these blocks (all of one tier)
+        live in, and their rows there."""
+        tier = self.kv_tier
+        if tier is not None and tier.on_host(block_ids):
+            return tier.kv, tier.local(block_ids)
+        return self.kv, block_ids
+
     def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:
         """Copy the first `num_tokens` tokens' KV of these blocks to host memory."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        cache, rows = self._cache_of(block_ids)
+        idx = torch.tensor(rows, dtype=torch.long, device=cache.device)
         s = self.model.shape
-        data = self.kv[:, :, idx].reshape(s.num_layers, 2, -1, s.num_kv_heads, s.head_dim)
+        data = cache[:, :, idx].reshape(s.num_layers, 2, -1, s.num_kv_heads, s.head_dim)
         data = data[:, :, :num_tokens].to("cpu", copy=True)
         return [(data[i, 0], data[i, 1]) for i in range(s.num_layers)]
 
     def write_kv(self, block_ids: list[int], kv: HostKV) -> None:
+        cache, rows = self._cache_of(block_ids)
         n = kv[0][0].shape[0]
         bs = self.block_size
-        slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(n)],
-                             dtype=torch.long, device=self.device)
-        for (kc, vc), (k, v) in zip(self.kv_caches, kv):
-            kc.view(-1, *kc.shape[2:])[slots] = k.to(self.device, self.dtype)
-            vc.view(-1, *vc.shape[2:])[slots] = v.to(self.device, self.dtype)
+        slots = torch.tensor([rows[p // bs] * bs + p % bs for p in range(n)],
+                             dtype=torch.long, device=cache.device)
+        for layer, (k, v) in zip(cache, kv):  # layer: [2, blocks, block_size, Hkv, D]
+            for c, new in zip(layer, (k, v)):
+                c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, self.dtype)
 
 
 def _cumsum(xs: list[int]) -> list[int]:

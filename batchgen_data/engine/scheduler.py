@@ -11,6 +11,10 @@ goes to the host tier or is dropped and recomputed (often from the prefix cache)
 "Held" is one state (`SequenceStatus.HELD`: no KV blocks, not scheduled) with two reasons: held
 for memory by the scheduler (in `Scheduler.held`, resumed automatically before new work) or held
 by the user (`Engine.hold`, resumed by `Engine.resume`).
+
+With a KV host tier (`host_kv_tier_bytes`, docs/offload.md) the pool has host blocks too: a new
+sequence goes to the device tier while it has room, else to the host tier, and keeps all its
+blocks in that tier; a running sequence short of blocks preempts others of its own tier.
 """
 from __future__ import annotations
 
@@ -127,7 +131,9 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_pending_tokens, budget)
             while not self._make_room(seq, n, keep_free=0, asking=None):
-                victim = self._pick_victim(self.running[i + 1:]) or seq
+                tier = self._on_host(seq)  # preempting the other tier frees nothing here
+                same = [s for s in self.running[i + 1:] if self._on_host(s) == tier]
+                victim = self._pick_victim(same) or seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -150,14 +156,20 @@ class Scheduler:
             if seq.host_kv is None and seq.num_computed_tokens == 0:
                 self._match_prefix(seq)
             n = min(seq.num_pending_tokens, budget)
-            if not self._make_room(seq, n, keep_free=self.watermark, asking=seq):
-                if seq.host_kv is None:
-                    self.release(seq)  # give back prefix hits; matched again next step
-                    seq.num_computed_tokens = 0
-                    seq.block_hashes = []
+            fits = self._make_room(seq, n, keep_free=self.watermark, asking=seq)
+            if not fits and seq.host_kv is None:
+                self.release(seq)  # give back prefix hits; matched again next step
+                seq.num_computed_tokens = 0
+                seq.block_hashes = []
+                if self.pool.num_host_blocks:  # its prefix's tier is full: start in the other
+                    if seq.num_output_tokens == 0:
+                        seq.num_cached_tokens = 0
+                    n = min(seq.num_pending_tokens, budget)
+                    fits = self._can_grow(seq, n, keep_free=self.watermark)
+            if not fits:
                 break
             queue.popleft()
-            self.grow(seq, n)
+            self.grow(seq, n, keep_free=self.watermark)
             if seq.host_kv is not None:
                 out.swap_in.append(seq)
             seq.status = SequenceStatus.RUNNING
@@ -182,21 +194,48 @@ class Scheduler:
         total = -(-(seq.num_computed_tokens + n) // bs)
         return max(0, total - len(seq.block_ids))
 
+    def _on_host(self, seq: Sequence) -> bool:
+        return bool(seq.block_ids) and self.pool.is_host(seq.block_ids[0])
+
+    def _tier_for(self, seq: Sequence, n: int, keep_free: int) -> bool | None:
+        """The tier `seq` grows `n` tokens in (False: device, True: host), None when it has no
+        room: its own tier once it has blocks, else the device first. `keep_free` blocks stay
+        free in the device tier, and a hundredth of the host tier when it is > 0."""
+        need = self._blocks_needed(seq, n)
+        pool = self.pool
+        host_keep = max(1, pool.num_host_blocks // 100) if keep_free else 0
+        if seq.block_ids:
+            if self._on_host(seq):
+                return True if need + host_keep <= pool.num_free_host else None
+            return False if need + keep_free <= pool.num_free else None
+        if need + keep_free <= pool.num_free:
+            return False
+        if pool.num_host_blocks and need + host_keep <= pool.num_free_host:
+            return True
+        return None
+
     def _can_grow(self, seq: Sequence, n: int, keep_free: int) -> bool:
-        return self._blocks_needed(seq, n) + keep_free <= self.pool.num_free
+        return self._tier_for(seq, n, keep_free) is not None
 
     def _make_room(self, seq: Sequence, n: int, keep_free: int, asking: Sequence | None) -> bool:
-        """`_can_grow`, after asking `reclaim` for the blocks missing, if any."""
+        """`_can_grow`, after asking `reclaim` for the device blocks missing, if any."""
+        if self._can_grow(seq, n, keep_free):
+            return True
+        if self._on_host(seq):
+            return False  # `reclaim` frees device blocks only
         short = self._blocks_needed(seq, n) + keep_free - self.pool.num_free
         if short > 0 and self.reclaim is not None:
             self.reclaim(short, asking)
         return self._can_grow(seq, n, keep_free)
 
-    def grow(self, seq: Sequence, n: int) -> None:
-        """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free)."""
+    def grow(self, seq: Sequence, n: int, keep_free: int = 0) -> None:
+        """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free),
+        in the tier `_tier_for` picks with the same `keep_free`."""
         need = self._blocks_needed(seq, n)
         if need:
-            seq.block_ids.extend(self.pool.allocate(need))
+            host = self._tier_for(seq, n, keep_free)
+            assert host is not None, "grow without room"
+            seq.block_ids.extend(self.pool.allocate(need, host=host))
 
     @staticmethod
     def _pick_victim(candidates: list[Sequence]) -> Sequence | None:

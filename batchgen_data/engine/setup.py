@@ -110,9 +110,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
             raise ValueError(f"KV cache of {num_blocks} blocks cannot hold one sequence of "
                              f"max_model_len={max_len}; lower max_model_len")
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
-    pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching)
+    host_blocks = cc.host_kv_tier_bytes // (per_token * cc.block_size)
+    pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching, host_blocks)
     host = HostKVTier(cc.host_kv_cache_bytes, per_token)
-    runner = ModelRunner(model, num_blocks, cc.block_size, backend, store)
+    tier = None
+    if host_blocks:
+        from batchgen_data.offload.kv_engine import EngineKVTier
+        tier = EngineKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
+    runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
     if store is None:  # the fast paths bake weight addresses in; streamed ones move
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))

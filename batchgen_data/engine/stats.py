@@ -63,6 +63,10 @@ class EngineStats:
     # resident on the device (resident weights + the layers in the streaming workspace)
     offload_bytes_moved: int = 0
     offload_peak_resident_bytes: int = 0
+    # host_kv_tier_bytes > 0: KV bytes moved between the host tier and the device, and the
+    # most sequences with KV in the host tier that one step ran (docs/offload.md)
+    kv_host_bytes_moved: int = 0
+    kv_host_seqs_peak: int = 0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:

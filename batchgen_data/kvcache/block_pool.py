@@ -4,6 +4,11 @@ Blocks are fixed-size slabs of the KV cache. A block whose tokens are all comput
 chained from its parent block's hash, so identical prefixes (a shared system prompt over a million
 rows) map to the same physical blocks. A block whose last user frees it keeps its hash and sits in
 an LRU free queue: it is reused for a cache hit if one comes before it is recycled for new tokens.
+
+With `num_host_blocks` > 0 the pool also owns a host range of ids, `num_blocks` and up: the KV host
+tier of module-based batching (docs/offload.md). A sequence's blocks all sit in one tier (the
+runner attends per micro-batch over one cache), so a prefix match never crosses tiers.
+`num_blocks`, `num_free` and `usage` keep describing the device tier alone.
 """
 from __future__ import annotations
 
@@ -11,16 +16,21 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        assert num_blocks > 0 and block_size > 0
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
+        assert num_blocks > 0 and block_size > 0 and num_host_blocks >= 0
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
+        total = num_blocks + num_host_blocks
+        self.ref_counts = [0] * total
         # free blocks in eviction order (oldest first); a cached free block can still be hit
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._free_host: OrderedDict[int, None] = OrderedDict(
+            (b, None) for b in range(num_blocks, total))
+        self._hash_of: list[int | None] = [None] * total
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * total
         self._block_of: dict[int, int] = {}
         self.hits = 0
         self.queries = 0
@@ -30,15 +40,24 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_free_host(self) -> int:
+        return len(self._free_host)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
+    def is_host(self, block_id: int) -> bool:
+        return block_id >= self.num_blocks
+
+    def allocate(self, n: int, host: bool = False) -> list[int]:
+        """`n` free blocks of the device tier, or of the host tier with `host`."""
+        free = self._free_host if host else self._free
+        if n > len(free):
+            raise MemoryError(f"need {n} {'host ' if host else ''}KV blocks, {len(free)} free")
         out = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b, _ = free.popitem(last=False)
             self._forget(b)
             self.ref_counts[b] = 1
             out.append(b)
@@ -50,7 +69,10 @@ class BlockPool:
             assert self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free[b] = None
+                self._free_of(b)[b] = None
+
+    def _free_of(self, b: int) -> OrderedDict[int, None]:
+        return self._free_host if self.is_host(b) else self._free
 
     @staticmethod
     def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -75,6 +97,8 @@ class BlockPool:
             b = self._block_of.get(h)
             if b is None or self._tokens_of[b] != toks:
                 break
+            if blocks and self.is_host(b) != self.is_host(blocks[0]):
+                break  # a sequence's blocks stay in one tier
             blocks.append(b)
             hashes.append(h)
             parent = h
@@ -83,7 +107,7 @@ class BlockPool:
             self.hits += len(blocks)
         for b in blocks:
             if self.ref_counts[b] == 0:
-                del self._free[b]
+                del self._free_of(b)[b]
             self.ref_counts[b] += 1
         return blocks, hashes
 
@@ -105,5 +129,5 @@ class BlockPool:
             self._tokens_of[b] = None
 
     def reset_prefix_cache(self) -> None:
-        for b in range(self.num_blocks):
+        for b in range(self.num_blocks + self.num_host_blocks):
             self._forget(b)

@@ -90,9 +90,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                parts: list[tuple[slice, AttentionMetadata]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.attend(x, residual, positions, kv_cache, meta)
+        # attention per micro-batch of `parts` (when given), the MLP once over all of them
+        x, residual = self.attend(x, residual, positions, kv_cache, meta, parts)
         return self.mlp(x), residual
 
     def attend(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -139,12 +141,15 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, s.vocab)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                parts: list[tuple[slice, AttentionMetadata]] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden]. With `parts` ((token rows, metadata) per micro-batch, in
+        row order) each layer attends per micro-batch, each with its own KV placement
+        (`offload/module_batch.py`), and runs its MLP once over the whole step."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta)
+            x, residual = layer(x, residual, positions, kv_cache, meta, parts)
         x, _ = self.norm(x, residual)
         return x
 

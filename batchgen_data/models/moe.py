@@ -53,21 +53,15 @@ class MoeForCausalLM(DecoderForCausalLM):
         self.attention_micro_batch_seqs: int | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                parts: list[tuple[slice, AttentionMetadata]] | None = None) -> torch.Tensor:
         limit = self.attention_micro_batch_seqs
         # (captured CUDA-graph steps leave the host lists empty: they run as one batch)
-        split = limit is not None and len(meta.query_lens_host) > limit
-        parts = split_by_sequences(meta, limit) if split else None
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.attend(x, residual, positions, kv_cache, meta, parts)
-            # attention ran per micro-batch; the MLP (the experts) runs once over every
-            # sequence of the step: the expert batch is the whole step's tokens
-            x = layer.mlp(x)
-        x, _ = self.norm(x, residual)
-        return x
+        if parts is None and limit is not None and len(meta.query_lens_host) > limit:
+            parts = split_by_sequences(meta, limit)
+        # attention runs per micro-batch; the MLP (the experts) once over every sequence of
+        # the step: the expert batch is the whole step's tokens
+        return super().forward(input_ids, positions, kv_caches, meta, parts)
 
     @staticmethod
     def moe_shape(config: Any) -> MoeShape:

@@ -6,7 +6,8 @@ per micro-batch (device micro-batches attend in the device cache; host ones are 
 `KVTierAttention`, swapped in or attended on the host as `choose_mode` decides), the hidden
 states of all micro-batches accumulate, and then each layer's MLP (dense or the experts) runs
 once over the whole step. So a streamed layer's weights serve every sequence of the step, however
-many of them the device KV could hold. It is the schedule `MoeForCausalLM.forward` runs with
+many of them the device KV could hold. The layer loop is the model's own
+(`DecoderForCausalLM.forward` given `parts`): the schedule `MoeForCausalLM.forward` runs with
 `attention_micro_batch_seqs`, for dense and MoE decoders alike, with each micro-batch's
 metadata naming where its KV is.
 """
@@ -65,11 +66,6 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             parts: list[tuple[slice, AttentionMetadata]]) -> torch.Tensor:
     """Hidden states [T, hidden] of a decoder (`DecoderForCausalLM`): per layer, attention per
-    micro-batch of `parts`, then the MLP once over every token of the step."""
-    x = model.embed_tokens(input_ids)  # [T, hidden]
-    residual = None
-    for layer, kv_cache in zip(model.layers, kv_caches):
-        x, residual = layer.attend(x, residual, positions, kv_cache, parts[0][1], parts)
-        x = layer.mlp(x)  # one pass of the (possibly streamed) MLP / experts for all of them
-    x, _ = model.norm(x, residual)
-    return x
+    micro-batch of `parts`, then the MLP once over every token of the step (the model's own
+    layer loop, given the parts)."""
+    return model(input_ids, positions, kv_caches, parts[0][1], parts)

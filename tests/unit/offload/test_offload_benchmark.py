@@ -1,5 +1,6 @@
 """`benchmarks/offload.py --cpu` runs end to end (tiny model, CPU "device", accelerate's disk
-offload as the baseline) and reports both systems under the same weight budget."""
+offload as the baseline) and reports both systems under the same weight budget, and the engine
+with a KV host tier beside a device KV cache too small for the batch."""
 from __future__ import annotations
 
 import json
@@ -25,9 +26,12 @@ def _bench(tmp_path: Path, *args: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
-    stdout, lines = _bench(tmp_path)
+    # a device KV of 3 blocks (3072 B a token, 16 a block): two sequences per step without
+    # the host tier
+    stdout, lines = _bench(tmp_path, "--kv-device-bytes", str(3 * 16 * 3072),
+                           "--kv-host-tier-bytes", str(4 << 20))
     runs = {r["system"]: r for r in lines if "system" in r}
-    assert set(runs) == {"hf_accelerate", "batchgen_data"}
+    assert set(runs) == {"hf_accelerate", "batchgen_data", "batchgen_data_kv_host_tier"}
     hf, ours = runs["hf_accelerate"], runs["batchgen_data"]
     assert hf["output_tokens"] == ours["output_tokens"] > 0
     assert hf["bytes_per_token"] > 0 and ours["bytes_per_token"] > 0
@@ -37,6 +41,10 @@ def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     # nobody moves less than the weights beyond the budget once per output position
     assert summary["floor_bytes_per_token"] <= min(hf["bytes_per_token"],
                                                    ours["bytes_per_token"])
+    tier = runs["batchgen_data_kv_host_tier"]
+    assert tier["output_tokens"] == ours["output_tokens"]
+    assert tier["max_batch_seqs"] > ours["max_batch_seqs"] and tier["kv_host_seqs_peak"] > 0
+    assert summary["kv_tier_vs_device_bytes"] < 1
 
 
 @pytest.mark.slow

@@ -110,6 +110,15 @@ def _table(report: dict[str, Any]) -> str:
                      f"{vs_tuned.get(m, float('nan')):>7.3f} {vs_cont.get(m, float('nan')):>7.3f} "
                      f"{s.get('utilization', float('nan')):>6.3f} {moved:>7}")
     lines.append(f"packing bound (longest row alone): {report['packing_bound_s']} s")
+    b = report.get("bounds")  # expert-parallel presets: both floors and what they allow
+    if b:
+        lines.append(f"work bound (perfect balance, lockstep + all-to-all charged): "
+                     f"{b['work_bound_s']} s; packing floor: {b['packing_floor_s']} s")
+        if "max_achievable_ratio" in b:
+            verdict = "reachable in this model" if b["goal_reachable_in_model"] else \
+                "UNREACHABLE in this model"
+            lines.append(f"max achievable ratio (tuned BCT / max(bounds)): "
+                         f"{b['max_achievable_ratio']}x; goal >= {b['goal_ratio']}x: {verdict}")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen_data.sim.ep_bounds import solo_decode_s  # noqa: F401  (re-exported)
 from batchgen_data.sim.ep_preset import EPPreset
 
 EP_MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate",
@@ -151,20 +152,3 @@ class EPResult:
                 "reshards": self.reshards, "group_steps": self.group_steps,
                 "busy_gpu_s": round(self.busy_gpu_s, 1),
                 "p50_row_finish_s": round(float(np.median(self.finish_time)), 3)}
-
-
-def solo_decode_s(p: EPPreset, inp: int, out: int) -> float:
-    """One row alone in a group at the fastest width tried (tp 1..8): a floor for its finish."""
-    best = float("inf")
-    for tp in (1, 2, 4, 8):
-        r = p.group_gpus // tp
-        one = np.zeros(r)
-        one[0] = 1.0
-
-        def step(kv: float, new: float) -> float:
-            return p.step_time(one, one * new, one * kv, np.ones(r), tp)
-
-        # the rank's time is linear in its KV, so out - 1 decode steps sum at the mean KV
-        dec = (out - 1) * step(inp + out / 2, 1.0) if out > 1 else 0.0
-        best = min(best, step(inp, inp) + dec)
-    return best

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
                    help="modes simulated at once, in worker processes")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--diagnose", action="store_true",
+                   help="expert-parallel presets: run the first seed's modes again, traced, and "
+                        "report where each loses time against the work bound (ep_trace.py)")
     p.add_argument("--plot", default=None,
                    help="PNG: running sequences per actor over time (with --sweep: the last count)")
     p.add_argument("--out", default=None, help="calibrate: write the fitted preset here")
@@ -136,13 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.plot and args.preset in EP_PRESETS:
         _parser().error("--plot: not available for expert-parallel presets")
+    if args.diagnose and args.preset not in EP_PRESETS:
+        _parser().error("--diagnose: expert-parallel presets only")
     counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.actors]
     reports = []
     for n in counts:
         report = run_one(args, n)
         reports.append(report)
+        if args.diagnose:
+            from batchgen_data.sim.ep_diagnose import diagnose_ep, diagnosis_table
+
+            report["diagnosis"] = diagnose_ep(config_from(args, n), args.jobs)
         if not args.json:
             print(_table(report), flush=True)
+            if args.diagnose:
+                print(diagnosis_table(report["diagnosis"]), flush=True)
         if args.plot and n == counts[-1]:  # the first seed's runs again, with their traces
             from batchgen_data.sim.plot import plot_active
             from batchgen_data.sim.scenario import run_seed

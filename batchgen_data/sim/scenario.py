@@ -65,6 +65,14 @@ def startup_delays(actors: int, skew_s: float, seed: int) -> list[float]:
     return np.random.default_rng([seed, 2]).uniform(0.0, skew_s, actors).tolist()
 
 
+def _ep_mode_ok(name: str) -> bool:
+    try:
+        EPMode(name)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     actors: int
@@ -93,6 +101,8 @@ class SimConfig:
             raise ValueError(f"order={self.order!r}: must be 'random' or 'longest-first'")
         valid = EP_MODES if self.expert_parallel else MODES
         bad = [m for m in self.modes if m not in valid]
+        if self.expert_parallel:  # migrate modes may add remedies: "migrate+pin"
+            bad = [m for m in bad if not _ep_mode_ok(m)]
         if bad or not self.modes:
             raise ValueError(f"modes={self.modes!r}: valid: {valid}")
         parse_stragglers(self.stragglers)
@@ -103,6 +113,10 @@ class SimConfig:
     def expert_parallel(self) -> bool:
         """An expert-parallel MoE preset: `actors` counts GPUs, cut into lockstep groups."""
         return self.preset in EP_PRESETS
+
+    def ep_mode(self, name: str) -> EPMode:
+        """An expert-parallel mode as this configuration runs it."""
+        return EPMode(name, tick_s=self.tick_s)
 
     def cost(self) -> CostModel:
         cost = get_preset(self.preset)
@@ -136,9 +150,9 @@ def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], 
     return results, bound
 
 
-def _ep_one(wl: Workload, gpus: int, preset: str, mode: str, factors: list[float],
-            tick_s: float) -> EPResult:
-    return EPCluster(wl, gpus, EP_PRESETS[preset], EPMode(mode, tick_s=tick_s), factors).run()
+def _ep_one(wl: Workload, gpus: int, preset: str, mode: EPMode,
+            factors: list[float]) -> EPResult:
+    return EPCluster(wl, gpus, EP_PRESETS[preset], mode, factors).run()
 
 
 def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], float]:
@@ -146,7 +160,7 @@ def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any
     wl = cfg.workload_for(seed)
     frac, factor = parse_stragglers(cfg.stragglers)
     factors = straggler_factors(cfg.actors, frac, factor, seed)
-    args = [(wl, cfg.actors, cfg.preset, m, factors, cfg.tick_s) for m in cfg.modes]
+    args = [(wl, cfg.actors, cfg.preset, cfg.ep_mode(m), factors) for m in cfg.modes]
     if jobs <= 1 or len(args) <= 1:
         results = {m: _ep_one(*a) for m, a in zip(cfg.modes, args)}
     else:

@@ -41,6 +41,7 @@ class EPTrace:
         self.steps: list[tuple[float, ...]] = []
         self.seated: dict[int, list[tuple[float, int]]] = defaultdict(list)
         self.transit: dict[int, float] = defaultdict(float)
+        self.group_moves: dict[int, list[float]] = defaultdict(list)  # when each row left a group
         self.bound_at: dict[int, float] = {}
         self.reshard_s = 0.0
 
@@ -51,8 +52,10 @@ class EPTrace:
     def seat(self, row: int, gid: int, t: float) -> None:
         self.seated[row].append((t, gid))
 
-    def ship(self, row: int, t: float, ready: float) -> None:
+    def ship(self, row: int, t: float, ready: float, between_groups: bool) -> None:
         self.transit[row] += ready - t
+        if between_groups:
+            self.group_moves[row].append(t)
 
     def step(self, gid: int, t: float, dt: float, active: int, unbound: bool, b: np.ndarray,
              new: np.ndarray, kv: np.ndarray, f: np.ndarray, tp: int, k: int) -> None:

@@ -46,7 +46,7 @@ def _ship(c: "EPCluster", grp: "Group", s: int, dst: "Group", rank: int, now: fl
     if kind != "rank":
         c.moved_at[row] = now
     if c.trace:
-        c.trace.ship(row, now, ready)
+        c.trace.ship(row, now, ready, kind != "rank")
     c.moved[kind] += 1
     c._wake(dst.gid, ready)
 

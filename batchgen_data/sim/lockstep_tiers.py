@@ -80,7 +80,7 @@ def _model_step(c: "EPCluster", grp: "Group", tp: int, ctx: np.ndarray) -> float
 
 def repartition_early(c: "EPCluster", grp: "Group", now: float) -> None:
     n = grp.active() + len(grp.arrivals) + len(grp.shared)  # queued rows need seats too
-    if n == 0 or now < grp.busy_until or any(grp.queues):
+    if n == 0 or any(grp.queues):
         return
     ctx = np.concatenate([grp.ctx[grp.row >= 0], [a[2] for a in grp.arrivals]]).astype(
         np.float64)

@@ -5,7 +5,12 @@ migrate) on a simulated cluster.
     python -m batchgen_data.sim --actors 128 --rows 200000 --workload reasoning --json
     python -m batchgen_data.sim --sweep 8,32,128,512 --rows 200000 --json
     python -m batchgen_data.sim --actors 128 --rows 200000 --plot out.png
+    python -m batchgen_data.sim --preset ep-moe-dsv3 --actors 128 --rows 50000 \
+        --stragglers 0.125:1.5 --modes static-tuned,migrate-repartition+pin --diagnose
     python -m batchgen_data.sim calibrate --out cpu.json     # fit the cost model on this CPU
+
+Expert-parallel presets print two floors (work bound, packing floor) and the largest ratio to
+tuned lockstep that they allow; `--diagnose` adds where each mode loses time against them.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from batchgen_data.sim.workload import Workload
 TPS = (1, 2, 4, 8)
 
 
-def _group_costs(p: EPPreset, gpu_f: np.ndarray) -> np.ndarray:
+def group_unit_costs(p: EPPreset, gpu_f: np.ndarray) -> np.ndarray:
     """[3] seconds per unit for one group: decode token, prefill token, KV token read."""
     speed = float(np.sum(1.0 / gpu_f))  # the ranks' summed speeds (tp 1: the GPUs')
     f_max = float(gpu_f.max())
@@ -64,7 +64,7 @@ def workload_work(wl: Workload) -> np.ndarray:
 def work_bound_s(wl: Workload, p: EPPreset, gpu_factors: np.ndarray, iters: int = 400) -> float:
     """The work bound (module docstring): max over group weights mu of sum_t W_t min_g mu_g c_tg."""
     f = np.asarray(gpu_factors, np.float64).reshape(-1, p.group_gpus)
-    cost = np.stack([_group_costs(p, g) for g in f])  # [groups, 3]
+    cost = np.stack([group_unit_costs(p, g) for g in f])  # [groups, 3]
     work = workload_work(wl)  # [3]
     mu = np.full(len(f), 1.0 / len(f))
     best = 0.0

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from batchgen_data.sim.ep_bounds import _group_costs
+from batchgen_data.sim.ep_bounds import group_unit_costs
 from batchgen_data.sim.ep_preset import EPPreset
 
 PARTS = ("ideal", "straggler", "lockstep", "underfill")
@@ -36,7 +36,7 @@ class EPTrace:
     def __init__(self, p: EPPreset, groups: int) -> None:
         self.p = p
         self.groups = groups
-        self.unit = _group_costs(p, np.ones(p.group_gpus))  # [3] decode, prefill, KV read
+        self.unit = group_unit_costs(p, np.ones(p.group_gpus))  # [3] decode, prefill, KV read
         # (group, start, dt, steps, sequences, rows unbound, ideal, straggler, lockstep, underfill)
         self.steps: list[tuple[float, ...]] = []
         self.seated: dict[int, list[tuple[float, int]]] = defaultdict(list)

@@ -71,3 +71,25 @@ def test_the_report_and_table_state_the_bounds_and_the_verdict(capsys) -> None: 
     table = capsys.readouterr().out
     assert "work bound" in table and "max achievable ratio" in table
     assert ("UNREACHABLE" in table) != b["goal_reachable_in_model"]
+
+
+def test_diagnosis_charges_every_unit_of_work_once_and_follows_the_last_row(capsys) -> None:  # type: ignore[no-untyped-def]
+    from batchgen_data.sim.ep_bounds import group_unit_costs
+
+    args = ["--preset", "ep-moe-dsv3", "--actors", "64", "--rows", "400", "--jobs", "1",
+            "--stragglers", "0.125:1.5", "--modes", "static-tuned,migrate-repartition+pin",
+            "--diagnose", "--json"]
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    wl = make_workload("reasoning", 400, seed=0)
+    ideal_all = float(workload_work(wl) @ group_unit_costs(DSV3, np.ones(16)))
+    for mode, d in rep["diagnosis"].items():
+        phases = [d[p] for p in ("ramp", "steady", "tail")]
+        # each phase is rounded to 0.1 group-s in the report
+        assert sum(x["ideal"] for x in phases) == pytest.approx(ideal_all, abs=0.16), mode
+        for x in phases:  # the four parts add up to the phase's group time
+            assert x["ideal"] + x["straggler"] + x["lockstep"] + x["underfill"] == \
+                pytest.approx(x["group_s"], abs=0.5)
+        assert d["bct_s"] == pytest.approx(rep["bct_s"][mode], abs=1e-3)
+        assert d["last_row"]["finish_s"] == pytest.approx(d["bct_s"], abs=0.1)
+    assert rep["diagnosis"]["static-tuned"]["last_row"]["hops"] == 0

@@ -12,7 +12,6 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from batchgen_data.sim.ep_preset import EP_PRESETS
-from batchgen_data.sim.lockstep import EPMode
 from batchgen_data.sim.lockstep_run import EPCluster
 
 if TYPE_CHECKING:

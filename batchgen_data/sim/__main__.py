@@ -5,7 +5,12 @@ migrate) on a simulated cluster.
     python -m batchgen_data.sim --actors 128 --rows 200000 --workload reasoning --json
     python -m batchgen_data.sim --sweep 8,32,128,512 --rows 200000 --json
     python -m batchgen_data.sim --actors 128 --rows 200000 --plot out.png
+    python -m batchgen_data.sim --preset ep-moe-dsv3 --actors 128 --rows 50000 \
+        --stragglers 0.125:1.5 --modes static-tuned,migrate-repartition+pin --diagnose
     python -m batchgen_data.sim calibrate --out cpu.json     # fit the cost model on this CPU
+
+Expert-parallel presets print two floors (work bound, packing floor) and the largest ratio to
+tuned lockstep that they allow; `--diagnose` adds where each mode loses time against them.
 """
 from __future__ import annotations
 
@@ -68,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
                    help="modes simulated at once, in worker processes")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--diagnose", action="store_true",
+                   help="expert-parallel presets: run the first seed's modes again, traced, and "
+                        "report where each loses time against the work bound (ep_trace.py)")
     p.add_argument("--plot", default=None,
                    help="PNG: running sequences per actor over time (with --sweep: the last count)")
     p.add_argument("--out", default=None, help="calibrate: write the fitted preset here")
@@ -110,6 +118,15 @@ def _table(report: dict[str, Any]) -> str:
                      f"{vs_tuned.get(m, float('nan')):>7.3f} {vs_cont.get(m, float('nan')):>7.3f} "
                      f"{s.get('utilization', float('nan')):>6.3f} {moved:>7}")
     lines.append(f"packing bound (longest row alone): {report['packing_bound_s']} s")
+    b = report.get("bounds")  # expert-parallel presets: both floors and what they allow
+    if b:
+        lines.append(f"work bound (perfect balance, lockstep + all-to-all charged): "
+                     f"{b['work_bound_s']} s; packing floor: {b['packing_floor_s']} s")
+        if "max_achievable_ratio" in b:
+            verdict = "reachable in this model" if b["goal_reachable_in_model"] else \
+                "UNREACHABLE in this model"
+            lines.append(f"max achievable ratio (tuned BCT / max(bounds)): "
+                         f"{b['max_achievable_ratio']}x; goal >= {b['goal_ratio']}x: {verdict}")
     return "\n".join(lines)
 
 
@@ -127,13 +144,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.plot and args.preset in EP_PRESETS:
         _parser().error("--plot: not available for expert-parallel presets")
+    if args.diagnose and args.preset not in EP_PRESETS:
+        _parser().error("--diagnose: expert-parallel presets only")
     counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.actors]
     reports = []
     for n in counts:
         report = run_one(args, n)
         reports.append(report)
+        if args.diagnose:
+            from batchgen_data.sim.ep_diagnose import diagnose_ep, diagnosis_table
+
+            report["diagnosis"] = diagnose_ep(config_from(args, n), args.jobs)
         if not args.json:
             print(_table(report), flush=True)
+            if args.diagnose:
+                print(diagnosis_table(report["diagnosis"]), flush=True)
         if args.plot and n == counts[-1]:  # the first seed's runs again, with their traces
             from batchgen_data.sim.plot import plot_active
             from batchgen_data.sim.scenario import run_seed

@@ -32,10 +32,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen_data.sim.ep_bounds import solo_decode_s  # noqa: F401  (re-exported)
 from batchgen_data.sim.ep_preset import EPPreset
 
 EP_MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate",
             "migrate-repartition")
+# remedies a migrate mode may add, one each, as "+name" (e.g. "migrate-repartition+pin"), so an
+# arm that adds one shows that one's effect alone (lockstep_policy.py / lockstep_tiers.py):
+# pin: a sequence that moved between groups stays put for `pin_s` (no ping-pong of the oldest)
+# tiers: as the remaining rows stop filling every group, whole groups turn light one by one
+#        (the fastest first), shed their young sequences to full groups and take the oldest
+# early: re-partition any group, at any time, to the width the model says steps fastest
+EP_FEATURES = ("pin", "tiers", "early")
 BATCH = 32  # ray.data.llm's batch_size
 
 
@@ -47,14 +55,30 @@ class EPMode:
     starve_fraction: float = 0.5  # a group with fewer active rows than this share of seats
     tail_seats: int = 64  # migrate modes, 4+ groups: sequences the tail group holds at most
     tail_age: int = 512  # tokens generated before a sequence may join the tail group
+    pin_s: float = 5.0  # +pin: seconds a sequence stays in the group it moved to
 
     def __post_init__(self) -> None:
-        if self.name not in EP_MODES:
-            raise ValueError(f"mode {self.name!r}: valid: {EP_MODES}")
+        base, *feats = self.name.split("+")
+        if base not in EP_MODES:
+            raise ValueError(f"mode {self.name!r}: valid: {EP_MODES}, migrate modes with "
+                             f"+feature from {EP_FEATURES}")
+        bad = [f for f in feats if f not in EP_FEATURES]
+        if bad or len(set(feats)) != len(feats) or (feats and not base.startswith("migrate")):
+            raise ValueError(f"mode {self.name!r}: features {EP_FEATURES}, each once, on a "
+                             f"migrate mode only")
+        if "early" in feats and base != "migrate-repartition":
+            raise ValueError(f"mode {self.name!r}: +early needs migrate-repartition")
+
+    @property
+    def base(self) -> str:
+        return self.name.split("+")[0]
+
+    def has(self, feature: str) -> bool:
+        return feature in self.name.split("+")[1:]
 
     @property
     def late(self) -> bool:
-        return self.name in ("late-bind", "migrate", "migrate-repartition")
+        return self.base in ("late-bind", "migrate", "migrate-repartition")
 
 
 class Group:
@@ -151,20 +175,3 @@ class EPResult:
                 "reshards": self.reshards, "group_steps": self.group_steps,
                 "busy_gpu_s": round(self.busy_gpu_s, 1),
                 "p50_row_finish_s": round(float(np.median(self.finish_time)), 3)}
-
-
-def solo_decode_s(p: EPPreset, inp: int, out: int) -> float:
-    """One row alone in a group at the fastest width tried (tp 1..8): a floor for its finish."""
-    best = float("inf")
-    for tp in (1, 2, 4, 8):
-        r = p.group_gpus // tp
-        one = np.zeros(r)
-        one[0] = 1.0
-
-        def step(kv: float, new: float) -> float:
-            return p.step_time(one, one * new, one * kv, np.ones(r), tp)
-
-        # the rank's time is linear in its KV, so out - 1 decode steps sum at the mean KV
-        dec = (out - 1) * step(inp + out / 2, 1.0) if out > 1 else 0.0
-        best = min(best, step(inp, inp) + dec)
-    return best

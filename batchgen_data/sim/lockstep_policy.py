@@ -13,8 +13,15 @@
 * `migrate-repartition`: a group left with at most half as many sequences as ranks, and nothing
   queued, re-partitions into half as many ranks twice as wide (DP16 -> DP8 x TP2, ... TP8) when
   the model gives a faster step, pausing `EPPreset.reshard_s`.
+* `+early` (lockstep_tiers.py): any group, at any time, re-partitions to the width the model
+  says steps fastest for what it holds (wider or back to narrower).
+* `+pin`: a sequence that moved between groups may not move between groups again for
+  `EPMode.pin_s`: without it the oldest sequences ping-pong between short groups every tick,
+  each hop costing a KV transfer and the steps missed while it is in flight.
+* `+tiers` (lockstep_tiers.py): more light groups as the job drains.
 A moved sequence's KV travels at `EPPreset.link_bytes_per_s`; until it lands it makes no
-progress. Its result still returns through the group that received the row.
+progress. A re-partition pauses the group for `reshard_s` plus the time to lay the sequences'
+KV out on their new ranks. A result still returns through the group that received the row.
 """
 from __future__ import annotations
 
@@ -36,8 +43,19 @@ def _ship(c: "EPCluster", grp: "Group", s: int, dst: "Group", rank: int, now: fl
     row, ctx, left, gen = grp.take(s)
     ready = max(now, grp.busy_until) + ctx * c.p.kv_bytes_per_token / c.p.link_bytes_per_s
     dst.arrivals.append((ready, row, ctx, left, gen, rank))
+    if kind != "rank":
+        c.moved_at[row] = now
+    if c.trace:
+        c.trace.ship(row, now, ready, kind != "rank")
     c.moved[kind] += 1
     c._wake(dst.gid, ready)
+
+
+def movable(c: "EPCluster", grp: "Group", seats: np.ndarray, now: float) -> np.ndarray:
+    """The seats whose sequences may move between groups now (+pin: not moved lately)."""
+    if not c.mode.has("pin"):
+        return seats
+    return seats[now - c.moved_at[grp.row[seats]] >= c.mode.pin_s]
 
 
 def _balance_ranks(c: "EPCluster", grp: "Group", now: float) -> None:
@@ -65,20 +83,22 @@ def _feed_short_groups(c: "EPCluster", now: float) -> None:
     cap = c.p.group_gpus * c.p.seats_per_rank
     active = [g.active() + len(g.arrivals) for g in c.groups]
     times = [g.step_time() if active[i] else 0.0 for i, g in enumerate(c.groups)]
-    short = sorted((i for i, g in enumerate(c.groups) if i != c.tail_group
+    short = sorted((i for i, g in enumerate(c.groups) if i not in c.light_set
                     and active[i] < c.mode.starve_fraction * cap and not c._has_queued(g)),
                    key=lambda i: (times[i], i))
+    tiers = c.mode.has("tiers")  # light groups keep the oldest: they are no donors
     gave: set[int] = set()
     for dst in short:
-        donors = [i for i in range(len(c.groups))
-                  if i != dst and i not in gave and active[i] > 0]
+        donors = [i for i in range(len(c.groups)) if i != dst and i not in gave
+                  and active[i] > 0 and not (tiers and i in c.light_set)]
         if not donors:
             return
         src = max(donors, key=lambda i: (times[i], i))
         if times[src] <= SLOWER * max(times[dst], 1e-9) and active[dst]:
             continue
         grp = c.groups[src]
-        on = np.flatnonzero((grp.row >= 0) & ~grp.fresh & (grp.gen >= c.mode.min_age))
+        on = movable(c, grp, np.flatnonzero((grp.row >= 0) & ~grp.fresh
+                                            & (grp.gen >= c.mode.min_age)), now)
         m = min(len(on), MAX_GROUP_MOVES, (active[src] - active[dst]) // 2,
                 int(c.groups[dst].free_seats().sum()))
         if m <= 0:
@@ -107,35 +127,60 @@ def _repartition(c: "EPCluster", grp: "Group", now: float) -> None:
             best_tp, best_t = tp, t
         tp *= 2
     if best_tp != grp.tp:
-        grp.repack(best_tp)
-        grp.busy_until = max(now, grp.busy_until) + c.p.reshard_s
-        c.reshards += 1
+        reshard(c, grp, best_tp, now)
 
 
-def _fill_tail_group(c: "EPCluster", now: float) -> None:
-    """The oldest sequences elsewhere move into the tail group's room, oldest first."""
-    tail = c.groups[c.tail_group]
-    room = min(MAX_GROUP_MOVES, c.mode.tail_seats - tail.active() - len(tail.arrivals))
-    if room <= 0:
+def reshard(c: "EPCluster", grp: "Group", tp: int, now: float) -> None:
+    """Re-partition `grp` into ranks `tp` wide: a pause for the communicators and graphs, and
+    for every rank to receive its sequences' KV (each GPU of a rank holds the rank's KV)."""
+    grp.repack(tp)
+    kv = grp.loads()[2]
+    pause = c.p.reshard_s + float(kv.max()) * c.p.kv_bytes_per_token / c.p.link_bytes_per_s
+    grp.busy_until = max(now, grp.busy_until) + pause
+    c.reshards += 1
+    if c.trace:
+        c.trace.reshard_s += pause
+
+
+def _fill_light(c: "EPCluster", now: float) -> None:
+    """The oldest sequences of the other groups move into the light groups' room (the tail
+    group's, and with +tiers the others'), oldest first, the first light group first."""
+    rooms = [(g, min(MAX_GROUP_MOVES, c.mode.tail_seats - c.groups[g].active()
+                     - len(c.groups[g].arrivals))) for g in c.light]
+    total = sum(max(0, r) for _, r in rooms)
+    if total <= 0:
         return
     cands: list[tuple[int, int, int]] = []  # (-generated, group, seat)
     for grp in c.groups:
-        if grp is tail:
+        if grp.gid in c.light_set:
             continue
-        on = np.flatnonzero((grp.row >= 0) & ~grp.fresh & (grp.gen >= c.mode.tail_age))
+        on = movable(c, grp, np.flatnonzero((grp.row >= 0) & ~grp.fresh
+                                            & (grp.gen >= c.mode.tail_age)), now)
         cands.extend((-int(grp.gen[s]), grp.gid, int(s)) for s in on)
-    for _, g, s in sorted(cands)[:room]:
-        _ship(c, c.groups[g], s, tail, -1, now, "tail")
+    picked = iter(sorted(cands)[:total])
+    for dst, room in rooms:
+        for _ in range(max(0, room)):
+            nxt = next(picked, None)
+            if nxt is None:
+                return
+            _ship(c, c.groups[nxt[1]], nxt[2], c.groups[dst], -1, now, "tail")
 
 
 def rebalance(c: "EPCluster", now: float) -> None:
-    if c.tail_group is not None:
-        _fill_tail_group(c, now)
+    from batchgen_data.sim.lockstep_tiers import repartition_early, update_light
+
+    if c.mode.has("tiers") and c.tail_group is not None:
+        update_light(c, now)
+    if c.light:
+        _fill_light(c, now)
     for grp in c.groups:
         if grp.active() > 1:
             _balance_ranks(c, grp, now)
     if c.next_batch >= c.num_batches:  # every row bound: the tail spreads between groups
         _feed_short_groups(c, now)
-        if c.mode.name == "migrate-repartition":
-            for grp in c.groups:
-                _repartition(c, grp, now)
+    if c.mode.has("early"):
+        for grp in c.groups:
+            repartition_early(c, grp, now)
+    elif c.mode.base == "migrate-repartition" and c.next_batch >= c.num_batches:
+        for grp in c.groups:
+            _repartition(c, grp, now)

@@ -12,13 +12,14 @@ from collections import Counter
 import numpy as np
 
 from batchgen_data.sim.ep_preset import EPPreset
+from batchgen_data.sim.ep_trace import EPTrace
 from batchgen_data.sim.lockstep import BATCH, EPMode, EPResult, Group
 from batchgen_data.sim.workload import Workload
 
 
 class EPCluster:
     def __init__(self, wl: Workload, gpus: int, p: EPPreset, mode: EPMode,
-                 gpu_factors: list[float] | None = None) -> None:
+                 gpu_factors: list[float] | None = None, trace: bool = False) -> None:
         if gpus < p.group_gpus or gpus % p.group_gpus:
             raise ValueError(f"gpus={gpus!r}: must be a multiple of {p.group_gpus}")
         f = np.asarray(gpu_factors if gpu_factors is not None else [1.0] * gpus, np.float64)
@@ -39,7 +40,11 @@ class EPCluster:
         # their steps are not paced by a full group
         self.tail_group = int(np.argmin([g.gpu_f.max() for g in self.groups])) \
             if mode.name.startswith("migrate") and n_groups >= 4 and mode.tail_seats > 0 else None
+        # light groups: the tail group, and with +tiers more as the job drains (lockstep_tiers)
+        self.light = [self.tail_group] if self.tail_group is not None else []
+        self.light_set = set(self.light)
         n = wl.num_rows
+        self.moved_at = np.full(n, -np.inf)  # when each row last moved between groups (+pin)
         self.num_batches = -(-n // BATCH)
         self.batch_left = [min(BATCH, n - i * BATCH) for i in range(self.num_batches)]
         self.home = np.full(n, -1, np.int64)  # the group that received the row
@@ -48,12 +53,14 @@ class EPCluster:
         self.task_queue: list[list[int]] = [[] for _ in range(n_groups)]
         self.in_flight = [0] * n_groups
         self.next_batch = 0
+        self._now = 0.0  # when the dispatcher last ran (the trace's bind times)
         self.finish = np.full(n, np.nan)
         self.done = 0
         self.moved: Counter[str] = Counter()
         self.reshards = 0
         self.steps = 0
         self.busy = 0.0
+        self.trace = EPTrace(p, n_groups) if trace else None  # --diagnose: see ep_trace.py
         self._heap: list[tuple[float, int, int]] = []  # (time, order, group id; -1 = tick)
         self._order = 0
 
@@ -63,7 +70,9 @@ class EPCluster:
             return False
         if self.mode.name.startswith("static"):
             return self.open[g] < self.batches_max
-        window = self.mode.tail_seats // 2 if g == self.tail_group else self.window
+        if g in self.light_set and self.mode.has("tiers"):
+            return False  # a light group takes only the oldest sequences
+        window = self.mode.tail_seats // 2 if g in self.light_set else self.window
         return self.in_flight[g] + BATCH <= window
 
     def _bind(self, g: int) -> None:
@@ -72,6 +81,8 @@ class EPCluster:
         lo = b * BATCH
         self.home[lo:lo + self.batch_left[b]] = g
         self.in_flight[g] += self.batch_left[b]
+        if self.trace:
+            self.trace.bind(range(lo, lo + self.batch_left[b]), self._now)
         if self.mode.name.startswith("static"):
             self.open[g] += 1
             if self.running[g] >= self.concurrent:
@@ -96,6 +107,7 @@ class EPCluster:
             load[k] += 1
 
     def _feed(self, g: int, now: float) -> None:
+        self._now = now
         while self._wants(g):
             self._bind(g)
         self._wake(g, now)
@@ -120,6 +132,8 @@ class EPCluster:
             k = rank if 0 <= rank < grp.ranks and free[rank] > 0 else int(np.argmax(free))
             if ready > now or not free.any() or not grp.seat(row, ctx, left, gen, k, False):
                 keep.append(a)
+            elif self.trace:
+                self.trace.seat(row, grp.gid, now)
         grp.arrivals = keep
         budget = np.full(grp.ranks, self.p.prefill_budget)
         free = grp.free_seats()
@@ -132,6 +146,8 @@ class EPCluster:
                 k = int(cand[np.argmin(times[cand])])
                 row = grp.shared.popleft()
                 grp.seat(row, self.inp[row], self.out[row], 0, k, True)
+                if self.trace:
+                    self.trace.seat(row, grp.gid, now)
                 free[k] -= 1
                 budget[k] -= self.inp[row]
                 times[k] += self.p.c_kv * self.inp[row] + self.p.c_seq
@@ -141,6 +157,8 @@ class EPCluster:
             while q and free[k] > 0 and budget[k] > 0:
                 row = q.popleft()
                 grp.seat(row, self.inp[row], self.out[row], 0, k, True)
+                if self.trace:
+                    self.trace.seat(row, grp.gid, now)
                 free[k] -= 1
                 budget[k] -= self.inp[row]
 
@@ -171,6 +189,9 @@ class EPCluster:
             dt = float(rank.sum()) + k * self.p.shared_time(
                 float(new.sum()), float(new.max()), float(grp.f.max()), grp.tp)
         end = now + dt
+        if self.trace:
+            self.trace.step(g, now, dt, int(on.sum()), self.next_batch < self.num_batches,
+                            b, new, kv, grp.f, grp.tp, k)
         self.steps += k
         self.busy += dt * self.p.group_gpus
         grp.ctx[on] += np.where(grp.fresh[on], 1, k)

@@ -24,7 +24,8 @@ from batchgen_data.sim import compare
 from batchgen_data.sim.actor import EngineShape
 from batchgen_data.sim.costmodel import DEFAULT_PRESET, CostModel, get_preset
 from batchgen_data.sim.ep_preset import EP_PRESETS, EPPreset
-from batchgen_data.sim.lockstep import EP_MODES, EPMode, EPResult, solo_decode_s
+from batchgen_data.sim.ep_bounds import packing_floor_s, work_bound_s
+from batchgen_data.sim.lockstep import EP_MODES, EPMode, EPResult
 from batchgen_data.sim.lockstep_run import EPCluster
 from batchgen_data.sim.modes import MODES, mode_config
 from batchgen_data.sim.result import solo_times
@@ -64,6 +65,14 @@ def startup_delays(actors: int, skew_s: float, seed: int) -> list[float]:
     return np.random.default_rng([seed, 2]).uniform(0.0, skew_s, actors).tolist()
 
 
+def _ep_mode_ok(name: str) -> bool:
+    try:
+        EPMode(name)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     actors: int
@@ -92,6 +101,8 @@ class SimConfig:
             raise ValueError(f"order={self.order!r}: must be 'random' or 'longest-first'")
         valid = EP_MODES if self.expert_parallel else MODES
         bad = [m for m in self.modes if m not in valid]
+        if self.expert_parallel:  # migrate modes may add remedies: "migrate+pin"
+            bad = [m for m in bad if not _ep_mode_ok(m)]
         if bad or not self.modes:
             raise ValueError(f"modes={self.modes!r}: valid: {valid}")
         parse_stragglers(self.stragglers)
@@ -102,6 +113,10 @@ class SimConfig:
     def expert_parallel(self) -> bool:
         """An expert-parallel MoE preset: `actors` counts GPUs, cut into lockstep groups."""
         return self.preset in EP_PRESETS
+
+    def ep_mode(self, name: str) -> EPMode:
+        """An expert-parallel mode as this configuration runs it."""
+        return EPMode(name, tick_s=self.tick_s)
 
     def cost(self) -> CostModel:
         cost = get_preset(self.preset)
@@ -135,9 +150,9 @@ def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], 
     return results, bound
 
 
-def _ep_one(wl: Workload, gpus: int, preset: str, mode: str, factors: list[float],
-            tick_s: float) -> EPResult:
-    return EPCluster(wl, gpus, EP_PRESETS[preset], EPMode(mode, tick_s=tick_s), factors).run()
+def _ep_one(wl: Workload, gpus: int, preset: str, mode: EPMode,
+            factors: list[float]) -> EPResult:
+    return EPCluster(wl, gpus, EP_PRESETS[preset], mode, factors).run()
 
 
 def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], float]:
@@ -145,7 +160,7 @@ def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any
     wl = cfg.workload_for(seed)
     frac, factor = parse_stragglers(cfg.stragglers)
     factors = straggler_factors(cfg.actors, frac, factor, seed)
-    args = [(wl, cfg.actors, cfg.preset, m, factors, cfg.tick_s) for m in cfg.modes]
+    args = [(wl, cfg.actors, cfg.preset, cfg.ep_mode(m), factors) for m in cfg.modes]
     if jobs <= 1 or len(args) <= 1:
         results = {m: _ep_one(*a) for m, a in zip(cfg.modes, args)}
     else:
@@ -153,23 +168,13 @@ def run_seed_ep(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any
         with ProcessPoolExecutor(min(jobs, len(args)), mp_context=ctx) as pool:
             futs = [pool.submit(_ep_one, *a) for a in args]
             results = {m: f.result() for m, f in zip(cfg.modes, futs)}
-    return results, ep_packing_bound(wl, EP_PRESETS[cfg.preset])
+    return results, ep_packing_bound(wl, EP_PRESETS[cfg.preset], factors)
 
 
-def ep_packing_bound(wl: Workload, p: EPPreset, top: int = 256) -> float:
-    """The longest row alone in a group (`solo_decode_s`), over every row: exact, computed for
-    the `top` longest outputs once the rest are shown not to matter (solo time grows with both
-    lengths, so a shorter output with the longest prompt bounds every other row)."""
-    order = np.argsort(-wl.output_lens, kind="stable")
-    head = order[:top]
-    best = max(solo_decode_s(p, int(wl.input_lens[i]), int(wl.output_lens[i])) for i in head)
-    if len(order) > top:
-        rest = order[top:]
-        cap = solo_decode_s(p, int(wl.input_lens[rest].max()), int(wl.output_lens[rest].max()))
-        if cap > best:
-            best = max(best, max(solo_decode_s(p, int(wl.input_lens[i]), int(wl.output_lens[i]))
-                                 for i in rest))
-    return best
+def ep_packing_bound(wl: Workload, p: EPPreset,
+                     gpu_factors: list[float] | None = None) -> float:
+    """The packing floor of `ep_bounds` (the longest row alone in the fastest group)."""
+    return packing_floor_s(wl, p, None if gpu_factors is None else np.asarray(gpu_factors))
 
 
 def _median_ratio(bct: dict[str, list[float]], base: str) -> dict[str, float] | None:
@@ -234,6 +239,28 @@ def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     }
 
 
+GOAL_RATIO = 2.3  # issue 21: BCT >= 2.3x lower than tuned lockstep at 128 GPUs
+
+
+def _ep_bounds(cfg: SimConfig, seeds: list[int], bct: dict[str, list[float]],
+               packing: list[float]) -> dict[str, Any]:
+    """Both floors of `ep_bounds` per seed (medians) and the best ratio a schedule could reach."""
+    p = EP_PRESETS[cfg.preset]
+    frac, factor = parse_stragglers(cfg.stragglers)
+    work = [work_bound_s(cfg.workload_for(s), p,
+                         np.asarray(straggler_factors(cfg.actors, frac, factor, s)))
+            for s in seeds]
+    out: dict[str, Any] = {"work_bound_s": round(statistics.median(work), 3),
+                           "packing_floor_s": round(statistics.median(packing), 3)}
+    if "static-tuned" in bct:
+        best = statistics.median(t / max(w, k) for t, w, k in
+                                 zip(bct["static-tuned"], work, packing))
+        out["max_achievable_ratio"] = round(best, 3)
+        out["goal_ratio"] = GOAL_RATIO
+        out["goal_reachable_in_model"] = best >= GOAL_RATIO
+    return out
+
+
 def evaluate_ep(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     """`evaluate` for an expert-parallel preset: the same report keys, GPUs for actors."""
     seeds, bct, bounds, first = _over_seeds(cfg, run_seed_ep, jobs)
@@ -246,4 +273,5 @@ def evaluate_ep(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
                    "prefill_budget": p.prefill_budget,
                    "anchor_tokens_per_gpu_s": round(p.anchor_tokens_per_gpu_s(), 1)},
         **_bct_summary(bct, bounds, first),
+        "bounds": _ep_bounds(cfg, seeds, bct, bounds),
     }

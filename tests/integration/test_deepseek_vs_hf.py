@@ -177,3 +177,19 @@ def test_attention_micro_batches_and_streamed_experts(deepseek_model) -> None:  
                             use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert streamed.engine.stats.offload_bytes_moved > 0
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_kv_host_tier_holds_latent_blocks(deepseek_model, cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
+    """The KV host tier (issue 16) with MLA's latent cache: a device KV of 12 blocks cannot hold
+    the batch, the rest runs from host blocks, and the tokens are still HF's."""
+    path, hf = deepseek_model("q_lora")
+    prompts = prompts_with_shared_prefix(seed=9)[:6]
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(str(path), block_size=4, num_kv_blocks=12, host_kv_tier_bytes=1 << 20,
+              cpu_kernels=cpu_kernels)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    stats = llm.engine.stats
+    assert stats.kv_host_seqs_peak >= 2 and stats.kv_host_bytes_moved > 0
+    assert stats.max_batch_seqs > 2  # more sequences in a step than the device KV holds

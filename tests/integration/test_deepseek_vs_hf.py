@@ -5,7 +5,6 @@ prefill chunks, forced preemption, prefix-cache hits, and a running sequence exp
 engine and imported into another; DeepSeek's yarn rope."""
 from __future__ import annotations
 
-import pickle
 import random
 import shutil
 from pathlib import Path
@@ -14,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen_data import LLM, SamplingParams
-from test_moe_vs_hf import greedy, hf_greedy, prompts_with_shared_prefix
+from batchgen_data import LLM
+from test_moe_vs_hf import (check_export_import, check_torch_backend, greedy, hf_greedy,
+                             prompts_with_shared_prefix)
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -129,34 +129,12 @@ def test_kv_cache_holds_the_latent(deepseek_model) -> None:  # type: ignore[no-u
 
 
 def test_torch_only_backend_gives_the_same_tokens(deepseek_model) -> None:  # type: ignore[no-untyped-def]
-    path, hf = deepseek_model("q_lora")
-    prompts = prompts_with_shared_prefix(seed=3)[:4]
-    outs = LLM(str(path), cpu_kernels=False).generate(
-        [{"prompt_token_ids": p} for p in prompts], greedy(10), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+    check_torch_backend(*deepseek_model("q_lora"))
 
 
 @pytest.mark.parametrize("include_kv", [False, True])
 def test_export_import_mid_generation(deepseek_model, include_kv: bool) -> None:  # type: ignore[no-untyped-def]
-    path, _ = deepseek_model("q_lora")
-    prompts = prompts_with_shared_prefix(seed=4)[:3]
-    params = [greedy(14), SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=5,
-                                          ignore_eos=True), greedy(9)]
-    ref = LLM(str(path)).generate([{"prompt_token_ids": p} for p in prompts], params,
-                                  use_tqdm=False)
-    src, dst = LLM(str(path)).engine, LLM(str(path), block_size=8).engine
-    rids = [src.submit(p, sp) for p, sp in zip(prompts, params)]
-    for _ in range(4):
-        assert not src.step()
-    states = [pickle.loads(pickle.dumps(src.export(r, include_kv=include_kv))) for r in rids]
-    assert all(len(s["seqs"][0]["output_token_ids"]) > 0 for s in states)
-    for st in states:
-        dst.import_(st)
-    done = {}
-    while dst.has_unfinished():
-        for o in dst.step():
-            done[o.request_id] = o.outputs[0].token_ids
-    assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+    check_export_import(deepseek_model("q_lora")[0], include_kv)
 
 
 def test_attention_micro_batches_and_streamed_experts(deepseek_model) -> None:  # type: ignore[no-untyped-def]

@@ -133,19 +133,19 @@ def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ig
     assert summary["mean"] == pytest.approx(total / moe.num_experts / (len(steps) * num_layers))
 
 
-def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: ignore[no-untyped-def]
-    path, hf = moe_model("qwen2_moe")
+def check_torch_backend(path: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """The torch-only layers (no C kernels) give HF's greedy tokens too."""
     prompts = prompts_with_shared_prefix(seed=3)[:4]
     outs = LLM(str(path), cpu_kernels=False).generate(
         [{"prompt_token_ids": p} for p in prompts], greedy(10), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
 
 
-@pytest.mark.parametrize("include_kv", [False, True])
-def test_export_import_mid_generation(moe_model, include_kv: bool) -> None:  # type: ignore[no-untyped-def]
+def check_export_import(path: Path, include_kv: bool) -> None:
+    """Sequences exported mid-generation (greedy and seeded sampling) and imported into an
+    engine with another block size finish with the tokens of an unmoved run."""
     import pickle
 
-    path, _ = moe_model("qwen3_moe")
     prompts = prompts_with_shared_prefix(seed=4)[:3]
     params = [greedy(14), SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=5,
                                           ignore_eos=True), greedy(9)]
@@ -164,6 +164,15 @@ def test_export_import_mid_generation(moe_model, include_kv: bool) -> None:  # t
         for o in dst.step():
             done[o.request_id] = o.outputs[0].token_ids
     assert [done[r] for r in rids] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: ignore[no-untyped-def]
+    check_torch_backend(*moe_model("qwen2_moe"))
+
+
+@pytest.mark.parametrize("include_kv", [False, True])
+def test_export_import_mid_generation(moe_model, include_kv: bool) -> None:  # type: ignore[no-untyped-def]
+    check_export_import(moe_model("qwen3_moe")[0], include_kv)
 
 
 def test_per_expert_budget_bounds_the_step(moe_model) -> None:  # type: ignore[no-untyped-def]

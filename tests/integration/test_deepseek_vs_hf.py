@@ -5,7 +5,6 @@ prefill chunks, forced preemption, prefix-cache hits, and a running sequence exp
 engine and imported into another; DeepSeek's yarn rope."""
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,8 @@ import pytest
 import torch
 
 from batchgen_data import LLM
-from test_moe_vs_hf import (check_export_import, check_torch_backend, greedy, hf_greedy,
-                             prompts_with_shared_prefix)
+from test_moe_vs_hf import (check_export_import, check_greedy_case, check_torch_backend, greedy,
+                             hf_greedy, prompts_with_shared_prefix)
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -94,23 +93,7 @@ def test_greedy_matches_hf(name: str, case: str, deepseek_model) -> None:  # typ
     llm = LLM(str(path), **CASES[case])
     model = llm.engine.runner.model
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    prompts = prompts_with_shared_prefix(seed=len(case))
-    max_tokens = [random.Random(i).randint(4, 16) for i in range(len(prompts))]
-    steps: list[torch.Tensor] = []
-    load = llm.engine.stats.tokens_per_expert
-    record = load.record
-    load.record = lambda counts: (steps.append(counts), record(counts))  # type: ignore[method-assign]
-    # the last prompt runs after the others: its shared prefix blocks are cache hits
-    first = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]],
-                         [greedy(m) for m in max_tokens[:5]], use_tqdm=False)
-    hits = llm.engine.pool.hits
-    last = llm.generate([{"prompt_token_ids": prompts[5]}], [greedy(max_tokens[5])],
-                        use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in first + last]
-    assert got == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
-    if case == "preemption":
-        assert llm.engine.stats.num_preemptions > 0
-    assert llm.engine.pool.hits > hits
+    steps = check_greedy_case(llm, hf, case)
     # first_k_dense_replace=1: layers 1 and 2 route, each token to top_k experts
     assert len(model.moe_layers) == 2
     assert all(c.shape == (2, model.moe.num_experts) for c in steps)

@@ -96,18 +96,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ignore[no-untyped-def]
-    path, hf = moe_model(arch)
-    llm = LLM(str(path), **CASES[case])
+def check_greedy_case(llm: LLM, hf, case: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Mixed-length prompts give HF's greedy tokens under `case`'s engine settings; the last
+    prompt runs after the others, so its shared prefix blocks are cache hits; "preemption"
+    preempts. Returns each step's tokens-per-expert counts."""
     prompts = prompts_with_shared_prefix(seed=len(case))
     max_tokens = [random.Random(i).randint(4, 16) for i in range(len(prompts))]
     steps: list[torch.Tensor] = []
     load = llm.engine.stats.tokens_per_expert
     record = load.record
     load.record = lambda counts: (steps.append(counts), record(counts))  # type: ignore[method-assign]
-    # the shared-prefix prompts run after the first batch: their prefix blocks are cache hits
     first = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]],
                          [greedy(m) for m in max_tokens[:5]], use_tqdm=False)
     hits = llm.engine.pool.hits
@@ -117,7 +115,16 @@ def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ig
     assert got == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
     if case == "preemption":
         assert llm.engine.stats.num_preemptions > 0
-    assert llm.engine.pool.hits > hits  # the last prompt reused the system prefix
+    assert llm.engine.pool.hits > hits  # the last prompt reused the shared prefix
+    return steps
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ignore[no-untyped-def]
+    path, hf = moe_model(arch)
+    llm = LLM(str(path), **CASES[case])
+    steps = check_greedy_case(llm, hf, case)
     moe = llm.engine.runner.model.moe
     num_layers = len(llm.engine.runner.model.moe_layers)
     assert num_layers == (2 if arch == "qwen3_moe" else 3)

@@ -168,6 +168,18 @@ class SimActor:
     def has_work(self) -> bool:
         return self.sched.has_work()
 
+    def running_seqs(self) -> list[Sequence]:
+        """The sequences running now, in the scheduler's order (what a decode run steps)."""
+        return list(self.sched.running)
+
+    def grow_kv(self, seq: Sequence) -> None:
+        """Give `seq` blocks for the tokens it has computed (the scheduler's growth rule)."""
+        self.sched.grow(seq, 0)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.sched.num_preemptions
+
     def load(self, now: float, span: Span | None) -> EngineLoad:
         """The report `Engine.load()` would give at `now`, in the middle of `span` if busy.
         remaining_tokens_est and the rates stay 0: the policy does not read them (the cluster

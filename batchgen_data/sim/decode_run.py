@@ -30,7 +30,7 @@ class DecodeRun:
         self.actor = actor
         self.t0 = t0
         self._cost = actor.cost
-        self.seqs = run = list(actor.sched.running)
+        self.seqs = run = actor.running_seqs()
         target = actor.target
         self.left = left = [target[q.seq_id] - (len(q.token_ids) - len(q.prompt_token_ids))
                             for q in run]  # steps until each sequence produces its last token
@@ -63,14 +63,14 @@ class DecodeRun:
     def commit(self, m: int, finished: list[tuple[int, float]]) -> None:
         """Apply the first m steps: tokens, KV blocks, finishes (appended to `finished`)."""
         a = self.actor
-        grow = a.sched.grow  # the scheduler's own block-growth rule
+        grow = a.grow_kv  # the scheduler's own block-growth rule
         bs = a.pool.block_size
         for q, lf in zip(self.seqs, self.left):
             s = m if lf > m else lf
             q.num_computed_tokens += s
             q.token_ids += ZEROS[:s]
             if s < lf and len(q.block_ids) * bs < q.num_computed_tokens:
-                grow(q, 0)
+                grow(q)
         alive = len(self.seqs)
         for (lf, _, i), tf in zip(self.fin, self.fin_times):
             if lf > m:

@@ -48,7 +48,7 @@ class SimResult:
             mode=c.mode.name, actors=len(c.actors), rows=c.wl.num_rows, bct_s=bct,
             busy_gpu_s=busy, idle_gpu_s=len(c.actors) * bct - busy,
             steps=sum(a.steps for a in c.actors), spans=sum(a.spans for a in c.actors),
-            preemptions=sum(a.sched.num_preemptions for a in c.actors),
+            preemptions=sum(a.num_preemptions for a in c.actors),
             moved=dict(c.moved), shipped_gb=c.shipped_bytes / 1e9,
             rows_finished=int(np.count_nonzero(~np.isnan(c.finish))), sim_wall_s=wall_s,
             tail_floor_s=floor, finish_time=c.finish, traces=[a.trace for a in c.actors])

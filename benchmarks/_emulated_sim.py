@@ -32,13 +32,17 @@ AGREEMENT = 0.10  # issue 21: the simulator agrees with Ray within 10% BCT
 def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
              factors: Sequence[float], slots: dict[str, tuple[int, int | None]],
              placement: dict[str, Any], start_at: Sequence[float] | None = None,
-             arms: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+             arms: Sequence[str] | None = None,
+             plan: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, Any]]:
     """{arm: {"sim", "sim_credited", "sim_slots", "sim_home_last"}}; `slots`: arm -> (concurrent
     batches, tasks in flight) as the connector runs it; `start_at`: per actor, when it could
-    first take work (None: all at 0); `arms`: default, those of `args.arms`."""
+    first take work (None: all at 0); `arms`: default, those of `args.arms`; `plan`: replay
+    the batches each actor ran in a Ray run (`sim` and `sim_slots` only; `sim_credited` has no
+    tasks to replay)."""
     shape = EngineShape(args.max_num_seqs, args.max_num_batched_tokens, block_size=16)
     arms = list(arms or args.arms.split(","))
-    common = dict(slowdown=list(factors), start_at=start_at, batch_size=args.batch_size,
+    common: dict[str, Any] = dict(slowdown=list(factors), start_at=start_at,
+                                  batch_size=args.batch_size,
                   tick_s=args.interval / args.scale,
                   placement=PlacementConfig(queue_depth=args.batch_size, **placement))
     credited = compare(wl, args.actors, cost, shape,
@@ -46,7 +50,8 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:
         calls, in_flight = slots[arm]
-        feed = dict(max_concurrent_batches=calls, max_tasks_in_flight=in_flight, **common)
+        feed = dict(max_concurrent_batches=calls, max_tasks_in_flight=in_flight, plan=plan,
+                    **common)
         ray_like = compare(wl, args.actors, cost, shape, modes=(SIM_MODES[arm],),
                            ray_tasks=True, **feed)[SIM_MODES[arm]]
         no_moves = compare(wl, args.actors, cost, shape, modes=("static",), **feed)["static"]
@@ -82,12 +87,18 @@ def agreement(ray_s: float | None, sim_s: float | None) -> str | None:
     return "PASS" if abs(ray_s / sim_s - 1.0) <= AGREEMENT else "FAIL"
 
 
-def per_actor_gap(ray_last: Sequence[float | None], sim_last: Sequence[float | None]) -> float | None:
-    """How far apart the two runs' per-actor finish times are: the largest relative gap
-    between the i-th earliest actor finish of each (actors are matched by rank, since which
-    ticket Ray gives which batches depends on the order its actors come up)."""
-    r = sorted(t for t in ray_last if t is not None)
-    s = sorted(t for t in sim_last if t is not None)
-    if not r or len(r) != len(s):
-        return None
-    return round(max(abs(a / b - 1.0) for a, b in zip(r, s) if b), 3)
+def per_actor_gap(ray_last: Sequence[float | None], sim_last: Sequence[float | None],
+                  by_rank: bool = True) -> float | None:
+    """How far apart the two runs' per-actor finish times are: the largest relative gap, Ray
+    over simulator, between actor i of each (`by_rank=False`: a replay, where actor i ran the
+    same batches in both) or between the i-th earliest finishes (which actor Ray gives which
+    batches depends on the order its actors come up)."""
+    pairs = [(a, b) for a, b in zip(ray_last, sim_last) if a is not None and b is not None]
+    if by_rank:
+        r = sorted(t for t in ray_last if t is not None)
+        s = sorted(t for t in sim_last if t is not None)
+        if len(r) != len(s):
+            return None
+        pairs = list(zip(r, s))
+    gaps = [abs(a / b - 1.0) for a, b in pairs if b]
+    return round(max(gaps), 3) if gaps else None

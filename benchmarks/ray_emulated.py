@@ -62,7 +62,7 @@ ARMS = ("tuned", "stream", "late", "migrate")
 # sim/modes.py; their first calls differ only by Ray's task-submission latency
 WAVE_GAP_WALL_S = 0.1
 COLUMNS = ["stragglers", "seed", "arm", "bct_ray_s", "bct_sim_s", "ray_vs_sim", "agree",
-           "actor_gap", "sim_at0_s", "sim_credited_s", "sim_slots_s", "vs_tuned", "sim_vs_tuned", "packing_bound_s", "moves", "overhead",
+           "actor_gap", "sim_waves_s", "sim_at0_s", "sim_credited_s", "sim_slots_s", "vs_tuned", "sim_vs_tuned", "packing_bound_s", "moves", "overhead",
            "wall_s"]
 
 
@@ -219,8 +219,10 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
     tokens: dict[int, int] = {}
     first = {r["bench_owner"]: r["bench_first_step"] for r in out}
     called: dict[int, float] = {}
+    batch_call: dict[int, tuple[float, int]] = {}  # input batch -> (its call, its actor)
     for r in out:
         called[r["bench_owner"]] = min(r["bench_called"], called.get(r["bench_owner"], math.inf))
+        batch_call[r["bench_batch"]] = (r["bench_called"], r["bench_owner"])
     for r in out:  # each owner's tokens, and its overhead as of its last yield
         owner = r["bench_owner"]
         tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
@@ -245,9 +247,22 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             "first_call_by_actor": [None if i not in called
                                     else round((called[i] - t0) / args.scale, 2)
                                     for i in range(args.actors)],
+            "_plan": ray_plan(batch_call, args),
             "last_yield_by_actor": [None if i not in last
                                     else round((last[i][0] - t0) / args.scale, 2)
                                     for i in range(args.actors)]}
+
+
+def ray_plan(batch_call: dict[int, tuple[float, int]],
+             args: argparse.Namespace) -> list[list[int]] | None:
+    """How Ray dispatched: per actor, the input batches (index = first row id / batch_size) it
+    ran, in the order its calls began; None when Ray's blocks were not whole batches."""
+    if any(first % args.batch_size for first in batch_call):
+        return None
+    plan: list[list[int]] = [[] for _ in range(args.actors)]
+    for first, (_, owner) in sorted(batch_call.items(), key=lambda kv: kv[1][0]):
+        plan[owner].append(first // args.batch_size)
+    return plan
 
 
 def save_trace(path: str, out: list[dict[str, Any]], t0: float, args: argparse.Namespace,
@@ -337,14 +352,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     rec = ({"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
                             "wall_s": None} if args.sim_only
                            else run_arm(arm, rows, wl, args, factors, seed))
-                    got = sim.get(arm, {})
-                    if got and not args.sim_only:  # replay the start-up this Ray run had
-                        got = sim_bcts(wl, args, cost, factors, arm_slots, placement(args),
-                                       measured_start(rec["first_call_by_actor"],
-                                                      WAVE_GAP_WALL_S / args.scale), [arm])[arm]
+                    got = waves = sim.get(arm, {})
+                    plan = rec.pop("_plan", None)
+                    if got and not args.sim_only:
+                        # the dispatch rule with the start-up this Ray run had, and the replay
+                        # of Ray's own dispatch (which actor ran which batches, from when)
+                        waves = sim_bcts(wl, args, cost, factors, arm_slots, placement(args),
+                                         measured_start(rec["first_call_by_actor"],
+                                                        WAVE_GAP_WALL_S / args.scale), [arm])[arm]
+                        got = waves if plan is None else sim_bcts(
+                            wl, args, cost, factors, arm_slots, placement(args),
+                            [t or 0.0 for t in rec["first_call_by_actor"]], [arm], plan)[arm]
                     rec.update(stragglers=stragglers or "none", seed=seed,
                                packing_bound_s=round(bound, 1),
-                               bct_sim_s=got.get("sim"),
+                               bct_sim_s=got.get("sim"), replayed=plan is not None,
+                               sim_waves_s=waves.get("sim"),
                                sim_at0_s=sim.get(arm, {}).get("sim"),
                                sim_credited_s=got.get("sim_credited"),
                                sim_slots_s=got.get("sim_slots"),
@@ -369,11 +391,12 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
     for rec in records:
         rec["ray_vs_sim"] = ratio(rec["bct_ray_s"], rec["bct_sim_s"])
         rec["agree"] = agreement(rec["bct_ray_s"], rec["bct_sim_s"])
-        rec["actor_gap"] = (per_actor_gap(rec["last_yield_by_actor"], rec["sim_home_last_s"])
+        rec["actor_gap"] = (per_actor_gap(rec["last_yield_by_actor"], rec["sim_home_last_s"],
+                                          by_rank=not rec.get("replayed"))
                             if rec.get("last_yield_by_actor") and rec["sim_home_last_s"]
                             else None)
         for col, digits in (("bct_ray_s", 1), ("bct_sim_s", 1), ("sim_slots_s", 1),
-                            ("sim_at0_s", 1),
+                            ("sim_at0_s", 1), ("sim_waves_s", 1),
                             ("sim_credited_s", 1),
                             ("overhead", 3)):
             rec[col] = round(rec[col], digits) if rec[col] is not None else None

@@ -35,9 +35,12 @@ _END, _ARRIVE, _TICK, _UP = 0, 1, 2, 3
 class Cluster:
     def __init__(self, wl: Workload, num_actors: int, cost: CostModel, shape: EngineShape,
                  mode: ModeConfig, slowdown: Sequence[float] | None = None,
-                 start_at: Sequence[float] | None = None) -> None:
+                 start_at: Sequence[float] | None = None,
+                 plan: Sequence[Sequence[int]] | None = None) -> None:
         """`slowdown[i]` multiplies actor i's step times (stragglers); actor i takes no rows
-        before `start_at[i]` seconds (start-up skew). Both default to a uniform cluster."""
+        before `start_at[i]` seconds (start-up skew). Both default to a uniform cluster.
+        `plan` (task modes): replay a dispatch that happened, e.g. in a Ray run: actor i gets
+        exactly the input batches `plan[i]`, in that order, each when it has room."""
         if num_actors < 1:
             raise ValueError(f"actors={num_actors!r}: must be >= 1")
         self.wl, self.cost, self.shape, self.mode = wl, cost, shape, mode
@@ -57,7 +60,11 @@ class Cluster:
         self.batch_left = [min(b, n - i * b) for i in range(self.num_batches)]
         self.batch_home = [-1] * self.num_batches
         self.batch_bound_at = np.full(self.num_batches, np.nan)
-        self.next_batch = 0
+        self.next_batch = 0  # input batches bound so far (the next one, without a plan)
+        self.plan = None if plan is None else [deque(p) for p in plan]
+        if self.plan is not None and (not mode.by_task or len(self.plan) != num_actors or sorted(
+                x for p in self.plan for x in p) != list(range(self.num_batches))):
+            raise ValueError("plan: a task mode, one list per actor, every batch once")
         self.in_flight = [0] * num_actors  # unfinished rows each actor received
         self.batches_open = [0] * num_actors  # bound and not yet returned
         # static: bound batches beyond the running ones wait in the actor's task queue
@@ -91,6 +98,12 @@ class Cluster:
         lowest index. Returns the actors that received batches."""
         fed: set[int] = set()
         limit = self.mode.tasks_in_flight
+        if self.plan is not None:
+            for a, todo in enumerate(self.plan):
+                while todo and self.started[a] and self.batches_open[a] < limit:
+                    self._bind(a, now, todo.popleft())
+                    fed.add(a)
+            return fed
         while self.next_batch < self.num_batches:
             open_ = [(n, i) for i, n in enumerate(self.batches_open)
                      if self.started[i] and n < limit]
@@ -101,8 +114,8 @@ class Cluster:
             fed.add(a)
         return fed
 
-    def _bind(self, a: int, now: float) -> None:
-        b = self.next_batch
+    def _bind(self, a: int, now: float, b: int | None = None) -> None:
+        b = self.next_batch if b is None else b
         self.next_batch += 1
         self.batch_home[b] = a
         self.batch_bound_at[b] = now

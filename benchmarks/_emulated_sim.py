@@ -53,7 +53,7 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
         feed = dict(max_concurrent_batches=calls, max_tasks_in_flight=in_flight, plan=plan,
                     **common)
         ray_like = compare(wl, args.actors, cost, shape, modes=(SIM_MODES[arm],),
-                           ray_tasks=True, **feed)[SIM_MODES[arm]]
+                           ray_tasks=True, window_calls=calls, **feed)[SIM_MODES[arm]]
         no_moves = compare(wl, args.actors, cost, shape, modes=("static",), **feed)["static"]
         out[arm] = {"sim": ray_like.bct_s, "sim_credited": credited[SIM_MODES[arm]].bct_s,
                     "sim_slots": no_moves.bct_s,

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from batchgen_data.placement import KINDS, PlacementConfig
 
 MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate")
+# connectors/ray_processor.py MAX_WINDOW_BATCHES: the connector's calls per actor at most
+CONNECTOR_MAX_CALLS = 128
 # what the coordinator may move in each mode that has one (the others have no coordinator)
 MOVABLE: dict[str, tuple[str, ...]] = {"late-bind": ("waiting",), "migrate": KINDS}
 
@@ -108,19 +110,27 @@ def tuned_concurrency(max_num_seqs: int, batch_size: int, max_concurrent_batches
 def mode_config(name: str, max_num_seqs: int, batch_size: int = 32,
                 max_concurrent_batches: int = 8, tick_s: float = 0.25,
                 placement: PlacementConfig | None = None,
-                max_tasks_in_flight: int | None = None, ray_tasks: bool = False) -> ModeConfig:
+                max_tasks_in_flight: int | None = None, ray_tasks: bool = False,
+                window_calls: int | None = None) -> ModeConfig:
     """The configuration each mode gets in the comparison, at `max_num_seqs` seats;
-    `ray_tasks`: the streaming modes get Ray's task dispatch (`max_concurrent_batches` calls,
-    `max_tasks_in_flight` bound) as the connector runs them, not the row-level window."""
+    `ray_tasks`: the streaming modes get Ray's task dispatch as the connector runs them, not
+    the row-level window: `window_calls` concurrent batches per actor (None: the connector's
+    default window) and, with a coordinator, no more bound than that."""
     if name == "static-tuned":
         max_concurrent_batches = tuned_concurrency(max_num_seqs, batch_size,
                                                    max_concurrent_batches)
         if max_tasks_in_flight is not None:
             max_tasks_in_flight = max(max_tasks_in_flight, max_concurrent_batches)
+    ray_tasks = ray_tasks and name not in ("static", "static-tuned")
+    if ray_tasks:  # the connector's feed; by default a 2 x max_num_seqs window of input batches
+        max_concurrent_batches = window_calls or min(CONNECTOR_MAX_CALLS,
+                                                     -(-2 * max_num_seqs // batch_size))
+        if name in MOVABLE and max_tasks_in_flight is None:
+            max_tasks_in_flight = max_concurrent_batches  # no batch queued unseen (rule 2)
     if name == "continuous":
         pcfg = PlacementConfig(queue_depth=max_num_seqs)  # the connector's 2 x max_num_seqs window
     else:
         pcfg = placement or PlacementConfig(queue_depth=batch_size)
     return ModeConfig(name, batch_size, max_concurrent_batches, pcfg,
                       name in MOVABLE, tick_s, max_tasks_in_flight=max_tasks_in_flight,
-                      ray_tasks=ray_tasks and name not in ("static", "static-tuned"))
+                      ray_tasks=ray_tasks)

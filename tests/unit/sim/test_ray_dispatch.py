@@ -29,7 +29,8 @@ def flat(rows: int, out: int = 20) -> Workload:
 def run(wl: Workload, actors: int, name: str = "static", calls: int = 1, in_flight: int = 2,
         start_at: list[float] | None = None, batch_size: int = 4, **kw: object) -> Cluster:
     mode = mode_config(name, SHAPE.max_num_seqs, batch_size=batch_size,
-                       max_concurrent_batches=calls, max_tasks_in_flight=in_flight, **kw)
+                       max_concurrent_batches=calls, max_tasks_in_flight=in_flight,
+                       window_calls=calls, **kw)
     cluster = Cluster(wl, actors, LINEAR, SHAPE, mode, start_at=start_at)
     cluster.run()
     return cluster
@@ -85,3 +86,12 @@ def test_measured_start_groups_actors_into_waves_and_the_verdict() -> None:
     assert measured_start(first, gap_s=0.4) == [2.4, 1.5, 2.4, 2.4, 1.5, 2.4, 2.4, 2.4]
     assert agreement(105.0, 100.0) == "PASS" and agreement(111.0, 100.0) == "FAIL"
     assert per_actor_gap([10.0, 22.0], [20.0, 10.0]) == 0.1  # matched by rank
+
+
+def test_ray_tasks_modes_take_the_connectors_window() -> None:
+    m = mode_config("migrate", 1024, batch_size=32, ray_tasks=True)
+    assert m.by_task and m.max_concurrent_batches == 64 and m.tasks_in_flight == 64
+    s = mode_config("continuous", 1024, batch_size=32, ray_tasks=True)
+    assert s.tasks_in_flight == 128  # no coordinator: Ray's default 2x, batches queue
+    assert not mode_config("late-bind", 64).by_task
+    assert not mode_config("static", 64, ray_tasks=True).ray_tasks

@@ -135,7 +135,7 @@ class Cluster:
         self.batches_running[a] += 1
 
     def _cut(self, rows: list[int]) -> int:
-        """How many upcoming finishes a span may include: in static mode, stop at the first
+        """How many upcoming finishes a span may include: in task modes, stop at the first
         one that completes an input batch (the actor then takes a new batch)."""
         if not self.mode.by_task:
             return len(rows)

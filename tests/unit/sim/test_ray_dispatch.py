@@ -27,11 +27,12 @@ def flat(rows: int, out: int = 20) -> Workload:
 
 
 def run(wl: Workload, actors: int, name: str = "static", calls: int = 1, in_flight: int = 2,
-        start_at: list[float] | None = None, batch_size: int = 4, **kw: object) -> Cluster:
+        start_at: list[float] | None = None, batch_size: int = 4,
+        plan: list[list[int]] | None = None, **kw: object) -> Cluster:
     mode = mode_config(name, SHAPE.max_num_seqs, batch_size=batch_size,
                        max_concurrent_batches=calls, max_tasks_in_flight=in_flight,
                        window_calls=calls, **kw)
-    cluster = Cluster(wl, actors, LINEAR, SHAPE, mode, start_at=start_at)
+    cluster = Cluster(wl, actors, LINEAR, SHAPE, mode, start_at=start_at, plan=plan)
     cluster.run()
     return cluster
 
@@ -95,3 +96,22 @@ def test_ray_tasks_modes_take_the_connectors_window() -> None:
     assert s.tasks_in_flight == 128  # no coordinator: Ray's default 2x, batches queue
     assert not mode_config("late-bind", 64).by_task
     assert not mode_config("static", 64, ray_tasks=True).ray_tasks
+
+
+def test_replaying_the_rules_own_dispatch_gives_the_same_run() -> None:
+    rng = np.random.default_rng(3)
+    wl = Workload("mixed", np.full(48, 16), rng.integers(2, 60, 48), 61)
+    ruled = run(wl, 3, calls=1, in_flight=2)
+    plan: list[list[int]] = [[] for _ in range(3)]
+    for b in sorted(range(12), key=lambda b: (ruled.batch_bound_at[b], b)):
+        plan[ruled.batch_home[b]].append(b)
+    replayed = run(wl, 3, calls=1, in_flight=2, plan=plan)
+    assert replayed.batch_home == ruled.batch_home
+    np.testing.assert_allclose(replayed.finish, ruled.finish)
+    # a different plan is followed, not re-decided: everything on actor 0
+    alone = run(wl, 3, calls=1, in_flight=2, plan=[list(range(12)), [], []])
+    assert set(alone.batch_home) == {0}
+    with pytest.raises(ValueError, match="plan"):
+        run(wl, 3, calls=1, in_flight=2, plan=[[0, 1], [2], []])  # batches missing
+    with pytest.raises(ValueError, match="plan"):
+        run(wl, 3, name="continuous", plan=plan)  # a row window has no tasks to replay

@@ -329,12 +329,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     if got and not args.sim_only:
                         # the dispatch rule with the start-up this Ray run had, and the replay
                         # of Ray's own dispatch (which actor ran which batches, from when)
+                        first = rec["first_call_by_actor"]
+                        up = measured_start(first, WAVE_GAP_WALL_S / args.scale)
                         waves = sim_bcts(wl, args, cost, factors, arm_slots, placement(args),
-                                         measured_start(rec["first_call_by_actor"],
-                                                        WAVE_GAP_WALL_S / args.scale), [arm])[arm]
+                                         up, [arm])[arm]
                         got = waves if plan is None else sim_bcts(
                             wl, args, cost, factors, arm_slots, placement(args),
-                            [t or 0.0 for t in rec["first_call_by_actor"]], [arm], plan)[arm]
+                            [w if t is None else t for t, w in zip(first, up)], [arm], plan)[arm]
                     rec.update(stragglers=stragglers or "none", seed=seed,
                                packing_bound_s=round(bound, 1),
                                bct_sim_s=got.get("sim"), replayed=plan is not None,

@@ -19,8 +19,14 @@ max_concurrent_batches = max(8, ceil(max_num_seqs / batch_size)), Ray's default 
 that per actor); `stream` (rows stay where Ray bound them; `--window-depth` x max_num_seqs rows
 per engine); `late` (+ row-level late binding); `migrate` (+ moving started sequences). Each
 seed draws a new workload (sim/workload.py). Next to each Ray BCT the simulator's, on the same
-coarse cost model, lengths, stragglers and tick: `bct_sim_s` (the mode the arm stands for) and
-`sim_slots_s` (its `static` mode with the connector's actual slots, `_emulated_sim.py`).
+coarse cost model, lengths, stragglers and tick (`_emulated_sim.py`): `bct_sim_s` (the arm as the
+connector runs it: Ray's task dispatch, sim/modes.py, with each actor up when it first stepped
+in the Ray run: the first actors up take a full queue of batches each), `sim_at0_s` (the same
+with every actor up at once: the prediction before the run), `agree` (PASS when Ray is within 10% of
+it), `actor_gap` (largest gap between the two runs' per-actor finish times, matched by rank),
+`sim_credited_s` (the simulator mode the arm stands for, with its row-level window) and
+`sim_slots_s` (the connector's slots, no coordinator). `--trace PREFIX` writes each arm's rows
+(owner, input batch, call and yield times) for a closer look.
 BCT counts from the moment every actor has built its engine (actor start-up is not emulated).
 
     python benchmarks/ray_emulated.py --quick --stragglers 0.25:1.5   # 4 actors, ~5 min loaded
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
 import sys
 import time
 from pathlib import Path
@@ -40,8 +46,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_report  # noqa: E402
-from _emulated_sim import sim_bcts  # noqa: E402
+from _emulated_report import ray_plan, report, save_trace  # noqa: E402
+from _emulated_sim import measured_start, sim_bcts  # noqa: E402
 
 from batchgen_data.engine.emulated_runner import EmulatedSpec, coarsen, encode_prompt  # noqa: E402
 from batchgen_data.sim.modes import tuned_concurrency  # noqa: E402
@@ -50,9 +56,10 @@ from batchgen_data.sim.scenario import parse_stragglers, straggler_factors  # no
 from batchgen_data.sim.workload import Workload, make_workload  # noqa: E402
 
 ARMS = ("tuned", "stream", "late", "migrate")
-COLUMNS = ["stragglers", "seed", "arm", "bct_ray_s", "bct_sim_s", "ray_vs_sim", "sim_slots_s",
-           "ray_vs_sim_slots", "vs_tuned", "sim_vs_tuned", "packing_bound_s", "moves", "overhead",
-           "wall_s"]
+# actors whose first batches reached them less than this apart (wall s) came up together: Ray's
+# pool saw them alive in one pass and shared the queued batches among them by rule 2 of
+# sim/modes.py; their first calls differ only by Ray's task-submission latency
+WAVE_GAP_WALL_S = 0.1
 
 
 def coarse_workload(name: str, rows: int, seed: int, g: int) -> Workload:
@@ -90,10 +97,14 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
             return driver
 
         def __call__(self, batch: Any):  # type: ignore[no-untyped-def]
+            called = time.time()  # when Ray's actor thread ran this batch's call
+            first_id = min(pa.table(batch)["id"].to_pylist()) if len(batch) else -1
             for table in super().__call__(batch):
                 n = table.num_rows
                 runner = self.driver.engine.runner
                 for name, value, typ in (("bench_owner", self.ticket, pa.int64()),
+                                         ("bench_called", called, pa.float64()),
+                                         ("bench_batch", first_id, pa.int64()),
                                          ("bench_wall", time.time(), pa.float64()),
                                          ("bench_overhead", runner.overhead(), pa.float64()),
                                          ("bench_first_step", runner.first_step_at, pa.float64())):
@@ -171,7 +182,7 @@ def slots(arm: str, args: argparse.Namespace) -> tuple[int, int | None]:
 
 
 def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.Namespace,
-            factors: list[float]) -> dict[str, Any]:
+            factors: list[float], seed: int = 0) -> dict[str, Any]:
     import ray
 
     from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
@@ -198,9 +209,16 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
         coord = ray.get_actor(coordinator_name(processor.job_id, ""), namespace=NAMESPACE)
         moves = ray.get(coord.stats.remote())["num_moves"]
     ray.kill(barrier)
+    if args.trace:
+        save_trace(f"{args.trace}.{arm}.s{seed}.json", out, t0, args, factors)
     last: dict[int, tuple[float, float]] = {}
     tokens: dict[int, int] = {}
     first = {r["bench_owner"]: r["bench_first_step"] for r in out}
+    called: dict[int, float] = {}
+    batch_call: dict[int, tuple[float, int]] = {}  # input batch -> (its call, its actor)
+    for r in out:
+        called[r["bench_owner"]] = min(r["bench_called"], called.get(r["bench_owner"], math.inf))
+        batch_call[r["bench_batch"]] = (r["bench_called"], r["bench_owner"])
     for r in out:  # each owner's tokens, and its overhead as of its last yield
         owner = r["bench_owner"]
         tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
@@ -216,7 +234,19 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             # when each engine first computed: Ray's dispatch lag after the barrier, which
             # 1 / scale magnifies in modelled seconds (compute is scaled, Ray's latency is not)
             "first_step_s": sorted(round((f - t0) / args.scale, 1) for f in first.values()
-                                   if f is not None)}
+                                   if f is not None),
+            # the same by ticket (None: the actor never got a row), and each actor's last yield
+            "first_step_by_actor": [None if first.get(i) is None
+                                    else round((first[i] - t0) / args.scale, 2)
+                                    for i in range(args.actors)],
+            # when each actor's first input batch reached it (Ray had it alive by then)
+            "first_call_by_actor": [None if i not in called
+                                    else round((called[i] - t0) / args.scale, 2)
+                                    for i in range(args.actors)],
+            "_plan": ray_plan(batch_call, args),
+            "last_yield_by_actor": [None if i not in last
+                                    else round((last[i][0] - t0) / args.scale, 2)
+                                    for i in range(args.actors)]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=0.1,
                     help="migration interval_s (wall): how often engines report")
     ap.add_argument("--actor-cpus", type=float, default=0.05)
+    ap.add_argument("--trace", default="",
+                    help="path prefix: write each arm's per-row trace (owner, batch, times)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator's figures for this configuration (no Ray)")
@@ -291,11 +323,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     arm = arms[(k + seed) % len(arms)]
                     rec = ({"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
                             "wall_s": None} if args.sim_only
-                           else run_arm(arm, rows, wl, args, factors))
+                           else run_arm(arm, rows, wl, args, factors, seed))
+                    got = waves = sim.get(arm, {})
+                    plan = rec.pop("_plan", None)
+                    if got and not args.sim_only:
+                        # the dispatch rule with the start-up this Ray run had, and the replay
+                        # of Ray's own dispatch (which actor ran which batches, from when)
+                        first = rec["first_call_by_actor"]
+                        up = measured_start(first, WAVE_GAP_WALL_S / args.scale)
+                        waves = sim_bcts(wl, args, cost, factors, arm_slots, placement(args),
+                                         up, [arm])[arm]
+                        got = waves if plan is None else sim_bcts(
+                            wl, args, cost, factors, arm_slots, placement(args),
+                            [w if t is None else t for t, w in zip(first, up)], [arm], plan)[arm]
                     rec.update(stragglers=stragglers or "none", seed=seed,
                                packing_bound_s=round(bound, 1),
-                               bct_sim_s=sim.get(arm, {}).get("sim"),
-                               sim_slots_s=sim.get(arm, {}).get("sim_slots"))
+                               bct_sim_s=got.get("sim"), replayed=plan is not None,
+                               sim_waves_s=waves.get("sim"),
+                               sim_at0_s=sim.get(arm, {}).get("sim"),
+                               sim_credited_s=got.get("sim_credited"),
+                               sim_slots_s=got.get("sim_slots"),
+                               sim_home_last_s=got.get("sim_home_last"))
                     print(json.dumps(rec), flush=True)
                     records.append(rec)
     finally:
@@ -303,48 +351,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ray.shutdown()
     return report(records, args)
 
-
-def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
-    for rec in records:
-        tuned = next((r for r in records if r["arm"] == "tuned"
-                      and (r["seed"], r["stragglers"]) == (rec["seed"], rec["stragglers"])), {})
-        rec["vs_tuned"] = ratio(rec["bct_ray_s"], tuned.get("bct_ray_s"))
-        rec["sim_vs_tuned"] = ratio(rec["bct_sim_s"], tuned.get("bct_sim_s"))
-    for rec in records:
-        rec["ray_vs_sim"] = ratio(rec["bct_ray_s"], rec["bct_sim_s"])
-        rec["ray_vs_sim_slots"] = ratio(rec["bct_ray_s"], rec["sim_slots_s"])
-        for col, digits in (("bct_ray_s", 1), ("bct_sim_s", 1), ("sim_slots_s", 1),
-                            ("overhead", 3)):
-            rec[col] = round(rec[col], digits) if rec[col] is not None else None
-    print_report(records, COLUMNS)
-    summary: dict[str, Any] = {"compute": "emulated", "actors": args.actors, "rows": args.rows,
-                               "seeds": args.seeds, "preset": args.preset,
-                               "tokens_per_step": args.tokens_per_step, "scale": args.scale,
-                               "max_num_seqs": args.max_num_seqs, "batch_size": args.batch_size}
-    for setting in dict.fromkeys(r["stragglers"] for r in records):
-        rs = [r for r in records if r["stragglers"] == setting]
-        key = "" if setting == (args.stragglers or "none") else f"_{setting}"
-
-        def median_of(col: str, arm: str | None = None) -> float | None:
-            vals = [r[col] for r in rs if r[col] is not None and arm in (None, r["arm"])]
-            return round(statistics.median(vals), 3) if vals else None
-
-        summary[f"bct_ratio_migration_vs_tuned_static{key}"] = median_of("vs_tuned", "migrate")
-        summary[f"sim_ratio_migration_vs_tuned_static{key}"] = median_of("sim_vs_tuned",
-                                                                         "migrate")
-        summary[f"packing_bound_s{key}"] = median_of("packing_bound_s")
-        for arm in dict.fromkeys(r["arm"] for r in rs):
-            summary[f"bct_s{key}_{arm}"] = {"ray": median_of("bct_ray_s", arm),
-                                            "sim": median_of("bct_sim_s", arm),
-                                            "sim_slots": median_of("sim_slots_s", arm)}
-        summary[f"max_overhead{key}"] = max((r["overhead"] for r in rs
-                                             if r["overhead"] is not None), default=None)
-    summary["stragglers"] = args.stragglers or "none"
-    print(json.dumps(summary))
-    return records
 
 
 if __name__ == "__main__":

@@ -210,8 +210,11 @@ class Processor:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
-        # so rows of a big block would reach the engine one batch at a time.
-        ds = ds.repartition(target_num_rows_per_block=self.config.batch_size)
+        # so rows of a big block would reach the engine one batch at a time. `strict`: Ray
+        # 2.60's default (non-strict) repartition leaves one short block per input block
+        # (200 blocks of 20 rows became 16 + 5), which the map's bundler (min rows = batch_size)
+        # joins into 21-row tasks of two calls, the second waiting for the first's slowest row.
+        ds = ds.repartition(target_num_rows_per_block=self.config.batch_size, strict=True)
         quiet_small_input_warning(self.predictor.__name__)
         kw = self.config.map_batches_kwargs(self.job_id)
         kw["fn_constructor_kwargs"].update(self.predictor_kwargs)

@@ -28,23 +28,26 @@ from batchgen_data.sim.workload import Workload, make_workload
 
 def simulate(wl: Workload, actors: int, cost: CostModel, mode: ModeConfig,
              shape: EngineShape | None = None, slowdown: Sequence[float] | None = None,
-             start_at: Sequence[float] | None = None) -> SimResult:
+             start_at: Sequence[float] | None = None,
+             plan: Sequence[Sequence[int]] | None = None) -> SimResult:
     """Run one mode to completion; without `shape`, the preset's vLLM-default engine shape.
-    `slowdown` / `start_at`: per-actor step-time factors and start times (see `Cluster`)."""
+    `slowdown` / `start_at` / `plan`: per-actor step-time factors, start times and replayed
+    input batches (see `Cluster`)."""
     return Cluster(wl, actors, cost, shape or EngineShape.for_cost(cost), mode,
-                   slowdown, start_at).run()
+                   slowdown, start_at, plan).run()
 
 
 def compare(wl: Workload, actors: int, cost: CostModel, shape: EngineShape | None = None,
             modes: tuple[str, ...] = MODES, jobs: int = 1,
             slowdown: Sequence[float] | None = None, start_at: Sequence[float] | None = None,
+            plan: Sequence[Sequence[int]] | None = None,
             **mode_kwargs: Any) -> dict[str, SimResult]:
     """Run each mode on the same workload and cluster, `jobs` of them at once in worker
     processes; `mode_kwargs` go to `mode_config`; without `shape`, the preset's vLLM-default
     engine shape. Every mode gets the same engine shape, stragglers and start-up delays."""
     shape = shape or EngineShape.for_cost(cost)
     args = [(wl, actors, cost, mode_config(m, shape.max_num_seqs, **mode_kwargs), shape,
-             slowdown, start_at) for m in modes]
+             slowdown, start_at, plan) for m in modes]
     if jobs <= 1 or len(modes) <= 1:
         return {m: simulate(*a) for m, a in zip(modes, args)}
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")

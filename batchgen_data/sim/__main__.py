@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tasks-in-flight", type=int, default=None,
                    help="static: input batches bound per actor (Ray Data's default: 2 x "
                         "--max-concurrent-batches; equal to it = no queued batches)")
+    p.add_argument("--ray-tasks", action="store_true",
+                   help="streaming modes as the Ray connector feeds them: whole input batches "
+                        "in Ray tasks (a 2 x max_num_seqs window, a slot held until the batch's "
+                        "slowest row), not the row-level window (sim/modes.py)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine seats (default: vLLM's default on the preset's device, "
                         "1024 for h200-llama8b, 256 for a100-qwen0.5b and cpu-smollm2)")
@@ -90,7 +94,7 @@ def config_from(args: argparse.Namespace, actors: int) -> SimConfig:
         overlap=args.overlap, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_finishes=args.max_finishes,
         batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
-        max_tasks_in_flight=args.max_tasks_in_flight, tick_s=args.tick,
+        max_tasks_in_flight=args.max_tasks_in_flight, ray_tasks=args.ray_tasks, tick_s=args.tick,
         stragglers=args.stragglers, startup_skew_s=args.startup_skew, order=args.order)
 
 

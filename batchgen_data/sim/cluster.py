@@ -35,9 +35,12 @@ _END, _ARRIVE, _TICK, _UP = 0, 1, 2, 3
 class Cluster:
     def __init__(self, wl: Workload, num_actors: int, cost: CostModel, shape: EngineShape,
                  mode: ModeConfig, slowdown: Sequence[float] | None = None,
-                 start_at: Sequence[float] | None = None) -> None:
+                 start_at: Sequence[float] | None = None,
+                 plan: Sequence[Sequence[int]] | None = None) -> None:
         """`slowdown[i]` multiplies actor i's step times (stragglers); actor i takes no rows
-        before `start_at[i]` seconds (start-up skew). Both default to a uniform cluster."""
+        before `start_at[i]` seconds (start-up skew). Both default to a uniform cluster.
+        `plan` (task modes): replay a dispatch that happened, e.g. in a Ray run: actor i gets
+        exactly the input batches `plan[i]`, in that order, each when it has room."""
         if num_actors < 1:
             raise ValueError(f"actors={num_actors!r}: must be >= 1")
         self.wl, self.cost, self.shape, self.mode = wl, cost, shape, mode
@@ -57,7 +60,11 @@ class Cluster:
         self.batch_left = [min(b, n - i * b) for i in range(self.num_batches)]
         self.batch_home = [-1] * self.num_batches
         self.batch_bound_at = np.full(self.num_batches, np.nan)
-        self.next_batch = 0
+        self.next_batch = 0  # input batches bound so far (the next one, without a plan)
+        self.plan = None if plan is None else [deque(p) for p in plan]
+        if self.plan is not None and (not mode.by_task or len(self.plan) != num_actors or sorted(
+                x for p in self.plan for x in p) != list(range(self.num_batches))):
+            raise ValueError("plan: a task mode, one list per actor, every batch once")
         self.in_flight = [0] * num_actors  # unfinished rows each actor received
         self.batches_open = [0] * num_actors  # bound and not yet returned
         # static: bound batches beyond the running ones wait in the actor's task queue
@@ -80,20 +87,41 @@ class Cluster:
 
     # ---- dispatcher ---------------------------------------------------------------------
     def _wants(self, a: int) -> bool:
-        if self.next_batch >= self.num_batches or not self.started[a]:
+        """Row-window modes: actor `a` takes another input batch now."""
+        if self.mode.by_task or self.next_batch >= self.num_batches or not self.started[a]:
             return False
-        if self.mode.static:
-            return self.batches_open[a] < self.mode.tasks_in_flight
         return rows_wanted(self.in_flight[a], self.shape.max_num_seqs, self.placement) > 0
 
-    def _bind(self, a: int, now: float) -> None:
-        b = self.next_batch
+    def _dispatch(self, now: float) -> set[int]:
+        """Task modes: Ray's rule (modes.py, 2 and 5): each next input batch goes to the alive
+        actor with the fewest batches in flight, while that is below the limit; ties go to the
+        lowest index. Returns the actors that received batches."""
+        fed: set[int] = set()
+        limit = self.mode.tasks_in_flight
+        if self.plan is not None:
+            for a, todo in enumerate(self.plan):
+                while todo and self.started[a] and self.batches_open[a] < limit:
+                    self._bind(a, now, todo.popleft())
+                    fed.add(a)
+            return fed
+        while self.next_batch < self.num_batches:
+            open_ = [(n, i) for i, n in enumerate(self.batches_open)
+                     if self.started[i] and n < limit]
+            if not open_:
+                break
+            a = min(open_)[1]
+            self._bind(a, now)
+            fed.add(a)
+        return fed
+
+    def _bind(self, a: int, now: float, b: int | None = None) -> None:
+        b = self.next_batch if b is None else b
         self.next_batch += 1
         self.batch_home[b] = a
         self.batch_bound_at[b] = now
         self.in_flight[a] += self.batch_left[b]
         self.batches_open[a] += 1
-        if self.mode.static and self.batches_running[a] >= self.mode.max_concurrent_batches:
+        if self.mode.by_task and self.batches_running[a] >= self.mode.max_concurrent_batches:
             self.task_queue[a].append(b)  # Ray Core runs it when a running call returns
         else:
             self._start_batch(a, b)
@@ -107,9 +135,9 @@ class Cluster:
         self.batches_running[a] += 1
 
     def _cut(self, rows: list[int]) -> int:
-        """How many upcoming finishes a span may include: in static mode, stop at the first
+        """How many upcoming finishes a span may include: in task modes, stop at the first
         one that completes an input batch (the actor then takes a new batch)."""
-        if not self.mode.static:
+        if not self.mode.by_task:
             return len(rows)
         seen: dict[int, int] = {}
         for i, r in enumerate(rows):
@@ -141,6 +169,7 @@ class Cluster:
             return  # superseded by an interrupt
         self.span[a] = None
         homes = {a}
+        fed: set[int] = set()  # actors whose queued batch started: their engines get rows
         for row, t in self.actors[a].end_span(span):
             assert math.isnan(self.finish[row]), f"row {row} finished twice"
             self.finish[row] = t
@@ -155,12 +184,15 @@ class Cluster:
                 self.batches_running[home] -= 1
                 if self.task_queue[home]:
                     self._start_batch(home, self.task_queue[home].popleft())
+                    fed.add(home)
             homes.add(home)
         self._run_exports(a, now)
-        for h in sorted(homes):
+        if self.mode.by_task:
+            fed |= self._dispatch(now)
+        for h in sorted(homes | fed):
             if h != a and self.span[h] is not None:
-                if self._wants(h):
-                    self._interrupt(h, now)  # it binds new rows at its next step boundary
+                if h in fed or self._wants(h):
+                    self._interrupt(h, now)  # it takes the new rows at its next step boundary
                 continue
             while self._wants(h):
                 self._bind(h, now)
@@ -196,12 +228,22 @@ class Cluster:
             self._interrupt(dst, now)
 
     def _up(self, now: float, a: int) -> None:
-        """Actor `a` finished starting (model loaded): it binds rows and starts stepping."""
-        self.started[a] = True
-        while self._wants(a):
-            self._bind(a, now)
-        if self.span[a] is None and self.actors[a].has_work():
-            self._start(a, now)
+        """Actor `a` finished starting (model loaded): it binds rows and starts stepping. Every
+        actor up by `now` wakes together, as Ray's pool sees actors alive in one pass and
+        shares the queued batches among them (rule 2 of modes.py), not first come, all taken."""
+        woke = [i for i, t in enumerate(self.start_at) if t <= now and not self.started[i]]
+        for i in woke:
+            self.started[i] = True
+        fed = self._dispatch(now) if self.mode.by_task else set()
+        for i in woke:
+            while self._wants(i):
+                self._bind(i, now)
+        for h in sorted(fed | set(woke)):
+            if self.span[h] is None:
+                if self.actors[h].has_work():
+                    self._start(h, now)
+            else:
+                self._interrupt(h, now)
 
     def _tick(self, now: float) -> None:
         pcfg = self.placement
@@ -229,8 +271,10 @@ class Cluster:
     # ---- driver -------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        progress = True
-        while progress:  # round-robin initial binding, one batch per actor per pass
+        progress = not self.mode.by_task
+        if self.mode.by_task:
+            self._dispatch(0.0)
+        while progress:  # row windows: round-robin initial binding, one batch per actor a pass
             progress = False
             for a in range(len(self.actors)):
                 if self._wants(a):

@@ -22,6 +22,27 @@
   engine short of work; a row that started stays where it started.
 * `migrate` — late binding plus moving started sequences (held and running, with or without
   their KV) by the placement policy of `batchgen_data.placement`, every `tick_s`.
+
+How Ray Data 2.60 hands input batches to actors, which the static modes follow and which the
+three streaming modes follow too with `ray_tasks=True` (how the Ray connector really feeds its
+engines; without it they get the row-level window above, what the simulator credits):
+1. One task per input block, blocks in input order. `build_processor` cuts the input into
+   blocks of exactly `batch_size` rows (`repartition(..., strict=True)`), so a task is one
+   batch, one UDF call. (Non-strict, Ray 2.60 left a short block per input block and the map's
+   bundler, `bundle_queue/bundler.py` min rows = batch_size, made two-call tasks whose second
+   call waited for the first's slowest row: the 1.3-1.5x gap of the 16-actor run.)
+2. A task goes to the alive actor with the fewest tasks in flight, if that is below
+   `max_tasks_in_flight_per_actor` (`_ActorPool.select_actors`, actor_pool_map_operator.py
+   ~l.1060: a heap of in-flight counts, `peekitem`); the limit defaults to 2 x the actor's
+   `max_concurrency` (`_create_actor_pool_config`, l.253). The connector's late-binding and
+   migration arms set it to `max_concurrency`, so no batch waits unseen at a busy actor.
+3. An actor runs at most `max_concurrency` (= `max_concurrent_batches`) calls at once; the
+   other bound tasks wait in its queue and start in order as calls return.
+4. A task returns when its batch's last row is yielded, wherever that row ran (a moved row's
+   result returns through the task that received it); only then is the slot free
+   (`on_task_completed`, l.1109) and the next task dispatched, by rule 2.
+5. An actor that is not alive yet gets nothing: tasks go to the actors already up, each up
+   to the limit (`start_at`: start-up skew).
 """
 from __future__ import annotations
 
@@ -30,6 +51,8 @@ from dataclasses import dataclass, field
 from batchgen_data.placement import KINDS, PlacementConfig
 
 MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate")
+# connectors/ray_processor.py MAX_WINDOW_BATCHES: the connector's calls per actor at most
+CONNECTOR_MAX_CALLS = 128
 # what the coordinator may move in each mode that has one (the others have no coordinator)
 MOVABLE: dict[str, tuple[str, ...]] = {"late-bind": ("waiting",), "migrate": KINDS}
 
@@ -44,7 +67,8 @@ class ModeConfig:
     tick_s: float = 0.25  # coordinator period
     rpc_latency_s: float = 2e-3  # one coordinator round trip / one moved request's control data
     max_donors: int = 16  # donors the coordinator asks for request summaries per round
-    max_tasks_in_flight: int | None = None  # static only; None: 2 x max_concurrent_batches
+    max_tasks_in_flight: int | None = None  # task dispatch; None: 2 x max_concurrent_batches
+    ray_tasks: bool = False  # streaming modes: dispatch by Ray tasks as the connector does
 
     def __post_init__(self) -> None:
         if self.name not in MODES:
@@ -68,6 +92,11 @@ class ModeConfig:
         return self.name in ("static", "static-tuned")
 
     @property
+    def by_task(self) -> bool:
+        """Rows reach an engine a whole input batch (Ray task) at a time, by the rules above."""
+        return self.static or self.ray_tasks
+
+    @property
     def movable(self) -> tuple[str, ...]:
         """Request kinds the coordinator may move ("waiting" = not started on any engine)."""
         return MOVABLE.get(self.name, KINDS) if self.migrate else ()
@@ -81,16 +110,27 @@ def tuned_concurrency(max_num_seqs: int, batch_size: int, max_concurrent_batches
 def mode_config(name: str, max_num_seqs: int, batch_size: int = 32,
                 max_concurrent_batches: int = 8, tick_s: float = 0.25,
                 placement: PlacementConfig | None = None,
-                max_tasks_in_flight: int | None = None) -> ModeConfig:
-    """The configuration each mode gets in the comparison, at `max_num_seqs` seats."""
+                max_tasks_in_flight: int | None = None, ray_tasks: bool = False,
+                window_calls: int | None = None) -> ModeConfig:
+    """The configuration each mode gets in the comparison, at `max_num_seqs` seats;
+    `ray_tasks`: the streaming modes get Ray's task dispatch as the connector runs them, not
+    the row-level window: `window_calls` concurrent batches per actor (None: the connector's
+    default window) and, with a coordinator, no more bound than that."""
     if name == "static-tuned":
         max_concurrent_batches = tuned_concurrency(max_num_seqs, batch_size,
                                                    max_concurrent_batches)
         if max_tasks_in_flight is not None:
             max_tasks_in_flight = max(max_tasks_in_flight, max_concurrent_batches)
+    ray_tasks = ray_tasks and name not in ("static", "static-tuned")
+    if ray_tasks:  # the connector's feed; by default a 2 x max_num_seqs window of input batches
+        max_concurrent_batches = window_calls or min(CONNECTOR_MAX_CALLS,
+                                                     -(-2 * max_num_seqs // batch_size))
+        if name in MOVABLE and max_tasks_in_flight is None:
+            max_tasks_in_flight = max_concurrent_batches  # no batch queued unseen (rule 2)
     if name == "continuous":
         pcfg = PlacementConfig(queue_depth=max_num_seqs)  # the connector's 2 x max_num_seqs window
     else:
         pcfg = placement or PlacementConfig(queue_depth=batch_size)
     return ModeConfig(name, batch_size, max_concurrent_batches, pcfg,
-                      name in MOVABLE, tick_s, max_tasks_in_flight=max_tasks_in_flight)
+                      name in MOVABLE, tick_s, max_tasks_in_flight=max_tasks_in_flight,
+                      ray_tasks=ray_tasks)

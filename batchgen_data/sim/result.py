@@ -18,6 +18,13 @@ def solo_times(wl: "Workload", cost: "CostModel") -> np.ndarray:
                      for i, o in zip(wl.input_lens.tolist(), wl.output_lens.tolist())])
 
 
+def home_last(finish: np.ndarray, home: np.ndarray, actors: int) -> list[float]:
+    """[actors] the last finish among each actor's home rows (nan for an actor with none)."""
+    out = np.full(actors, np.nan)
+    np.fmax.at(out, home, finish)
+    return out.tolist()
+
+
 @dataclass
 class SimResult:
     mode: str
@@ -37,6 +44,9 @@ class SimResult:
     tail_floor_s: float
     finish_time: np.ndarray = field(repr=False)  # [rows] seconds
     traces: list[list[tuple[float, int]]] = field(repr=False)  # per actor (time, running)
+    # per actor, when the last row it received (its home rows) finished; nan: it got none.
+    # What a Ray run measures per actor: a row's result returns through its home task.
+    home_last_s: list[float] = field(default_factory=list, repr=False)
 
     @classmethod
     def collect(cls, c: "Cluster", wall_s: float) -> "SimResult":
@@ -51,7 +61,9 @@ class SimResult:
             preemptions=sum(a.num_preemptions for a in c.actors),
             moved=dict(c.moved), shipped_gb=c.shipped_bytes / 1e9,
             rows_finished=int(np.count_nonzero(~np.isnan(c.finish))), sim_wall_s=wall_s,
-            tail_floor_s=floor, finish_time=c.finish, traces=[a.trace for a in c.actors])
+            tail_floor_s=floor, finish_time=c.finish, traces=[a.trace for a in c.actors],
+            home_last_s=home_last(c.finish, np.asarray(c.batch_home)[
+                np.arange(c.wl.num_rows) // c.mode.batch_size], len(c.actors)))
 
     @property
     def utilization(self) -> float:

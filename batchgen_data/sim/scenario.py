@@ -89,6 +89,7 @@ class SimConfig:
     batch_size: int = 32
     max_concurrent_batches: int = 8  # `static`; `static-tuned` raises it to fill the seats
     max_tasks_in_flight: int | None = None
+    ray_tasks: bool = False  # streaming modes fed by Ray tasks, as the connector does
     tick_s: float = 0.25
     stragglers: str | None = None  # "FRAC:FACTOR"
     startup_skew_s: float = 0.0
@@ -143,7 +144,7 @@ def run_seed(cfg: SimConfig, seed: int, jobs: int = 1) -> tuple[dict[str, Any], 
     results = compare(wl, cfg.actors, cost, cfg.shape(cost), cfg.modes, jobs=jobs,
                       slowdown=slowdown, start_at=start_at, batch_size=cfg.batch_size,
                       max_concurrent_batches=cfg.max_concurrent_batches, tick_s=cfg.tick_s,
-                      max_tasks_in_flight=cfg.max_tasks_in_flight)
+                      max_tasks_in_flight=cfg.max_tasks_in_flight, ray_tasks=cfg.ray_tasks)
     # no schedule splits a row across engines: the longest row alone on the fastest actor,
     # started when the first actor is up, is a floor for every mode
     bound = min(start_at) + float(np.max(solo_times(wl, cost)))
@@ -228,7 +229,7 @@ def evaluate(cfg: SimConfig, jobs: int = 1) -> dict[str, Any]:
     return {
         "actors": cfg.actors, "rows": cfg.rows, "workload": cfg.workload, "seeds": seeds,
         "order": cfg.order, "preset": cost.name, "stragglers": cfg.stragglers,
-        "startup_skew_s": cfg.startup_skew_s,
+        "startup_skew_s": cfg.startup_skew_s, "ray_tasks": cfg.ray_tasks,
         "engine": {"max_num_seqs": shape.max_num_seqs,
                    "max_num_batched_tokens": shape.max_num_batched_tokens,
                    "block_size": shape.block_size, "max_finishes": shape.finishes_per_run},

@@ -32,3 +32,7 @@ def test_tiny_emulated_job_with_a_straggler(ray_local: None,
         assert r["bct_ray_s"] >= 0.98 * r["packing_bound_s"] > 0
         assert 0.0 <= r["overhead"] < 1.0
     assert records[0]["vs_tuned"] == 1.0
+    # the simulator replays Ray's own dispatch (whole 4-row batches) and gives its verdict
+    assert "10% BCT rule" in out
+    for r in records:
+        assert r["replayed"] and r["agree"] in ("PASS", "FAIL") and r["bct_sim_s"] > 0

@@ -39,6 +39,9 @@ class KVRates:
     device_read_bytes_per_s: float  # device memory read rate
     host_flops_per_s: float
     host_read_bytes_per_s: float
+    # the fixed cost of one micro-batch per layer (its metadata, a gather, a copy, a sync),
+    # which sizes micro-batches (`plan.micro_batch_seqs`); 20 us where not measured
+    call_s: float = 2e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,18 @@ def costs(kv_bytes: int, io_bytes: int, flops: int, rates: KVRates) -> dict[Mode
     }
 
 
+def swap_exposed_s(batch: MicroBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+                   itemsize: int, rates: KVRates) -> float:
+    """Seconds per sequence of `batch` that double-buffered swapping leaves exposed: of the
+    copy and the attention, the smaller stage (the larger one hides the other but for the
+    pipeline's fill), averaged over the batch's sequences."""
+    kv, io, flops = batch.work(num_heads, num_kv_heads, head_dim, itemsize)
+    r = rates
+    copy = (kv + io) / r.copy_bytes_per_s
+    compute = max(flops / r.device_flops_per_s, kv / r.device_read_bytes_per_s)
+    return min(copy, compute) / len(batch.tables)
+
+
 def choose_mode(batch: MicroBatch, num_heads: int, num_kv_heads: int, head_dim: int,
                 itemsize: int, rates: KVRates) -> Mode:
     """The cheaper way to attend over `batch`'s host KV. Decodes read a long context per token
@@ -103,7 +118,25 @@ def measure_kv_rates(device: torch.device, dtype: torch.dtype, nbytes: int = 32 
 
     host_read = read_rate(cpu)
     dev_read = host_read if device.type == "cpu" else read_rate(device)
-    return KVRates(dev.copy_bytes_per_s, dev.flops_per_s, dev_read, host.flops_per_s, host_read)
+    return KVRates(dev.copy_bytes_per_s, dev.flops_per_s, dev_read, host.flops_per_s, host_read,
+                   _call_s(device, reps))
+
+
+def _call_s(device: torch.device, reps: int) -> float:
+    """The fixed work of one micro-batch of one layer, timed on a one-token batch: its
+    metadata on `device`, a gather of one host row and its copy to the device, a sync."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    one = MicroBatch([[0]], [1], [1])
+    src = torch.randn(4, 64)
+    idx = torch.zeros(1, dtype=torch.long)
+    dst = torch.empty(1, 64, device=device)
+
+    def once() -> None:
+        metadata(one, 1, device, torch_decode=False)
+        dst.copy_(src.index_select(0, idx))
+
+    return _timed(once, reps, sync)
 
 
 def metadata(batch: MicroBatch, block_size: int, device: torch.device,

@@ -129,4 +129,5 @@ class EngineKVTier:
                     mode = "host"  # a group sized for host attention cannot be staged
                 self.modes[mode] += 1
             placed.append(Placed(batch, mode))
+        self.attention.plan([p.batch for p in placed if p.mode == "swap"])
         return self.router.parts(placed, self.block_size, self.device, self.torch_decode)

@@ -5,8 +5,9 @@ layer once over more sequences than the device KV cache holds: attention runs pe
 and a micro-batch whose KV blocks sit in the host tier is served one of two ways, chosen per
 micro-batch by `choose_mode` from measured rates:
 
-* **swap**: copy its KV blocks into a small device staging cache, run the device's own attention
-  kernel there, and copy the new tokens' K/V (a few rows) back to the host blocks;
+* **swap**: copy its KV blocks into a small device staging cache (double-buffered: the next
+  swapped micro-batch's blocks copy while this one attends, `kv_staging.py`), run the device's
+  own attention kernel there, and copy the new tokens' K/V (a few rows) back to the host blocks;
 * **host**: copy q and the new k/v to the host, run the torch attention on the host cache (the
   host's cores and memory bandwidth do the work), and copy the output back.
 
@@ -25,6 +26,7 @@ import torch
 
 from batchgen_data.layers.attention import Attention, AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend, building
+from batchgen_data.offload.kv_staging import KVStaging
 from batchgen_data.offload.plan import _timed, measure_rates
 
 Mode = Literal["swap", "host"]
@@ -172,8 +174,9 @@ def metadata(batch: MicroBatch, block_size: int, device: torch.device,
 
 class KVTierAttention:
     """Attention over host KV blocks for one engine: the host caches of every layer
-    ([num_host_blocks, block_size, Hkv, D] each), a device staging cache of `staging_blocks`
-    blocks that one swapped micro-batch uses per layer, and the counters."""
+    ([num_host_blocks, block_size, Hkv, D] each), two device staging caches of
+    `staging_blocks` blocks (one swapped micro-batch of one layer each: `KVStaging`), and the
+    counters."""
 
     def __init__(self, host_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  staging_blocks: int, device: torch.device, backend: LayerBackend) -> None:
@@ -181,12 +184,19 @@ class KVTierAttention:
         self.host_caches = host_caches
         self.block_size, self.num_kv_heads, self.head_dim = k0.shape[1:]
         self.device, self.backend = device, backend
-        shape = (staging_blocks, *k0.shape[1:])
-        self.staging = (torch.empty(shape, dtype=k0.dtype, device=device),
-                        torch.empty(shape, dtype=k0.dtype, device=device))
+        self.staging = KVStaging(host_caches, staging_blocks, device)
         self._host_attn: dict[tuple[int, float], Attention] = {}
-        self.bytes_to_device = 0
+        self._host_to_device = 0  # host mode's outputs (swap mode's blocks: `staging`)
         self.bytes_to_host = 0
+
+    @property
+    def bytes_to_device(self) -> int:
+        return self._host_to_device + self.staging.bytes_copied
+
+    def plan(self, swapped: list[MicroBatch]) -> None:
+        """The step's swapped micro-batches in the order each layer attends them, so that the
+        next one's blocks copy while one attends (`KVStaging`)."""
+        self.staging.plan([(id(b), b.tables) for b in swapped])
 
     def attend(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, batch: MicroBatch, mode: Mode) -> torch.Tensor:
@@ -199,22 +209,18 @@ class KVTierAttention:
     def _swap(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         host_k, host_v = self.host_caches[layer]
-        used = sorted({b for t in batch.tables for b in t})
-        assert len(used) <= self.staging[0].shape[0], "a swapped micro-batch exceeds staging"
+        staging, used, slot = self.staging.acquire(layer, id(batch), batch.tables)
         local = {b: i for i, b in enumerate(used)}
-        idx = torch.tensor(used, dtype=torch.long)
-        for dst, src in zip(self.staging, (host_k, host_v)):
-            dst[:len(used)].copy_(src.index_select(0, idx))
-        self.bytes_to_device += 2 * len(used) * host_k[0].numel() * host_k.element_size()
         dev = MicroBatch([[local[b] for b in t] for t in batch.tables], batch.seq_lens,
                          batch.query_lens)
         meta = metadata(dev, self.block_size, self.device, self.backend.torch_decode_attention)
-        out = attn(q, k, v, self.staging, meta)
+        out = attn(q, k, v, staging, meta)
         # the new tokens' K/V were written into staging: the host blocks must hold them too
         host_slots = metadata(batch, self.block_size, torch.device("cpu"), False).slot_mapping
-        for dst, src in zip((host_k, host_v), self.staging):
+        for dst, src in zip((host_k, host_v), staging):
             rows = src.view(-1, *src.shape[2:]).index_select(0, meta.slot_mapping)
             dst.view(-1, *dst.shape[2:])[host_slots] = rows.to("cpu")
+        self.staging.release(slot)  # after the reads above: the slot may be refilled
         self.bytes_to_host += 2 * k.numel() * k.element_size()
         return out
 
@@ -225,7 +231,7 @@ class KVTierAttention:
         self.bytes_to_host += sum(t.numel() * t.element_size() for t in (q, k, v))
         meta = metadata(batch, self.block_size, cpu, torch_decode=True)
         out = self._host_attention(attn)(qh, kh, vh, self.host_caches[layer], meta)
-        self.bytes_to_device += out.numel() * out.element_size()
+        self._host_to_device += out.numel() * out.element_size()
         return out.to(self.device)
 
     def _host_attention(self, attn: Attention) -> Attention:

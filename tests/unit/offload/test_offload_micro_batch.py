@@ -4,11 +4,12 @@ micro-batch when the host attends cheaper; else the square-root optimum, within 
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
 
-from batchgen_data import LLM
+from batchgen_data import LLM, SamplingParams
 from batchgen_data.offload.kv_engine import EngineKVTier
 from batchgen_data.offload.kv_tier import KVRates
 
@@ -59,3 +60,34 @@ def test_swapped_micro_batches_follow_the_rates(tier: EngineKVTier) -> None:
     # every swapped micro-batch fits the staging cache
     huge = _groups(tier, dataclasses.replace(SWAP_WINS, call_s=1.0))
     assert all(len(g) * BLOCKS_PER_SEQ <= tier.staging_blocks for g in huge)
+
+
+def test_several_swapped_micro_batches_match_resident(deep_llama: Path) -> None:
+    """Steps with several swapped micro-batches of the cost model's size, each one's blocks
+    copied while the one before it attended: the resident engine's greedy tokens."""
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]}
+               for _ in range(10)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(str(deep_llama), cpu_kernels=False).generate(prompts, sp,
+                                                                     use_tqdm=False)]
+    llm = LLM(str(deep_llama), cpu_kernels=False, block_size=4, num_kv_blocks=12,
+              host_kv_tier_bytes=4 << 20)
+    tier = llm.engine.runner.kv_tier
+    tier.rates = SWAP_WINS
+    host_groups: list[list[list[int]]] = []  # each step's host micro-batches
+    plain = tier.groups
+
+    def spy(tables, *args):  # type: ignore[no-untyped-def]
+        groups = plain(tables, *args)
+        host_groups.append([g for g in groups or [] if tier.on_host(tables[g[0]])])
+        return groups
+
+    tier.groups = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert tier.modes["swap"] > tier.modes["host"] == 0
+    # steps with several swapped micro-batches of more than one sequence
+    assert any(len(gs) > 1 and max(map(len, gs)) > 1 for gs in host_groups)
+    assert tier.attention.staging.prefetched > 0

@@ -74,8 +74,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> Path:
-    """Random weights (seed 0), no EOS token (every request generates exactly its length)."""
+def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.device,
+                    num_layers: int | None = None) -> Path:
+    """Random weights (seed 0), no EOS token (every request generates exactly its length);
+    `num_layers` cuts the shape's decoder layers (same layer shape, fewer of them)."""
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -83,6 +85,8 @@ def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.dev
         return path
     shape = dict(SHAPES[name])
     arch = shape.pop("arch")
+    if num_layers:
+        shape["num_hidden_layers"] = num_layers
     common = dict(max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                   pad_token_id=0, tie_word_embeddings=False, **shape)
     cfg_cls, model_cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if arch == "llama"
@@ -255,6 +259,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip comparing streamed and resident greedy outputs first")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="fewer decoder layers of the same shape (a shorter device call)")
     ap.add_argument("--no-hf", dest="hf", action="store_false",
                     help="leave HF accelerate out (as when it is not installed)")
     ap.add_argument("--kv-device-bytes", type=int, default=None,
@@ -276,7 +282,8 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.gettempdir()) / "batchgen_offload_bench"
     phases: dict[str, float] = {}  # seconds per phase: does the run fit one device call?
     t0 = time.perf_counter()
-    path = build_model_dir(workdir / name, name, dtype, torch.device(device))
+    path = build_model_dir(workdir / f"{name}-{args.num_layers or 'all'}", name, dtype,
+                           torch.device(device), args.num_layers)
     phases["build_s"] = time.perf_counter() - t0
     total = weight_bytes_of(path)
     budget = int(total * args.budget_frac)
@@ -334,6 +341,7 @@ def main() -> None:
     # pass (streaming only the routed experts of an MoE can go below it)
     floor = (total - budget) / n
     summary = {"summary": "offload", "model": name, "device": device, "num_requests": n,
+               "num_layers": args.num_layers or SHAPES[name]["num_hidden_layers"],
                "check": same, "hf_accelerate": "ran" if hf else "unavailable",
                "speedup_vs_hf_accelerate": row["batchgen_data"].get("vs_hf_accelerate"),
                "floor_bytes_per_token": floor, "floor_bound_tok_s": bw / floor,

@@ -1,14 +1,42 @@
 """Double-buffered KV staging (issue 16): a swapped micro-batch finds its blocks in staging,
 copied ahead while the one before it attended, under the copy ordering contract the CUDA copy
-stream relies on (`test_store.OrderChecker`); out-of-plan requests are staged on demand."""
+stream relies on (as `test_store.py` checks it for weights); out-of-plan requests are staged on
+demand."""
 from __future__ import annotations
 
 import torch
 
 from batchgen_data.offload.kv_staging import KVStaging
-from tests.unit.offload.test_store import OrderChecker
 
 LAYERS, HOST_BLOCKS, BLOCK, HKV, D = 3, 24, 4, 2, 8
+
+
+class OrderChecker:
+    """Synchronous copies that assert `StreamCopier`'s contract: no copy into a slot between
+    its `wait_ready` and its `release` (an attention still reads it), no read of a slot whose
+    last copy was not waited on."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.reading = [False] * num_slots
+        self.unwaited = [False] * num_slots
+        self.copies = 0
+
+    def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        assert not self.reading[slot], f"copy into slot {slot} while it is read"
+        dst.copy_(src)
+        self.unwaited[slot] = True
+        self.copies += 1
+
+    def wait_ready(self, slot: int) -> None:
+        self.reading[slot] = True
+        self.unwaited[slot] = False
+
+    def release(self, slot: int) -> None:
+        assert self.reading[slot] and not self.unwaited[slot]
+        self.reading[slot] = False
+
+    def host_wait(self, slot: int) -> None:
+        pass  # copies are synchronous here
 
 
 def _host_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -32,7 +32,7 @@ class EngineLoad:
 
     engine_id: EngineId
     waiting: int  # sequences queued, never scheduled yet
-    running: int  # sequences with KV blocks on the device
+    running: int  # sequences with KV blocks (on the device or in the KV host tier)
     held: int  # sequences held for memory + requests held by the user (`Engine.hold`)
     remaining_tokens_est: int  # pending + still-allowed output tokens of the live requests
     free_blocks: int
@@ -42,6 +42,9 @@ class EngineLoad:
     kv_bytes_per_token: int = 0  # what shipping one token of KV costs (0: unknown)
     # measured prompt throughput, the price of recomputing KV (0: not measured yet)
     prefill_tokens_per_s: int = 0
+    # the KV host tier of running sequences (`host_kv_tier_bytes`, docs/offload.md); 0: none
+    free_host_blocks: int = 0
+    host_blocks: int = 0
 
     @property
     def num_active(self) -> int:
@@ -49,8 +52,16 @@ class EngineLoad:
 
     @property
     def kv_tokens(self) -> int:
-        """KV held on the device: what a memory-bound decode step reads."""
-        return (self.total_blocks - self.free_blocks) * self.block_size
+        """KV of the running sequences, device and host tier: what a decode step attends over
+        (a host-tier sequence's attention reads its KV each step too)."""
+        used = self.total_blocks - self.free_blocks + self.host_blocks - self.free_host_blocks
+        return used * self.block_size
+
+    def has_kv_room(self, fraction: float) -> bool:
+        """Whether a new sequence can start: more than `fraction` of the device tier free, or
+        of the host tier, where the scheduler places a sequence the device has no room for."""
+        return (self.free_blocks >= fraction * self.total_blocks
+                or (self.host_blocks > 0 and self.free_host_blocks >= fraction * self.host_blocks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +166,7 @@ def is_short_of_work(load: EngineLoad, cfg: PlacementConfig) -> bool:
 
 def _surplus_waiting(load: EngineLoad, cfg: PlacementConfig) -> int:
     """Waiting rows the engine cannot seat at its next step."""
-    if load.free_blocks < cfg.memory_tight_fraction * load.total_blocks:
+    if not load.has_kv_room(cfg.memory_tight_fraction):
         return load.waiting
     return max(0, load.waiting - max(0, load.max_num_seqs - load.running))
 
@@ -163,7 +174,7 @@ def _surplus_waiting(load: EngineLoad, cfg: PlacementConfig) -> int:
 def has_free_seat(load: EngineLoad, cfg: PlacementConfig) -> bool:
     """Nothing queued, a seat free and KV memory to start a row in."""
     return (load.waiting == 0 and load.held == 0 and load.running < load.max_num_seqs
-            and load.free_blocks >= cfg.memory_tight_fraction * load.total_blocks)
+            and load.has_kv_room(cfg.memory_tight_fraction))
 
 
 def find_receivers(loads: Sequence[EngineLoad], cfg: PlacementConfig) -> list[EngineLoad]:

@@ -28,6 +28,12 @@ tokens with the resident engine's.
     python benchmarks/offload.py --cpu --num-requests 16 --kv-device-bytes 150000 \
         --kv-host-tier-bytes 4000000               # smoke of the host-tier row
 
+On the H200 the one command is `bash benchmarks/run_gpu.sh offload [llama8b|qwen3moe]`: the
+CUDA path's check on `tiny` (streamed == resident greedy tokens), then the model, each timed and
+bounded to fit one device call. Without accelerate (or with `--no-hf`) the HF row is left out and
+the engine is reported against the physical bound alone. With OUT set, the JSON lines also go to
+$OUT/offload_<model>.json.
+
 The budget is a quarter of the weights (`--budget-frac`). On the CPU accelerate has no device to
 offload to, so its overflow goes to disk (`offload_folder`): the smoke run checks the plumbing,
 never the speed. The H200 models are random (seed 0) and saved once under `--workdir`.
@@ -36,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import os
 import random
 import sys
 import tempfile
@@ -66,8 +74,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> Path:
-    """Random weights (seed 0), no EOS token (every request generates exactly its length)."""
+def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.device,
+                    num_layers: int | None = None) -> Path:
+    """Random weights (seed 0), no EOS token (every request generates exactly its length);
+    `num_layers` cuts the shape's decoder layers (same layer shape, fewer of them)."""
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -75,6 +85,8 @@ def build_model_dir(path: Path, name: str, dtype: torch.dtype, device: torch.dev
         return path
     shape = dict(SHAPES[name])
     arch = shape.pop("arch")
+    if num_layers:
+        shape["num_hidden_layers"] = num_layers
     common = dict(max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                   pad_token_id=0, tie_word_embeddings=False, **shape)
     cfg_cls, model_cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if arch == "llama"
@@ -247,6 +259,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip comparing streamed and resident greedy outputs first")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="fewer decoder layers of the same shape (a shorter device call)")
+    ap.add_argument("--no-hf", dest="hf", action="store_false",
+                    help="leave HF accelerate out (as when it is not installed)")
     ap.add_argument("--kv-device-bytes", type=int, default=None,
                     help="the engine's device KV cache in bytes (kv_cache_memory_bytes)")
     ap.add_argument("--kv-host-tier-bytes", type=int, default=0,
@@ -257,12 +273,18 @@ def main() -> None:
     name = args.model or ("llama8b" if cuda else "tiny")
     dtype_name = "bfloat16" if cuda else "float32"
     dtype = getattr(torch, dtype_name)
-    n = args.num_requests or (256 if cuda else 4)
+    big = cuda and name not in ("tiny", "tiny_moe")
+    # on the H200 ours takes all requests as one batch where KV allows; HF gets that size too
+    n = args.num_requests or (1024 if big else 64 if cuda else 4)
     lo, hi = args.prompt_len or ((64, 128) if cuda else (4, 10))
     out_len = args.output_len or (32 if cuda else 4)
-    hf_sizes = args.hf_batch_sizes or ([64, 256] if cuda else [4])
+    hf_sizes = args.hf_batch_sizes or (sorted({min(256, n), n}) if cuda else [4])
     workdir = args.workdir or Path(tempfile.gettempdir()) / "batchgen_offload_bench"
-    path = build_model_dir(workdir / name, name, dtype, torch.device(device))
+    phases: dict[str, float] = {}  # seconds per phase: does the run fit one device call?
+    t0 = time.perf_counter()
+    path = build_model_dir(workdir / f"{name}-{args.num_layers or 'all'}", name, dtype,
+                           torch.device(device), args.num_layers)
+    phases["build_s"] = time.perf_counter() - t0
     total = weight_bytes_of(path)
     budget = int(total * args.budget_frac)
     prompts = make_prompts(n, lo, hi, SHAPES[name]["vocab_size"])
@@ -272,15 +294,26 @@ def main() -> None:
     kv_kw = {} if args.kv_device_bytes is None else {"kv_cache_memory_bytes": args.kv_device_bytes}
     tier_kw = ({**kv_kw, "host_kv_tier_bytes": args.kv_host_tier_bytes}
                if args.kv_host_tier_bytes else None)
+    t0 = time.perf_counter()
     same = (check_outputs(path, prompts[:8], budget, dtype_name, device, tier_kw)
             if args.check else None)
+    phases["check_s"] = time.perf_counter() - t0
     print(f"check (streamed == resident greedy tokens): "
           f"{'skipped' if same is None else 'PASS' if same else 'FAIL'}")
 
     bw = measure_rates(torch.device(device), dtype).copy_bytes_per_s
-    hf = run_hf(path, prompts, out_len, budget, dtype, cuda, hf_sizes, args.hf_time_limit)
+    systems = []
+    has_hf = args.hf and importlib.util.find_spec("accelerate") is not None
+    print(f"HF accelerate: {'running' if has_hf else 'unavailable (left out)'}")
+    if has_hf:
+        t0 = time.perf_counter()
+        systems.append(("hf_accelerate", run_hf(path, prompts, out_len, budget, dtype, cuda,
+                                                hf_sizes, args.hf_time_limit)))
+        phases["hf_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     ours = run_engine(path, prompts, out_len, budget, dtype_name, device, **kv_kw)
-    systems = [("hf_accelerate", hf), ("batchgen_data", ours)]
+    phases["ours_s"] = time.perf_counter() - t0
+    systems.append(("batchgen_data", ours))
     if tier_kw:  # KV beyond the device cache in host memory: bigger steps per streamed layer
         systems.append(("batchgen_data_kv_host_tier",
                         run_engine(path, prompts, out_len, budget, dtype_name, device,
@@ -297,17 +330,22 @@ def main() -> None:
                             h2d_bytes_per_s=round(bw), **rec,
                             bound_tok_s=bound,
                             frac_of_bound=rec["tok_s"] / bound if bound else None))
-    records[1]["vs_hf_accelerate"] = records[1]["tok_s"] / records[0]["tok_s"]
+    row = {r["system"]: r for r in records}
+    hf = row.get("hf_accelerate")
+    if hf:
+        row["batchgen_data"]["vs_hf_accelerate"] = row["batchgen_data"]["tok_s"] / hf["tok_s"]
     print_report(records, ["system", "model", "tok_s", "bytes_per_token", "bound_tok_s",
                            "frac_of_bound", "max_batch_seqs", "wall_s"])
     # the least any system with this budget moves per output token when it streams whole
     # layers: the weights beyond it, once per output position, with all n requests in the same
     # pass (streaming only the routed experts of an MoE can go below it)
     floor = (total - budget) / n
-    summary = {"summary": "offload", "model": name, "num_requests": n, "check": same,
-               "speedup_vs_hf_accelerate": records[1]["vs_hf_accelerate"],
-               "floor_bytes_per_token": floor, "floor_bound_tok_s": bw / floor}
-    row = {r["system"]: r for r in records}
+    summary = {"summary": "offload", "model": name, "device": device, "num_requests": n,
+               "num_layers": args.num_layers or SHAPES[name]["num_hidden_layers"],
+               "check": same, "hf_accelerate": "ran" if hf else "unavailable",
+               "speedup_vs_hf_accelerate": row["batchgen_data"].get("vs_hf_accelerate"),
+               "floor_bytes_per_token": floor, "floor_bound_tok_s": bw / floor,
+               **{k: round(v, 1) for k, v in phases.items()}}
     if moe:  # bytes per output token, expert-granular over whole-layer streaming
         summary["expert_vs_layer_bytes"] = (row["batchgen_data"]["bytes_per_token"]
                                             / row["batchgen_data_whole_layers"]["bytes_per_token"])
@@ -316,6 +354,9 @@ def main() -> None:
             row["batchgen_data_kv_host_tier"]["bytes_per_token"]
             / row["batchgen_data"]["bytes_per_token"])
     print(json.dumps(summary))
+    if os.environ.get("OUT"):  # the device call brings $OUT back
+        with open(Path(os.environ["OUT"]) / f"offload_{name}.json", "w") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in [*records, summary])
 
 
 if __name__ == "__main__":

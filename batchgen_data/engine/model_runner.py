@@ -104,7 +104,9 @@ class ModelRunner:
         groups = None
         if self.kv_tier is not None:  # micro-batches by tier when some KV is in host memory
             groups = self.kv_tier.groups([s.block_ids for s in out.seqs],
-                                         [n == 1 for n in out.num_new_tokens])
+                                         [s.num_computed_tokens + n
+                                          for s, n in zip(out.seqs, out.num_new_tokens)],
+                                         out.num_new_tokens)
             order = order if groups is None else [i for g in groups for i in g]
         ids: list[int] = []
         pos: list[int] = []

@@ -288,7 +288,8 @@ class Scheduler:
         return EngineLoad(engine_id, len(self.waiting),
                           len(self.running) if running is None else running, len(self.held), 0,
                           self.pool.num_free, self.pool.num_blocks, self.config.max_num_seqs,
-                          self.pool.block_size)
+                          self.pool.block_size, free_host_blocks=self.pool.num_free_host,
+                          host_blocks=self.pool.num_host_blocks)
 
     def movable(self, max_running: int | None = None,
                 exclude: Container[str] = ()) -> list[RequestSummary]:

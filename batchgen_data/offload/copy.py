@@ -24,6 +24,10 @@ class Copier(Protocol):
     def release(self, slot: int) -> None:
         """Mark the work enqueued so far on the compute stream as the last reader of `slot`."""
 
+    def host_wait(self, slot: int) -> None:
+        """Block the host until the last copy into `slot` has landed, so that its host source
+        may be overwritten (a reused gather buffer)."""
+
 
 class SyncCopier:
     """Synchronous copies (the CPU "device"): ordering is program order."""
@@ -35,6 +39,9 @@ class SyncCopier:
         pass
 
     def release(self, slot: int) -> None:
+        pass
+
+    def host_wait(self, slot: int) -> None:
         pass
 
 
@@ -61,6 +68,9 @@ class StreamCopier:
     def release(self, slot: int) -> None:
         self.free[slot].record(torch.cuda.current_stream(self.device))
         self._used[slot] = True
+
+    def host_wait(self, slot: int) -> None:
+        self.ready[slot].synchronize()
 
 
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

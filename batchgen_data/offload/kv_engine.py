@@ -20,12 +20,13 @@ from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.offload.copy import host_buffer
 from batchgen_data.offload.kv_tier import (KVRates, KVTierAttention, MicroBatch, choose_mode,
-                                           measure_kv_rates, staging_blocks_for)
+                                           measure_kv_rates, staging_blocks_for, swap_exposed_s)
 from batchgen_data.offload.module_batch import Placed, TierRouter
+from batchgen_data.offload.plan import micro_batch_seqs
 
-# sequences per host micro-batch: bounds the staging cache (one layer's KV of this many
-# sequences at full length) while keeping the number of attention calls per layer small
-HOST_MICRO_BATCH_SEQS = 16
+# the device staging cache holds one layer's KV of this many sequences at max_model_len: a
+# memory bound on a swapped micro-batch (its size in sequences comes from the cost model)
+STAGING_SEQS = 16
 
 
 class EngineKVTier:
@@ -50,12 +51,13 @@ class EngineKVTier:
         self.kv = self._buffer.view(backend.dtype).view(shape).zero_()
         caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.staging_blocks = min(num_host_blocks, staging_blocks_for(
-            HOST_MICRO_BATCH_SEQS, max_model_len, block_size))
+            STAGING_SEQS, max_model_len, block_size))
         self.attention = KVTierAttention(caches, self.staging_blocks, self.device, backend)
         self.router = TierRouter(model, self.attention)
         self.rates = rates or measure_kv_rates(self.device, backend.dtype)
         self.host_seqs_peak = 0  # most host-tier sequences in one step
         self.modes = {"swap": 0, "host": 0}  # host micro-batches served each way
+        self.micro_batch_seqs_last = 0  # the size the cost model chose for the last step
 
     @property
     def bytes_moved(self) -> int:
@@ -69,10 +71,13 @@ class EngineKVTier:
         """Host block ids as rows of the host caches."""
         return [b - self.first_host_block for b in block_ids]
 
-    def groups(self, tables: Seq[list[int]], decode: Seq[bool]) -> list[list[int]] | None:
+    def groups(self, tables: Seq[list[int]], seq_lens: Seq[int], query_lens: Seq[int]
+               ) -> list[list[int]] | None:
         """The step's micro-batches as lists of scheduled indices (device ones, then host
-        groups that fit staging; decodes first inside each), or None when no sequence of the
-        step is in the host tier (the plain forward runs)."""
+        groups; decodes first inside each), or None when no sequence of the step is in the
+        host tier (the plain forward runs). The host sequences form one group when the host
+        attends cheaper than a swap (nothing to stage); else groups of `micro_batch_seqs`
+        sequences (the cost model's size, `plan.micro_batch_seqs`) whose blocks fit staging."""
         host = [i for i, t in enumerate(tables) if self.on_host(t)]
         if not host:
             return None
@@ -81,18 +86,30 @@ class EngineKVTier:
         device = [i for i, t in enumerate(tables) if not self.on_host(t)]
         if device:
             out.append(device)
+        size, staged = self.micro_batch_size(MicroBatch(
+            [tables[i] for i in host], [seq_lens[i] for i in host], [query_lens[i] for i in host]))
+        self.micro_batch_seqs_last = size
         group: list[int] = []
         blocks = 0
         for i in host:
             n = len(tables[i])
-            if group and (blocks + n > self.staging_blocks
-                          or len(group) == HOST_MICRO_BATCH_SEQS):
+            if group and (len(group) == size or (staged and blocks + n > self.staging_blocks)):
                 out.append(group)
                 group, blocks = [], 0
             group.append(i)
             blocks += n
         out.append(group)
-        return [sorted(g, key=lambda i: not decode[i]) for g in out]
+        return [sorted(g, key=lambda i: query_lens[i] != 1) for g in out]
+
+    def micro_batch_size(self, batch: MicroBatch) -> tuple[int, bool]:
+        """(sequences per host micro-batch, whether they swap through staging) for this step's
+        host-tier sequences `batch`: all of them, unstaged, when attending on the host wins
+        for the lot; else the cost model's size."""
+        s, n = self.shape, len(batch.tables)
+        args = (s.num_heads, s.num_kv_heads, s.head_dim, self.itemsize, self.rates)
+        if choose_mode(batch, *args) == "host":
+            return n, False
+        return micro_batch_seqs(n, swap_exposed_s(batch, *args), self.rates.call_s), True
 
     def parts(self, groups: list[list[int]], tables: Seq[list[int]], seq_lens: Seq[int],
               query_lens: Seq[int]) -> list[tuple[slice, AttentionMetadata]]:
@@ -108,6 +125,9 @@ class EngineKVTier:
             if host:
                 mode = choose_mode(batch, s.num_heads, s.num_kv_heads, s.head_dim,
                                    self.itemsize, self.rates)
+                if sum(map(len, batch.tables)) > self.staging_blocks:
+                    mode = "host"  # a group sized for host attention cannot be staged
                 self.modes[mode] += 1
             placed.append(Placed(batch, mode))
+        self.attention.plan([p.batch for p in placed if p.mode == "swap"])
         return self.router.parts(placed, self.block_size, self.device, self.torch_decode)

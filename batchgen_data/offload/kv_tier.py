@@ -5,8 +5,9 @@ layer once over more sequences than the device KV cache holds: attention runs pe
 and a micro-batch whose KV blocks sit in the host tier is served one of two ways, chosen per
 micro-batch by `choose_mode` from measured rates:
 
-* **swap**: copy its KV blocks into a small device staging cache, run the device's own attention
-  kernel there, and copy the new tokens' K/V (a few rows) back to the host blocks;
+* **swap**: copy its KV blocks into a small device staging cache (double-buffered: the next
+  swapped micro-batch's blocks copy while this one attends, `kv_staging.py`), run the device's
+  own attention kernel there, and copy the new tokens' K/V (a few rows) back to the host blocks;
 * **host**: copy q and the new k/v to the host, run the torch attention on the host cache (the
   host's cores and memory bandwidth do the work), and copy the output back.
 
@@ -25,6 +26,7 @@ import torch
 
 from batchgen_data.layers.attention import Attention, AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend, building
+from batchgen_data.offload.kv_staging import KVStaging
 from batchgen_data.offload.plan import _timed, measure_rates
 
 Mode = Literal["swap", "host"]
@@ -39,6 +41,9 @@ class KVRates:
     device_read_bytes_per_s: float  # device memory read rate
     host_flops_per_s: float
     host_read_bytes_per_s: float
+    # the fixed cost of one micro-batch per layer (its metadata, a gather, a copy, a sync),
+    # which sizes micro-batches (`plan.micro_batch_seqs`); 20 us where not measured
+    call_s: float = 2e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,18 @@ def costs(kv_bytes: int, io_bytes: int, flops: int, rates: KVRates) -> dict[Mode
     }
 
 
+def swap_exposed_s(batch: MicroBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+                   itemsize: int, rates: KVRates) -> float:
+    """Seconds per sequence of `batch` that double-buffered swapping leaves exposed: of the
+    copy and the attention, the smaller stage (the larger one hides the other but for the
+    pipeline's fill), averaged over the batch's sequences."""
+    kv, io, flops = batch.work(num_heads, num_kv_heads, head_dim, itemsize)
+    r = rates
+    copy = (kv + io) / r.copy_bytes_per_s
+    compute = max(flops / r.device_flops_per_s, kv / r.device_read_bytes_per_s)
+    return min(copy, compute) / len(batch.tables)
+
+
 def choose_mode(batch: MicroBatch, num_heads: int, num_kv_heads: int, head_dim: int,
                 itemsize: int, rates: KVRates) -> Mode:
     """The cheaper way to attend over `batch`'s host KV. Decodes read a long context per token
@@ -103,7 +120,25 @@ def measure_kv_rates(device: torch.device, dtype: torch.dtype, nbytes: int = 32 
 
     host_read = read_rate(cpu)
     dev_read = host_read if device.type == "cpu" else read_rate(device)
-    return KVRates(dev.copy_bytes_per_s, dev.flops_per_s, dev_read, host.flops_per_s, host_read)
+    return KVRates(dev.copy_bytes_per_s, dev.flops_per_s, dev_read, host.flops_per_s, host_read,
+                   _call_s(device, reps))
+
+
+def _call_s(device: torch.device, reps: int) -> float:
+    """The fixed work of one micro-batch of one layer, timed on a one-token batch: its
+    metadata on `device`, a gather of one host row and its copy to the device, a sync."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    one = MicroBatch([[0]], [1], [1])
+    src = torch.randn(4, 64)
+    idx = torch.zeros(1, dtype=torch.long)
+    dst = torch.empty(1, 64, device=device)
+
+    def once() -> None:
+        metadata(one, 1, device, torch_decode=False)
+        dst.copy_(src.index_select(0, idx))
+
+    return _timed(once, reps, sync)
 
 
 def metadata(batch: MicroBatch, block_size: int, device: torch.device,
@@ -139,8 +174,9 @@ def metadata(batch: MicroBatch, block_size: int, device: torch.device,
 
 class KVTierAttention:
     """Attention over host KV blocks for one engine: the host caches of every layer
-    ([num_host_blocks, block_size, Hkv, D] each), a device staging cache of `staging_blocks`
-    blocks that one swapped micro-batch uses per layer, and the counters."""
+    ([num_host_blocks, block_size, Hkv, D] each), two device staging caches of
+    `staging_blocks` blocks (one swapped micro-batch of one layer each: `KVStaging`), and the
+    counters."""
 
     def __init__(self, host_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  staging_blocks: int, device: torch.device, backend: LayerBackend) -> None:
@@ -148,12 +184,19 @@ class KVTierAttention:
         self.host_caches = host_caches
         self.block_size, self.num_kv_heads, self.head_dim = k0.shape[1:]
         self.device, self.backend = device, backend
-        shape = (staging_blocks, *k0.shape[1:])
-        self.staging = (torch.empty(shape, dtype=k0.dtype, device=device),
-                        torch.empty(shape, dtype=k0.dtype, device=device))
+        self.staging = KVStaging(host_caches, staging_blocks, device)
         self._host_attn: dict[tuple[int, float], Attention] = {}
-        self.bytes_to_device = 0
+        self._host_to_device = 0  # host mode's outputs (swap mode's blocks: `staging`)
         self.bytes_to_host = 0
+
+    @property
+    def bytes_to_device(self) -> int:
+        return self._host_to_device + self.staging.bytes_copied
+
+    def plan(self, swapped: list[MicroBatch]) -> None:
+        """The step's swapped micro-batches in the order each layer attends them, so that the
+        next one's blocks copy while one attends (`KVStaging`)."""
+        self.staging.plan([(id(b), b.tables) for b in swapped])
 
     def attend(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, batch: MicroBatch, mode: Mode) -> torch.Tensor:
@@ -166,22 +209,18 @@ class KVTierAttention:
     def _swap(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         host_k, host_v = self.host_caches[layer]
-        used = sorted({b for t in batch.tables for b in t})
-        assert len(used) <= self.staging[0].shape[0], "a swapped micro-batch exceeds staging"
+        staging, used, slot = self.staging.acquire(layer, id(batch), batch.tables)
         local = {b: i for i, b in enumerate(used)}
-        idx = torch.tensor(used, dtype=torch.long)
-        for dst, src in zip(self.staging, (host_k, host_v)):
-            dst[:len(used)].copy_(src.index_select(0, idx))
-        self.bytes_to_device += 2 * len(used) * host_k[0].numel() * host_k.element_size()
         dev = MicroBatch([[local[b] for b in t] for t in batch.tables], batch.seq_lens,
                          batch.query_lens)
         meta = metadata(dev, self.block_size, self.device, self.backend.torch_decode_attention)
-        out = attn(q, k, v, self.staging, meta)
+        out = attn(q, k, v, staging, meta)
         # the new tokens' K/V were written into staging: the host blocks must hold them too
         host_slots = metadata(batch, self.block_size, torch.device("cpu"), False).slot_mapping
-        for dst, src in zip((host_k, host_v), self.staging):
+        for dst, src in zip((host_k, host_v), staging):
             rows = src.view(-1, *src.shape[2:]).index_select(0, meta.slot_mapping)
             dst.view(-1, *dst.shape[2:])[host_slots] = rows.to("cpu")
+        self.staging.release(slot)  # after the reads above: the slot may be refilled
         self.bytes_to_host += 2 * k.numel() * k.element_size()
         return out
 
@@ -192,7 +231,7 @@ class KVTierAttention:
         self.bytes_to_host += sum(t.numel() * t.element_size() for t in (q, k, v))
         meta = metadata(batch, self.block_size, cpu, torch_decode=True)
         out = self._host_attention(attn)(qh, kh, vh, self.host_caches[layer], meta)
-        self.bytes_to_device += out.numel() * out.element_size()
+        self._host_to_device += out.numel() * out.element_size()
         return out.to(self.device)
 
     def _host_attention(self, attn: Attention) -> Attention:

@@ -82,6 +82,21 @@ def make_plan(layer_bytes: list[int], other_bytes: int, budget: int, rates: Rate
     return OffloadPlan(offloaded, slots, budget, resident, slot, tokens)
 
 
+def micro_batch_seqs(num_seqs: int, exposed_s_per_seq: float, call_s: float) -> int:
+    """Sequences per swapped KV micro-batch (docs/offload.md, "Micro-batch size").
+
+    `num_seqs` host-tier sequences attend in micro-batches of m: each micro-batch pays a fixed
+    `call_s` (launches, metadata, a sync), and with double-buffered staging the copy of one
+    micro-batch runs under the attention of the one before, so of the two pipeline stages only
+    the smaller one of one micro-batch stays exposed (the fill): `exposed_s_per_seq` per
+    sequence. A layer then takes about (n / m) * o + m * e + (terms free of m), least at
+    m* = sqrt(n * o / e), at least 1 and at most n."""
+    assert num_seqs > 0 and call_s >= 0 and exposed_s_per_seq >= 0
+    if exposed_s_per_seq == 0:
+        return num_seqs
+    return max(1, min(num_seqs, math.ceil(math.sqrt(num_seqs * call_s / exposed_s_per_seq))))
+
+
 def _timed(fn, reps: int, sync) -> float:  # type: ignore[no-untyped-def]
     fn()  # warm-up (allocations, kernel selection)
     sync()

@@ -1,9 +1,11 @@
 """The KV host tier in the block pool and the scheduler (issue 16), with fake sequences: new
 sequences spill to host blocks when the device tier is full, a sequence's blocks stay in one
 tier, prefix matches never cross tiers, and a host-tier sequence short of blocks preempts a
-host-tier victim, whose swapped-out blocks are host ids."""
+host-tier victim, whose swapped-out blocks are host ids. The pure-decode check and the load
+report (placement) count the host tier."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +15,7 @@ from batchgen_data.engine.scheduler import Scheduler
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.placement import PlacementConfig, has_free_seat
 from batchgen_data.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -112,3 +115,41 @@ def test_host_tier_sequence_preempts_a_host_victim() -> None:
     assert out.held and all(s is not a for s in out.held)  # a device sequence frees nothing
     victim, blocks = out.swap_out[0]
     assert victim.status == SequenceStatus.HELD and all(map(sch.pool.is_host, blocks))
+
+
+def test_pure_decode_check_sees_room_in_the_host_tier() -> None:
+    sch = make(device=4, host=8)
+    a = seq(7)  # two device blocks: the device keeps one free (its watermark) and one spare
+    sch.add(a)
+    advance(sch, sch.schedule())
+    assert sch.next_is_pure_decode()  # nothing waits
+    sch.add(seq(7))  # the device cannot take it, the host tier can: the next step admits it
+    assert not sch.next_is_pure_decode()
+    out = sch.schedule()
+    assert len(out) == 2 and sch.pool.is_host(out.seqs[1].block_ids[0])
+
+
+def test_pure_decode_check_when_both_tiers_are_full() -> None:
+    sch = make(device=4, host=2)
+    for s in (seq(7), seq(7)):  # one per tier
+        sch.add(s)
+    advance(sch, sch.schedule())
+    sch.add(seq(7))  # room in neither tier: the next step only decodes
+    assert sch.next_is_pure_decode()
+
+
+def test_load_counts_the_host_tier() -> None:
+    sch = make(device=4, host=16)
+    for s in (seq(7), seq(7), seq(7)):  # 2 device blocks, 2 x 2 host blocks
+        sch.add(s)
+    advance(sch, sch.schedule())
+    load = sch.load("e0")
+    assert (load.free_blocks, load.total_blocks) == (2, 4)
+    assert (load.free_host_blocks, load.host_blocks) == (12, 16)
+    assert load.kv_tokens == 6 * 4  # device and host-tier blocks in use
+    cfg = PlacementConfig(memory_tight_fraction=0.6)
+    # the device tier alone is tight (2 of 4 free); the host tier still seats new rows
+    assert load.free_blocks < 0.6 * load.total_blocks and load.has_kv_room(0.6)
+    assert has_free_seat(load, cfg)
+    full = dataclasses.replace(load, free_host_blocks=0)
+    assert not full.has_kv_room(0.6) and not has_free_seat(full, cfg)

@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _bench(tmp_path: Path, *args: str) -> tuple[str, list[dict[str, Any]]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _bench(tmp_path: Path, *args: str, **env_kw: str) -> tuple[str, list[dict[str, Any]]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_kw}
     proc = subprocess.run([sys.executable, "benchmarks/offload.py", "--cpu", "--workdir",
                            str(tmp_path), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -45,6 +45,23 @@ def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     assert tier["output_tokens"] == ours["output_tokens"]
     assert tier["max_batch_seqs"] > ours["max_batch_seqs"] and tier["kv_host_seqs_peak"] > 0
     assert summary["kv_tier_vs_device_bytes"] < 1
+
+
+def test_offload_benchmark_without_accelerate_reports_the_bound(tmp_path: Path) -> None:
+    # the device machine's image has accelerate; where it lacks it the run still reports ours
+    out = tmp_path / "out"
+    out.mkdir()
+    stdout, lines = _bench(tmp_path, "--no-hf", "--no-check", OUT=str(out))
+    assert "HF accelerate: unavailable" in stdout
+    runs = {r["system"]: r for r in lines if "system" in r}
+    assert set(runs) == {"batchgen_data"}
+    ours = runs["batchgen_data"]
+    assert ours["output_tokens"] > 0 and 0 < ours["tok_s"] and ours["bound_tok_s"] > 0
+    summary = next(r for r in lines if r.get("summary") == "offload")
+    assert summary["hf_accelerate"] == "unavailable" and summary["speedup_vs_hf_accelerate"] is None
+    assert summary["ours_s"] > 0 and "hf_s" not in summary
+    saved = [json.loads(line) for line in (out / "offload_tiny.json").read_text().splitlines()]
+    assert saved == lines  # the JSON lines the device call brings back
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ import pytest
 
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.offload import GIB, active_fraction, device_budget, scheduler_for
-from batchgen_data.offload.plan import Rates, choose_layers, make_plan, target_tokens
+from batchgen_data.offload.plan import (Rates, choose_layers, make_plan, micro_batch_seqs,
+                                       target_tokens)
 
 
 def test_fewest_layers_that_fit_with_two_slots() -> None:
@@ -63,3 +64,25 @@ def test_active_fraction_reads_moe_configs() -> None:
 
     assert active_fraction(Cfg()) == 1 / 16
     assert active_fraction(object()) == 1.0
+
+
+def test_micro_batch_size_is_the_square_root_optimum() -> None:
+    # T(m) = (n / m) * o + m * e is least at sqrt(n * o / e)
+    assert micro_batch_seqs(64, exposed_s_per_seq=1e-5, call_s=1e-5) == 8
+    assert micro_batch_seqs(100, exposed_s_per_seq=1e-6, call_s=4e-6) == 20
+
+
+def test_micro_batch_size_responds_to_the_rates() -> None:
+    base = micro_batch_seqs(256, 1e-5, 1e-5)
+    # dearer fixed cost per micro-batch: fewer, larger micro-batches
+    assert micro_batch_seqs(256, 1e-5, 4e-5) == 2 * base
+    # a slower exposed stage (e.g. a slower link): smaller ones, a shorter pipeline fill
+    assert micro_batch_seqs(256, 4e-5, 1e-5) == base // 2
+    # more sequences: larger micro-batches (as the square root)
+    assert micro_batch_seqs(1024, 1e-5, 1e-5) == 2 * base
+
+
+def test_micro_batch_size_stays_within_one_and_all() -> None:
+    assert micro_batch_seqs(10, 1.0, 1e-9) == 1
+    assert micro_batch_seqs(10, 1e-9, 1.0) == 10
+    assert micro_batch_seqs(10, 0.0, 1e-5) == 10  # nothing exposed: one micro-batch

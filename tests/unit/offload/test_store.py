@@ -111,6 +111,9 @@ class OrderChecker:
         assert self.reading[slot] and not self.unwaited[slot]
         self.reading[slot] = False
 
+    def host_wait(self, slot: int) -> None:
+        pass  # copies are synchronous here
+
 
 @pytest.mark.parametrize("parts", [False, True])
 @pytest.mark.parametrize("slots, streamed", [(2, [0, 1, 2, 3, 4]), (2, [2]), (1, [1, 3]),

@@ -76,12 +76,15 @@ def test_later_steps_reuse_their_conversation_when_the_pool_is_small(model: str)
 def test_pins_are_taken_back_one_program_at_a_time(model: str) -> None:
     """With too many programs forced in at once, the scheduler takes back pins of the programs
     queued last, not all of them, and the run still completes with the same tokens."""
-    from batchgen_data.programs.admission import ProgramAdmission
+    from batchgen_data.programs.admission import PoolState, ProgramAdmission
+
+    class Unbounded(ProgramAdmission):
+        def may_start(self, pool: PoolState, held: dict[str, int]) -> bool:
+            return True
 
     data = rows(16)
     llm = LLM(model, max_model_len=128, max_num_seqs=16, block_size=BLOCK, num_kv_blocks=64)
-    runner = ProgramRunner(llm.engine, three_turns,
-                           admission=ProgramAdmission(10**6, BLOCK))  # no bound
+    runner = ProgramRunner(llm.engine, three_turns, admission=Unbounded(64, BLOCK))
     outs = runner.run_all(data)
     pins = llm.engine.pins
     assert pins.num_dropped > 0 and pins.num_dropped < pins.num_pinned

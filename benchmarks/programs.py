@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="draws each row's passage")
     ap.add_argument("--admission", action="append",
                     help="ProgramAdmission kwarg key=value, e.g. fill=0.8 or guard=False")
+    ap.add_argument("--program-only", action="store_true",
+                    help="run only the program arm (e.g. to compare admission settings)")
     ap.add_argument("--shared-arm", action="store_true",
                     help="also run the passes on one engine that keeps its prefix cache")
     args = ap.parse_args()
@@ -224,8 +226,18 @@ def main() -> None:
     mod = load_revise()
     rows = make_rows(rows_n, args.context_words, args.seed)
     run_stages(llm, rows[:2], mod, 4)  # warm-up: kernels built, caches touched
+    head = {"bench": "programs", "rows": rows_n, "max_tokens": max_tokens,
+            "context_words": args.context_words, "seed": args.seed,
+            "admission": parse_key_values(args.admission), "model": args.model or "default"}
+    if args.program_only:
+        _, prog = run_program(llm, rows, mod, max_tokens, head["admission"])
+        print(json.dumps({**head, "load_avg": os.getloadavg(), "program": prog}))
+        return
+    # each arm's figures as soon as it ends: a run cut short keeps what it measured
     got_s, stages = run_stages(llm, rows, mod, max_tokens)
-    got_p, prog = run_program(llm, rows, mod, max_tokens, parse_key_values(args.admission))
+    print("stages:", json.dumps(stages), flush=True)
+    got_p, prog = run_program(llm, rows, mod, max_tokens, head["admission"])
+    print("program:", json.dumps(prog), flush=True)
     same = sum(a == b for a, b in zip(got_p, got_s))
     records = [{"system": "stages (ray.data.llm-style)", **stages},
                {"system": "program (LLM.run)", **prog}]
@@ -238,10 +250,7 @@ def main() -> None:
                                  "decode_steps", "decode_seqs_per_step", "prefill_s", "other_s",
                                  "preemptions"]))
     print("program reuse:", json.dumps(prog["reuse"]))
-    summary = {"bench": "programs", "rows": rows_n, "max_tokens": max_tokens,
-               "context_words": args.context_words, "seed": args.seed,
-               "admission": parse_key_values(args.admission),
-               "model": args.model or "default", "load_avg": os.getloadavg(),
+    summary = {**head, "load_avg": os.getloadavg(),
                "stages": stages, "shared_stages": shared, "program": prog,
                "prefill_ratio": round(stages["prefill_tokens"] / max(1, prog["prefill_tokens"]), 3),
                "time_ratio": round(stages["wall_s"] / max(1e-9, prog["wall_s"]), 3),

@@ -20,12 +20,21 @@ Both arms use the same engine (same config, same weights), greedy steps, the sam
 Reported per system: completion time of the whole batch and prompt tokens computed (tokens run
 through the model minus decode tokens: what prefill and recompute cost), with ratios
 stages/program, plus how many rows came out identical. For the program: prefix-cache hits per
-step index, the most programs in flight, and the engine's pin counters (taken, refused, dropped). Issue #19's goal: >= 2x fewer prefill
-tokens and >= 1.5x lower completion time for the program.
+step index, the most programs in flight, the engine's pin counters (taken, refused, dropped) and
+the starts admission's thrash guard put off. Issue #19's goal: >= 2x fewer prefill tokens and
+>= 1.5x lower completion time for the program. Each arm's decode-only steps are counted apart
+(`decode_seqs_per_step`: how full its decode batches were), with its preemptions.
+
+`--context-words N` puts a passage of about N words before each question; every row's passage is
+its own (numbered, its sentences in an order drawn from `--seed` for that row), so only the
+system prompt is shared between rows. `--admission key=value` passes ProgramAdmission settings
+(`fill`, `guard`) to the program arm.
 
     .venv/bin/python benchmarks/programs.py                 # 200 rows, 64 tokens per step
     .venv/bin/python benchmarks/programs.py --quick         # 10 rows, 16 tokens: a smoke run
     .venv/bin/python benchmarks/programs.py --rows 400 --engine max_num_seqs=128 --engine device=cuda
+    .venv/bin/python benchmarks/programs.py --rows 200 --context-words 400 \
+        --engine kv_cache_memory_bytes=4000000000                     # the document workload
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -42,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table, parse_key_values  # noqa: E402
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
+from batchgen_data.programs.admission import ProgramAdmission  # noqa: E402
 from batchgen_data.programs.offline import ProgramRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,22 +94,26 @@ NOTES = ["{} is often taught in the first weeks of an introductory course.",
          "Teachers report that students remember {} best through practice."]
 
 
-def make_rows(n: int, context_words: int = 0) -> list[dict[str, Any]]:
+def make_rows(n: int, context_words: int = 0, seed: int = 0) -> list[dict[str, Any]]:
     """`context_words` > 0: each question follows a passage of about that many words about its
     topic (a document-grounded job: summarise, extract, answer from notes), the part of the
-    prompt that a chained stage prefills again and a program prefills once."""
+    prompt that a chained stage prefills again and a program prefills once. Every row gets its
+    own passage: it opens with the row's document number and its sentences come in an order
+    drawn for that row (from `seed`), so no two rows share KV beyond the chat template's system
+    prompt, and a stage's prefix cache cannot absorb a repeated passage."""
     qs = [(a, t) for a in ASKS for t in TOPICS]
     rows = []
     for i in range(n):
         ask, topic = qs[i % len(qs)]
         q = ask.format(topic) + ("" if i < len(qs) else f" (variant {i // len(qs)})")
         if context_words:
-            order = sorted(range(len(NOTES)), key=lambda j: (j * 7 + i * 3) % len(NOTES))
-            words: list[str] = []
-            k = 0
+            rng = random.Random(f"{seed}-{i}")
+            words = f"Document {i + 1}.".split()
             while len(words) < context_words:
-                words += NOTES[order[k % len(NOTES)]].format(topic).split()
-                k += 1
+                for note in rng.sample(NOTES, len(NOTES)):  # each pass a new order
+                    words += note.format(topic).split()
+                    if len(words) >= context_words:
+                        break
             q = "Notes:\n" + " ".join(words) + "\n\nUsing the notes above: " + q
         rows.append({"question": q})
     return rows
@@ -127,6 +142,7 @@ class Meter:
         s = self.stats
         self.t0, self.c0, self.g0, self.f0 = time.perf_counter(), s.computed_tokens, \
             s.generated_tokens, s.num_finished
+        self.p0 = s.num_preemptions
         for row in self.split.values():
             row[:] = [0, 0.0, 0]
 
@@ -142,22 +158,28 @@ class Meter:
                 "decode_steps": ds, "decode_s": round(dt, 2),
                 "decode_seqs_per_step": round(dn / max(1, ds), 1),
                 "prefill_steps": ps, "prefill_s": round(pt, 2),
-                "other_s": round(wall - dt - pt, 2)}
+                "other_s": round(wall - dt - pt, 2),
+                "preemptions": s.num_preemptions - self.p0}
 
 
-def run_program(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int
-                ) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+def run_program(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int,
+                admission_kwargs: dict[str, Any]) -> tuple[list[tuple[str, str, str]],
+                                                           dict[str, Any]]:
     llm.engine.reset_prefix_cache()
     pins = llm.engine.pins
     before = (pins.num_pinned, pins.num_refused, pins.num_dropped, pins.num_dropped_blocks)
     meter = Meter(llm)
     meter.start()
     # what LLM.run does, keeping the runner to read its counters
-    runner = ProgramRunner(llm.engine, mod.revise, SamplingParams(max_tokens=max_tokens))
+    admission = ProgramAdmission.for_engine(llm.engine, **admission_kwargs)
+    runner = ProgramRunner(llm.engine, mod.revise, SamplingParams(max_tokens=max_tokens),
+                           admission=admission)
     outs = runner.run_all(rows)
     stats = meter.stop()
     reuse = runner.stats.summary(pins)
     reuse["pins"] = {k: v - b for (k, v), b in zip(reuse["pins"].items(), before)}
+    # starts the thrash guard put off (pins taken back: admission waits a round of steps)
+    reuse["admission_paused"] = getattr(admission, "num_paused", None)
     return [(o["draft"], o["critique"], o["answer"]) for o in outs], {**stats, "reuse": reuse}
 
 
@@ -190,6 +212,11 @@ def main() -> None:
     ap.add_argument("--engine", action="append", help="engine kwarg key=value (repeatable)")
     ap.add_argument("--context-words", type=int, default=0,
                     help="a passage of about this many words before each question (0: none)")
+    ap.add_argument("--seed", type=int, default=0, help="draws each row's passage")
+    ap.add_argument("--admission", action="append",
+                    help="ProgramAdmission kwarg key=value, e.g. fill=0.8 or guard=False")
+    ap.add_argument("--program-only", action="store_true",
+                    help="run only the program arm (e.g. to compare admission settings)")
     ap.add_argument("--shared-arm", action="store_true",
                     help="also run the passes on one engine that keeps its prefix cache")
     args = ap.parse_args()
@@ -197,10 +224,20 @@ def main() -> None:
 
     llm = LLM(args.model, **parse_key_values(args.engine))
     mod = load_revise()
-    rows = make_rows(rows_n, args.context_words)
+    rows = make_rows(rows_n, args.context_words, args.seed)
     run_stages(llm, rows[:2], mod, 4)  # warm-up: kernels built, caches touched
+    head = {"bench": "programs", "rows": rows_n, "max_tokens": max_tokens,
+            "context_words": args.context_words, "seed": args.seed,
+            "admission": parse_key_values(args.admission), "model": args.model or "default"}
+    if args.program_only:
+        _, prog = run_program(llm, rows, mod, max_tokens, head["admission"])
+        print(json.dumps({**head, "load_avg": os.getloadavg(), "program": prog}))
+        return
+    # each arm's figures as soon as it ends: a run cut short keeps what it measured
     got_s, stages = run_stages(llm, rows, mod, max_tokens)
-    got_p, prog = run_program(llm, rows, mod, max_tokens)
+    print("stages:", json.dumps(stages), flush=True)
+    got_p, prog = run_program(llm, rows, mod, max_tokens, head["admission"])
+    print("program:", json.dumps(prog), flush=True)
     same = sum(a == b for a, b in zip(got_p, got_s))
     records = [{"system": "stages (ray.data.llm-style)", **stages},
                {"system": "program (LLM.run)", **prog}]
@@ -210,11 +247,10 @@ def main() -> None:
         same = min(same, sum(a == b for a, b in zip(got_h, got_s)))
         records.insert(1, {"system": "stages, one engine, cache kept", **shared})
     print(format_table(records, ["system", "wall_s", "prefill_tokens", "requests", "decode_s",
-                                 "decode_steps", "decode_seqs_per_step", "prefill_s", "other_s"]))
+                                 "decode_steps", "decode_seqs_per_step", "prefill_s", "other_s",
+                                 "preemptions"]))
     print("program reuse:", json.dumps(prog["reuse"]))
-    summary = {"bench": "programs", "rows": rows_n, "max_tokens": max_tokens,
-               "context_words": args.context_words,
-               "model": args.model or "default", "load_avg": os.getloadavg(),
+    summary = {**head, "load_avg": os.getloadavg(),
                "stages": stages, "shared_stages": shared, "program": prog,
                "prefill_ratio": round(stages["prefill_tokens"] / max(1, prog["prefill_tokens"]), 3),
                "time_ratio": round(stages["wall_s"] / max(1e-9, prog["wall_s"]), 3),

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import torch
@@ -236,6 +236,18 @@ class Engine:
     def unpin(self, key: str) -> bool:
         """Release the KV kept under `key` by requests submitted with `pin=key`; False if none."""
         return self.pins.unpin(key)
+
+    def kv_blocks_held(self, pin: str, request_ids: Iterable[str] = ()) -> int:
+        """Distinct device blocks referenced now by the KV pinned under `pin` and by the live
+        requests' sequences: what a program holds at and between its steps (programs/
+        admission.py). Each read is one C-level copy, so a connector's program thread may ask
+        while the engine steps: a read that races a step is off by that step's blocks."""
+        blocks = set(self.pins.blocks_of(pin))
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            for seq in req.seqs if req is not None else ():
+                blocks.update(seq.block_ids)
+        return sum(1 for b in blocks if not self.pool.is_host(b))
 
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
         """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if

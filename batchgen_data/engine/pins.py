@@ -43,6 +43,10 @@ class PrefixPins:
     def keys(self) -> list[str]:
         return list(self._pins)
 
+    def blocks_of(self, key: str) -> list[int]:
+        """The pool blocks `key` references (empty when it holds none)."""
+        return list(self._pins.get(key, ()))
+
     def pin(self, key: str, token_ids: list[int]) -> int:
         """Reference the cached full blocks of `token_ids` under `key`; returns how many new
         blocks the key holds now (0 when refused or nothing new was cached)."""

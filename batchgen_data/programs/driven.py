@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen_data.programs.admission import ProgramAdmission
+from batchgen_data.programs.admission import PoolState, ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
 from batchgen_data.programs.steps import StepRequest, render, result_of, seeded_step
@@ -98,7 +98,14 @@ class DrivenPrograms:
 
     def _fill(self) -> None:
         """Start backlog programs while the KV pool has room for them (admission.py)."""
-        while self._backlog and self.admission.may_start():
+        if not self._backlog:
+            return
+        # read from this thread while the engine steps: an estimate a step stale at worst
+        engine = self.driver.engine
+        held = {live.pid: engine.kv_blocks_held(live.pid, live.in_flight)
+                for live in list(self._live.values()) if live.pid in self.admission}
+        state = PoolState.of(engine)
+        while self._backlog and self.admission.may_start(state, held):
             live = self._backlog.popleft()
             if live.row_future in self._live:  # not abandoned meanwhile
                 self._guarded(live, self._start, live)
@@ -139,9 +146,9 @@ class DrivenPrograms:
         live.in_flight = [f"{live.pid}-{live.run.num_steps}-{slot}" for slot in range(len(reqs))]
         engine = self.driver.engine
         rooms = [engine.max_model_len - len(r.prompt_token_ids) for r in reqs]
+        limits = [min(r.params.max_tokens or room, room) for r, room in zip(reqs, rooms)]
         self.admission.reserve(live.pid, self.admission.step_blocks(
-            [len(r.prompt_token_ids) for r in reqs],
-            [min(r.params.max_tokens or room, room) for r, room in zip(reqs, rooms)]))
+            [len(r.prompt_token_ids) for r in reqs], limits), self.admission.turn_blocks(limits))
         for slot, (req, rid) in enumerate(zip(reqs, live.in_flight)):
             # a started program's next step goes before new programs' first steps
             step_fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
@@ -165,6 +172,7 @@ class DrivenPrograms:
             live.in_flight = []
             live.run.feed(live.results)  # type: ignore[arg-type]
             self._launch(live)
+            self._fill()  # the guard may have lifted, or the pool has room again
 
     def _finish(self, live: _Live, exc: BaseException | None) -> None:
         if self._live.pop(live.row_future, None) is None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from batchgen_data.engine.engine import Engine
-from batchgen_data.programs.admission import ProgramAdmission
+from batchgen_data.programs.admission import PoolState, ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
 from batchgen_data.programs.stats import ProgramStats
@@ -41,6 +41,7 @@ class ProgramRunner:
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self._owner: dict[str, tuple[str, int]] = {}  # request id -> (program id, slot)
+        self._steps: dict[str, list[str]] = {}  # program id -> request ids of its pending step
         self._got: dict[str, list[tuple[StepRequest, GenerateResult | None]]] = {}
         self._finished: list[tuple[str, dict[str, Any]]] = []
         self.admission = admission or ProgramAdmission.for_engine(engine)
@@ -67,9 +68,9 @@ class ProgramRunner:
                 return data if imported else ProgramRun(self.program, data).export()
         run = self.runs.pop(pid)
         self.admission.end(pid, completed=False)
-        for rid in [r for r, (p, _) in self._owner.items() if p == pid]:
-            del self._owner[rid]
-            self.engine.abort(rid)
+        for rid in self._steps.pop(pid, []):
+            if self._owner.pop(rid, None) is not None:
+                self.engine.abort(rid)
         self._got.pop(pid, None)
         self.engine.unpin(pid)
         return run.export()
@@ -135,7 +136,12 @@ class ProgramRunner:
 
     def _fill(self) -> None:
         """Start backlog programs while the KV pool has room for them (admission.py)."""
-        while self._backlog and self.admission.may_start():
+        if not self._backlog:
+            return
+        held = {pid: self.engine.kv_blocks_held(pid, self._steps.get(pid, ()))
+                for pid in self.runs}
+        state = PoolState.of(self.engine)  # submitting takes no blocks: one look will do
+        while self._backlog and self.admission.may_start(state, held):
             pid, data, imported = self._backlog.popleft()
             if imported:
                 run = ProgramRun.replay(self.program, data)
@@ -157,15 +163,20 @@ class ProgramRunner:
                 run.fail(f"program {run.program.name!r} step {run.num_steps}: {e}")
             else:
                 self._got[pid] = [(req, None) for req in reqs]
+                limits = [self._limit(r) for r in reqs]
                 self.admission.reserve(pid, self.admission.step_blocks(
-                    [len(r.prompt_token_ids) for r in reqs], [self._limit(r) for r in reqs]))
+                    [len(r.prompt_token_ids) for r in reqs], limits),
+                    self.admission.turn_blocks(limits))
+                self._steps[pid] = []
                 for slot, req in enumerate(reqs):
                     # a started program's next step goes before new programs' first steps
                     rid = self.engine.submit(req.prompt_token_ids, req.params, prompt=req.prompt,
                                              pin=pid, front=bool(run.history))
                     self._owner[rid] = (pid, slot)
+                    self._steps[pid].append(rid)
                 return
         del self.runs[pid]
+        self._steps.pop(pid, None)
         self.engine.unpin(pid)
         self.admission.end(pid)
         if run.error is not None and self.on_error == "raise":

@@ -76,12 +76,15 @@ def test_later_steps_reuse_their_conversation_when_the_pool_is_small(model: str)
 def test_pins_are_taken_back_one_program_at_a_time(model: str) -> None:
     """With too many programs forced in at once, the scheduler takes back pins of the programs
     queued last, not all of them, and the run still completes with the same tokens."""
-    from batchgen_data.programs.admission import ProgramAdmission
+    from batchgen_data.programs.admission import PoolState, ProgramAdmission
+
+    class Unbounded(ProgramAdmission):
+        def may_start(self, pool: PoolState, held: dict[str, int]) -> bool:
+            return True
 
     data = rows(16)
     llm = LLM(model, max_model_len=128, max_num_seqs=16, block_size=BLOCK, num_kv_blocks=64)
-    runner = ProgramRunner(llm.engine, three_turns,
-                           admission=ProgramAdmission(10**6, BLOCK))  # no bound
+    runner = ProgramRunner(llm.engine, three_turns, admission=Unbounded(64, BLOCK))
     outs = runner.run_all(data)
     pins = llm.engine.pins
     assert pins.num_dropped > 0 and pins.num_dropped < pins.num_pinned
@@ -116,3 +119,29 @@ def test_connector_programs_are_bounded_and_reuse_their_conversation(model: str)
                      for (c, _), (_, prev) in zip(o["cached"][1:], o["cached"][:-1]))]
     assert len(reused) >= 0.9 * len(data), [o["cached"] for o in outs]
     assert 1 < programs.admission.max_in_flight < len(data)
+
+
+def test_kv_blocks_held_counts_a_programs_pin_and_its_running_step_once(model: str) -> None:
+    """What admission reads per program: its pinned blocks and its running step's blocks,
+    the prefix they share counted once, so it matches what the pool has lent out."""
+    llm = LLM(model, max_model_len=128, max_num_seqs=4, block_size=BLOCK, num_kv_blocks=64)
+    engine = llm.engine
+    ids = rows(1)[0]["ids"]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.submit(ids, sp, request_id="s1", pin="p")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    pinned = engine.kv_blocks_held("p")
+    assert pinned == (len(ids) + MAX_TOKENS) // BLOCK == 64 - engine.pool.num_free
+    engine.submit(ids + list(outs[0].outputs[0].token_ids) + FOLLOW_UP, sp, request_id="s2",
+                  pin="p")
+    assert engine.kv_blocks_held("p", ["s2"]) == pinned  # queued: it holds only the pin
+    engine.step()  # its prompt is in, on top of the pinned prefix
+    held = engine.kv_blocks_held("p", ["s2"])
+    assert pinned < held == 64 - engine.pool.num_free
+    assert engine.kv_blocks_held("q") == 0 and engine.kv_blocks_held("q", ["gone"]) == 0
+    while engine.has_unfinished():
+        engine.step()
+    engine.unpin("p")
+    assert engine.kv_blocks_held("p", ["s2"]) == 0 and engine.pool.num_free == 64

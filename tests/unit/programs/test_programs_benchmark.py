@@ -35,3 +35,27 @@ def test_programs_benchmark_document_workload(tiny_model_dir: Callable[..., Path
         assert abs(split - arm["wall_s"]) < 0.05 + 0.01 * arm["wall_s"]
         assert arm["decode_steps"] > 0 and arm["prefill_steps"] > 0
     assert out["time_ratio_bound"] >= out["time_ratio"] > 0
+
+
+def test_programs_benchmark_program_only_with_admission_settings(
+        tiny_model_dir: Callable[..., Path]) -> None:
+    out = _bench(tiny_model_dir("llama"), "--rows", "4", "--max-tokens", "2",
+                 "--context-words", "20", "--program-only", "--admission", "guard=False")
+    assert out["admission"] == {"guard": False} and "stages" not in out
+    prog = out["program"]
+    assert prog["requests"] == 12 and prog["reuse"]["admission_paused"] == 0
+
+
+def test_every_row_gets_its_own_passage() -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_programs", ROOT / "benchmarks" /
+                                                  "programs.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.make_rows(400, context_words=400, seed=0)
+    passages = [r["question"].split("\n\nUsing")[0] for r in rows]
+    assert len(set(passages)) == 400
+    assert bench.make_rows(5, 400, seed=0) == rows[:5] != bench.make_rows(5, 400, seed=1)
+    lengths = [len(p.split()) for p in passages]
+    assert 400 <= min(lengths) and max(lengths) < 420

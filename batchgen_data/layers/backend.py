@@ -55,7 +55,8 @@ class LayerBackend:
     """The implementation family of every layer of one model.
 
     `triton`: the Triton kernels. `c_ops`: RMSNorm, the rotation and SiLU*up in C (fp32 CPU).
-    `c_attention`: decode attention over the paged cache in C (fp32 CPU). `linear`: the weight
+    `c_attention`: decode attention over the paged cache in C (fp32 CPU). `c_moe`: an MoE
+    layer's routed experts in one C call for a few tokens (fp32 CPU). `linear`: the weight
     layout of the linear layers, "plain" (torch), "onednn" or "panels" (see layers/linear.py).
     """
 
@@ -64,6 +65,7 @@ class LayerBackend:
     triton: bool = False
     c_ops: bool = False
     c_attention: bool = False
+    c_moe: bool = False
     linear: str = "plain"
 
     @property
@@ -81,7 +83,7 @@ class LayerBackend:
             return cls(device, dtype, triton=True)
         if device.type != "cpu" or not cpu_kernels:
             return cls(device, dtype)
-        from batchgen_data.kernels.cpu import attention, linear, ops
+        from batchgen_data.kernels.cpu import attention, linear, moe, ops
 
         fp32 = dtype == torch.float32
         if fp32 and linear.panel_gemm_available():
@@ -93,7 +95,7 @@ class LayerBackend:
         c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
                        and attention.supports(head_dim))
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
-                   linear=layout)
+                   c_moe=fp32 and moe.available(), linear=layout)
 
 
 _current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)

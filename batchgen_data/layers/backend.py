@@ -56,7 +56,9 @@ class LayerBackend:
 
     `triton`: the Triton kernels. `c_ops`: RMSNorm, the rotation and SiLU*up in C (fp32 CPU).
     `c_attention`: decode attention over the paged cache in C (fp32 CPU). `c_moe`: an MoE
-    layer's routed experts in one C call for a few tokens (fp32 CPU). `linear`: the weight
+    layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
+    a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
+    CPU with AVX2). `linear`: the weight
     layout of the linear layers, "plain" (torch), "onednn" or "panels" (see layers/linear.py).
     """
 
@@ -66,6 +68,7 @@ class LayerBackend:
     c_ops: bool = False
     c_attention: bool = False
     c_moe: bool = False
+    c_rows: bool = False
     linear: str = "plain"
 
     @property
@@ -95,7 +98,9 @@ class LayerBackend:
         c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
                        and attention.supports(head_dim))
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
-                   c_moe=fp32 and moe.available(), linear=layout)
+                   c_moe=fp32 and moe.available(),
+                   c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),
+                   linear=layout)
 
 
 _current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)

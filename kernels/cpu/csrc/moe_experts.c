@@ -26,93 +26,17 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Pair bookkeeping + the gate|up values: (E + 1 + 2 P) int64 + P * 2I floats, P = T * k. */
+/* Pair bookkeeping + the gate|up values: (2E + 1 + P) int64 + P * 2I floats, P = T * k. */
 int64_t bg_moe_experts_workspace(int64_t T, int64_t k, int64_t E, int64_t I) {
     const int64_t P = T * k;
-    return (E + 1 + 2 * P) * (int64_t)sizeof(int64_t) + P * 2 * I * (int64_t)sizeof(float);
+    return (2 * E + 1 + P) * (int64_t)sizeof(int64_t) + P * 2 * I * (int64_t)sizeof(float);
 }
+
+#include "avx2_dot.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
 #define CJ 8   /* intermediate columns per gate/up work item */
 #define CH 16  /* output columns per down work item */
-#define MT 3   /* token rows per tile: 3 rows x 4 weight rows = 12 of the 16 vector registers */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Lanes [0, rem) of a K-tail load (rem in 1..7); the rest read as 0. */
-static inline __m256i tail_mask(int64_t rem) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem), lane);
-}
-
-/* y[m * ldy + j] = dot(xs[m], W[j * K ...]) for m < mt (<= MT), j < 4. */
-static inline __attribute__((always_inline)) void dot_tile(const float *const *xs, int mt,
-                                                           const float *W, int64_t K,
-                                                           float *y, int64_t ldy) {
-    __m256 acc[MT][4];
-    for (int m = 0; m < MT; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
-    const int64_t body = K & ~(int64_t)7;
-    for (int64_t c = 0; c <= K; c += 8) {
-        if (c == K) break;
-        __m256 w0, w1, w2, w3;
-        const __m256i mask = tail_mask(c < body ? 8 : K - c);
-        if (c < body) {
-            w0 = _mm256_loadu_ps(W + c), w1 = _mm256_loadu_ps(W + K + c);
-            w2 = _mm256_loadu_ps(W + 2 * K + c), w3 = _mm256_loadu_ps(W + 3 * K + c);
-        } else {
-            w0 = _mm256_maskload_ps(W + c, mask), w1 = _mm256_maskload_ps(W + K + c, mask);
-            w2 = _mm256_maskload_ps(W + 2 * K + c, mask);
-            w3 = _mm256_maskload_ps(W + 3 * K + c, mask);
-        }
-        for (int m = 0; m < MT; m++) {
-            if (m >= mt) break;
-            const __m256 x = c < body ? _mm256_loadu_ps(xs[m] + c)
-                                      : _mm256_maskload_ps(xs[m] + c, mask);
-            acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
-        }
-    }
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < 4; j++) y[m * ldy + j] = hsum8(acc[m][j]);
-}
-
-/* One dot product of length K (any K). */
-static inline float dot1(const float *x, const float *w, int64_t K) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 8 <= K; c += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(w + c), acc);
-    if (c < K) {
-        const __m256i mask = tail_mask(K - c);
-        acc = _mm256_fmadd_ps(_mm256_maskload_ps(x + c, mask), _mm256_maskload_ps(w + c, mask),
-                              acc);
-    }
-    return hsum8(acc);
-}
-
-/* Dot products of `n` weight rows (W, stride K) with the rows xs[0..rows): y[r * ldy + j]. */
-static void dots(const float *const *xs, int64_t rows, const float *W, int64_t n, int64_t K,
-                 float *y, int64_t ldy) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4)
-        for (int64_t r = 0; r < rows; r += MT) {
-            const int mt = (int)(rows - r < MT ? rows - r : MT);
-            dot_tile(xs + r, mt, W + j * K, K, y + r * ldy + j, ldy);
-        }
-    for (; j < n; j++) /* the last n % 4 weight rows */
-        for (int64_t r = 0; r < rows; r++) y[r * ldy + j] = dot1(xs[r], W + j * K, K);
-}
-
 int bg_moe_experts_supported(void) { return 1; }
 
 int bg_moe_experts_f32(const float *X, const float *W13, const float *W2, const int64_t *ids,
@@ -120,9 +44,9 @@ int bg_moe_experts_f32(const float *X, const float *W13, const float *W2, const 
                        int64_t E, int64_t H, int64_t I, int num_threads) {
     const int64_t P = T * k;
     int64_t *start = (int64_t *)work;       /* [E + 1] first sorted pair of each expert */
-    int64_t *pair = start + E + 1;          /* [P] sorted position -> pair t * k + j */
-    int64_t *fill = pair + P;               /* [P] scratch: next free slot per expert */
-    float *gu = (float *)(fill + P);        /* [P, 2I]: gate, then (after SiLU) inter */
+    int64_t *fill = start + E + 1;          /* [E] scratch: next free slot per expert */
+    int64_t *pair = fill + E;               /* [P] sorted position -> pair t * k + j */
+    float *gu = (float *)(pair + P);        /* [P, 2I]: gate, then (after SiLU) inter */
     memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < P; p++) {
         if (ids[p] < 0 || ids[p] >= E) return -2;

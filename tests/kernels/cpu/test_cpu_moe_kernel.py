@@ -57,6 +57,16 @@ def test_two_experts_take_every_row_past_one_tile() -> None:
 
 
 @needs_moe_kernel
+def test_many_experts_for_one_token() -> None:
+    # more experts than pairs and a tiny width: the per-expert bookkeeping outgrows the pairs'
+    w13, w2 = random_experts(64, 8, 8, seed=4)
+    x = torch.randn(1, 8)
+    weights, ids = random_route(1, 64, 1, seed=5)
+    torch.testing.assert_close(cpu_moe.moe_experts(x, w13, w2, weights, ids),
+                               cpu_moe.reference(x, w13, w2, weights, ids), rtol=1e-5, atol=2e-6)
+
+
+@needs_moe_kernel
 def test_matches_the_torch_path_at_the_benchmark_shape() -> None:
     w13, w2 = random_experts(32, 512, 256, seed=2)
     x = torch.randn(32, 512)

@@ -58,8 +58,8 @@ class LayerBackend:
     `c_attention`: decode attention over the paged cache in C (fp32 CPU). `c_moe`: an MoE
     layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
     a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
-    CPU with AVX2). `linear`: the weight
-    layout of the linear layers, "plain" (torch), "onednn" or "panels" (see layers/linear.py).
+    CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "onednn"
+    or "panels" (see layers/linear.py).
     """
 
     device: torch.device

@@ -199,7 +199,9 @@ class FusedMoE(nn.Module):
             counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
             self.expert_tokens += counts
             w13, w2, ids, counts = self.experts_for(ids, counts)
-            if self._c_experts is not None and x.shape[0] <= cpu_moe.MAX_TOKENS:
+            # the kernel reads the stacked weights in place: contiguous ones only
+            if (self._c_experts is not None and x.shape[0] <= cpu_moe.MAX_TOKENS
+                    and w13.is_contiguous() and w2.is_contiguous()):
                 out = self._c_experts(x, w13, w2, weights, ids)
             else:
                 out = cpu_fused_experts(x, w13, w2, weights, ids, self.act, counts)

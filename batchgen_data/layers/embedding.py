@@ -43,8 +43,7 @@ class VocabEmbedding(nn.Module):
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output projection: [N, hidden] -> logits [N, vocab]."""
         if self.packed is None:
-            few = (hidden.dim() == 2 and cpu_linear.ROWS_GEMM_MIN_ROWS <= hidden.shape[0]
-                   <= cpu_linear.ROWS_GEMM_MAX_ROWS)
+            few = hidden.dim() == 2 and hidden.shape[0] <= cpu_linear.ROWS_GEMM_MAX_ROWS
             if self.c_rows and few:
                 return cpu_linear.rows_linear(hidden, self.weight)
             return F.linear(hidden, self.weight)

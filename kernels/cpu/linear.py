@@ -11,7 +11,7 @@ exactly one of these layouts and routes every call to the kernels of that layout
   MKL's batched matmul on the same panels (each is a [in, 48] matrix) for larger row counts.
 * the plain layout: `csrc/small_gemm.c` (`small_linear`, up to `SMALL_GEMM_MAX_ROWS` rows)
   streams the weight once (AVX-512); `csrc/rows_gemm.c` (`rows_linear`, up to
-  `ROWS_GEMM_MAX_ROWS` rows, AVX2) does the same on a CPU without AVX-512, where it serves the
+  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves the
   tied output projection (the embedding's plain rows; `layers/embedding.py`).
 
 Every kernel changes only the memory layout or the summation order, so results differ from
@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 SMALL_GEMM_MAX_ROWS = 8
 PANEL_MAX_ROWS = 64
 PANEL = 48  # output columns per panel (csrc/panel_gemm.c)
-# `rows_linear` serves 2-64 rows (decode steps): at 2-32 rows of a 49k x 512 tied head it took
-# 1.7-3x less time than MKL's sgemm here; at one row MKL's GEMV path was as fast or faster, and
+# `rows_linear` serves up to 64 rows (decode steps): on a 49k x 512 tied head it took 1.3x (one
+# row) to 2.7x (two rows) less time than MKL's sgemm here (AVX2 EPYC, one thread, loaded box);
 # prefill chunks keep MKL's cache-blocked GEMM
-ROWS_GEMM_MIN_ROWS, ROWS_GEMM_MAX_ROWS = 2, 64
+ROWS_GEMM_MAX_ROWS = 64
 
 
 def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...],

@@ -27,6 +27,17 @@ static inline __m256i tail_mask(int64_t rem) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem), lane);
 }
 
+/* acc[m][j] += x_m * w_j over one 8-column step (the x rows' vectors loaded here). */
+#define DOT_STEP(LOADX)                                                                        \
+    for (int m = 0; m < DOT_MT; m++) {                                                         \
+        if (m >= mt) break;                                                                    \
+        const __m256 x = LOADX;                                                                \
+        acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);                                         \
+        acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);                                         \
+        acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);                                         \
+        acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);                                         \
+    }
+
 /* y[m * ldy + j] = dot(xs[m], W[j * K ...]) for m < mt (<= DOT_MT), j < 4. */
 static inline __attribute__((always_inline)) void dot_tile(const float *const *xs, int mt,
                                                            const float *W, int64_t K,
@@ -35,27 +46,22 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
     for (int m = 0; m < DOT_MT; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
     const int64_t body = K & ~(int64_t)7;
-    for (int64_t c = 0; c <= K; c += 8) {
-        if (c == K) break;
-        __m256 w0, w1, w2, w3;
-        const __m256i mask = tail_mask(c < body ? 8 : K - c);
-        if (c < body) {
-            w0 = _mm256_loadu_ps(W + c), w1 = _mm256_loadu_ps(W + K + c);
-            w2 = _mm256_loadu_ps(W + 2 * K + c), w3 = _mm256_loadu_ps(W + 3 * K + c);
-        } else {
-            w0 = _mm256_maskload_ps(W + c, mask), w1 = _mm256_maskload_ps(W + K + c, mask);
-            w2 = _mm256_maskload_ps(W + 2 * K + c, mask);
-            w3 = _mm256_maskload_ps(W + 3 * K + c, mask);
-        }
-        for (int m = 0; m < DOT_MT; m++) {
-            if (m >= mt) break;
-            const __m256 x = c < body ? _mm256_loadu_ps(xs[m] + c)
-                                      : _mm256_maskload_ps(xs[m] + c, mask);
-            acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(x, w2, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(x, w3, acc[m][3]);
-        }
+    for (int64_t c = 0; c < body; c += 8) {
+        /* the next 4 rows at the same column, one line each per 16 columns: the hardware
+         * prefetcher alone left a 49k-row head 1.1-1.4x slower (AVX2 EPYC, one thread) */
+        if (!(c & 15))
+            for (int j = 4; j < 8; j++) _mm_prefetch((const char *)(W + j * K + c), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(W + c), w1 = _mm256_loadu_ps(W + K + c);
+        const __m256 w2 = _mm256_loadu_ps(W + 2 * K + c), w3 = _mm256_loadu_ps(W + 3 * K + c);
+        DOT_STEP(_mm256_loadu_ps(xs[m] + c))
+    }
+    if (body < K) { /* the last K % 8 columns, masked */
+        const __m256i mask = tail_mask(K - body);
+        const __m256 w0 = _mm256_maskload_ps(W + body, mask);
+        const __m256 w1 = _mm256_maskload_ps(W + K + body, mask);
+        const __m256 w2 = _mm256_maskload_ps(W + 2 * K + body, mask);
+        const __m256 w3 = _mm256_maskload_ps(W + 3 * K + body, mask);
+        DOT_STEP(_mm256_maskload_ps(xs[m] + body, mask))
     }
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < 4; j++) y[m * ldy + j] = hsum8(acc[m][j]);

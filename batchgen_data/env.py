@@ -69,6 +69,13 @@ def cpu_decode_stack() -> bool:
     return _get_flag("BATCHGEN_CPU_DECODE_STACK", default=True)
 
 
+def cpu_moe_kernel() -> bool:
+    """``$BATCHGEN_CPU_MOE_KERNEL``: a test hook (users set the engine's ``cpu_kernels``).
+    ``0``, ``false``, ``no`` or ``off`` keep the MoE layers' experts on torch's grouped matmuls
+    instead of one C call per layer (default on). Read when a model is built."""
+    return _get_flag("BATCHGEN_CPU_MOE_KERNEL", default=True)
+
+
 def _get_flag(name: str, default: bool) -> bool:
     value = _get_str(name)
     if value is None:

@@ -8,10 +8,13 @@ sequences, 256 and 2048 prefill chunks) the strategies run interleaved in one pr
 order rotated every repeat, so a machine whose load changes slows them alike; the figures are
 medians of wall time and of process CPU time (all threads) per pass over the layers.
 
-Strategies (all exact: same fp32 products and sums, checked against the first one):
+Strategies (checked against the first one; all but `c` are exact: same fp32 products and sums):
   loop     one `torch.mm` pair per expert with tokens, a Python loop (`_experts_loop`)
   grouped  `torch._grouped_mm` over the experts' token groups, one call per projection
            (`_experts_grouped`; torch >= 2.9 has it on the CPU)
+  c        the C kernel (`kernels/cpu/moe.py`: buckets, gate/up + SiLU * up, down and the
+           weighted sum in one call; AVX2/FMA); it sums in another order, so it matches to
+           float rounding, not bit for bit
   padded   every expert's group padded to the largest and one `torch.bmm` per projection over
            all experts (reads idle experts' weights too; here for comparison only)
 (Also tried and dropped: the grouped call with the operands swapped, W_e @ x^T per group, which
@@ -37,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table  # noqa: E402
 
+from batchgen_data.kernels.cpu import moe as cpu_moe  # noqa: E402
 from batchgen_data.layers import moe  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 32, 4
@@ -71,6 +75,8 @@ def strategies() -> dict[str, Experts]:
     found: dict[str, Experts] = {"loop": moe._experts_loop}
     if moe.GROUPED_MM:
         found["grouped"] = moe._experts_grouped
+    if cpu_moe.available():
+        found["c"] = cpu_moe.moe_experts
     found["padded"] = padded_bmm
     return found
 

@@ -63,6 +63,8 @@ def ours(model_dir: Path, batch: int, steps: int, seed: int) -> dict[str, float]
         timed(layer, "attend", "attention", acc)
         if isinstance(layer.mlp, moe.FusedMoE):
             timed(layer.mlp.gate, "forward", "router", acc)
+            if layer.mlp._c_experts is not None:  # the one-call C kernel (few tokens)
+                timed(layer.mlp, "_c_experts", "experts", acc)
     timed(moe, "cpu_fused_experts", "experts", acc)  # FusedMoE.forward looks it up per call
     timed(model, "compute_logits", "lm_head", acc)
     timed(eng.runner, "prepare", "prepare", acc)

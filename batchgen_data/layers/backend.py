@@ -55,8 +55,11 @@ class LayerBackend:
     """The implementation family of every layer of one model.
 
     `triton`: the Triton kernels. `c_ops`: RMSNorm, the rotation and SiLU*up in C (fp32 CPU).
-    `c_attention`: decode attention over the paged cache in C (fp32 CPU). `linear`: the weight
-    layout of the linear layers, "plain" (torch), "onednn" or "panels" (see layers/linear.py).
+    `c_attention`: decode attention over the paged cache in C (fp32 CPU). `c_moe`: an MoE
+    layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
+    a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
+    CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "onednn"
+    or "panels" (see layers/linear.py).
     """
 
     device: torch.device
@@ -64,6 +67,8 @@ class LayerBackend:
     triton: bool = False
     c_ops: bool = False
     c_attention: bool = False
+    c_moe: bool = False
+    c_rows: bool = False
     linear: str = "plain"
 
     @property
@@ -81,7 +86,7 @@ class LayerBackend:
             return cls(device, dtype, triton=True)
         if device.type != "cpu" or not cpu_kernels:
             return cls(device, dtype)
-        from batchgen_data.kernels.cpu import attention, linear, ops
+        from batchgen_data.kernels.cpu import attention, linear, moe, ops
 
         fp32 = dtype == torch.float32
         if fp32 and linear.panel_gemm_available():
@@ -93,6 +98,8 @@ class LayerBackend:
         c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
                        and attention.supports(head_dim))
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
+                   c_moe=fp32 and moe.available(),
+                   c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),
                    linear=layout)
 
 

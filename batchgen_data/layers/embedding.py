@@ -3,7 +3,8 @@
 Tied models (SmolLM2, Qwen2 small sizes) would otherwise need the [vocab, hidden] matrix twice:
 plain rows for the lookup and a packed copy for the logits. On a "panels" backend the one copy
 is kept in the panel layout (the lookup gathers rows out of the panels, a strided copy of a few
-KB per token); on the others the plain copy serves both (logits through `F.linear`).
+KB per token); on the others the plain copy serves both (logits through `F.linear`, or for a
+decode step's few rows the AVX2 row kernel `kernels.cpu.linear.rows_linear`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen_data.kernels.cpu import linear as cpu_linear
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import packed_forward
 
@@ -23,12 +25,12 @@ class VocabEmbedding(nn.Module):
         # only a tied head benefits from a packed layout: a lookup alone wants plain rows
         self.layout = "panels" if tied_head and current().linear == "panels" else "plain"
         self.register_buffer("packed", None, persistent=False)
+        # a tied head on plain rows: few-row logits through the AVX2 C kernel where it runs
+        self.c_rows = tied_head and self.layout == "plain" and current().c_rows
 
     def process_weights_after_loading(self) -> None:
         if self.layout != "panels" or self.weight is None:
             return
-        from batchgen_data.kernels.cpu import linear as cpu_linear
-
         self.packed = cpu_linear.pack_panels(self.weight.detach())
         self.weight = None
 
@@ -36,12 +38,13 @@ class VocabEmbedding(nn.Module):
         """[T] token ids -> [T, hidden]."""
         if self.packed is None:
             return F.embedding(input_ids, self.weight)
-        from batchgen_data.kernels.cpu import linear as cpu_linear
-
         return cpu_linear.panel_rows(self.packed, input_ids)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output projection: [N, hidden] -> logits [N, vocab]."""
         if self.packed is None:
+            few = hidden.dim() == 2 and hidden.shape[0] <= cpu_linear.ROWS_GEMM_MAX_ROWS
+            if self.c_rows and few:
+                return cpu_linear.rows_linear(hidden, self.weight)
             return F.linear(hidden, self.weight)
         return packed_forward(hidden, self.packed, None, self.vocab, self.layout)

@@ -13,7 +13,9 @@ grouped GEMM (`batchgen_data.kernels.fused_moe.fused_experts`) on the Triton bac
 `cpu_fused_experts`, which sorts the (token, expert) pairs by expert and runs one matmul per
 expert that received tokens (`torch._grouped_mm` walks the groups in C++ where torch has it on
 the CPU, else a Python loop), so each expert's weights are read once per step however many
-sequences sent it tokens. That is where expert-level batching pays: the step's tokens of every
+sequences sent it tokens. A step of up to `kernels.cpu.moe.MAX_TOKENS` tokens (every decode
+step) runs the whole thing in one C call instead where the backend allows it (`c_moe`: fp32,
+AVX2). That is where expert-level batching pays: the step's tokens of every
 sequence suspended at this layer arrive here as one batch (see `models/moe.py`).
 
 Every call also counts the tokens each expert received (`expert_tokens`, summed until the engine
@@ -26,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from batchgen_data.kernels.cpu import moe as cpu_moe
 from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import Linear
@@ -174,6 +177,8 @@ class FusedMoE(nn.Module):
         self._gpu_experts: ExpertsFn | None = _triton_experts() if self.triton else None
         # the CPU path reuses the activation kernel the backend picked for the dense MLPs
         self.act = SiluAndMul()
+        # a step of up to `MAX_TOKENS` tokens runs all routed experts in one C call
+        self._c_experts: ExpertsFn | None = cpu_moe.moe_experts if current().c_moe else None
         # set by the weight store when this layer's experts stream from host memory
         self.expert_stream: ExpertStream | None = None
 
@@ -194,7 +199,12 @@ class FusedMoE(nn.Module):
             counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
             self.expert_tokens += counts
             w13, w2, ids, counts = self.experts_for(ids, counts)
-            out = cpu_fused_experts(x, w13, w2, weights, ids, self.act, counts)
+            # the kernel reads the stacked weights in place: contiguous ones only
+            if (self._c_experts is not None and x.shape[0] <= cpu_moe.MAX_TOKENS
+                    and w13.is_contiguous() and w2.is_contiguous()):
+                out = self._c_experts(x, w13, w2, weights, ids)
+            else:
+                out = cpu_fused_experts(x, w13, w2, weights, ids, self.act, counts)
         if self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)

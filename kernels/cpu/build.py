@@ -92,6 +92,16 @@ def _declare(lib: ctypes.CDLL) -> None:
                                         i64, i64, ptr, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ctypes.c_float, c_int, c_int]
     lib.bg_decode_stack_f32.restype = c_int
+    lib.bg_rows_gemm_supported.argtypes = []
+    lib.bg_rows_gemm_supported.restype = c_int
+    lib.bg_rows_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+    lib.bg_rows_gemm_f32.restype = c_int
+    lib.bg_moe_experts_supported.argtypes = []
+    lib.bg_moe_experts_supported.restype = c_int
+    lib.bg_moe_experts_workspace.argtypes = [i64] * 4
+    lib.bg_moe_experts_workspace.restype = i64
+    lib.bg_moe_experts_f32.argtypes = [ptr] * 7 + [i64] * 5 + [c_int]
+    lib.bg_moe_experts_f32.restype = c_int
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,9 @@ exactly one of these layouts and routes every call to the kernels of that layout
   the oneDNN kernel here, and tied with the small-row kernel at 8 rows. `panel_matmul` runs
   MKL's batched matmul on the same panels (each is a [in, 48] matrix) for larger row counts.
 * the plain layout: `csrc/small_gemm.c` (`small_linear`, up to `SMALL_GEMM_MAX_ROWS` rows)
-  streams the weight once.
+  streams the weight once (AVX-512); `csrc/rows_gemm.c` (`rows_linear`, up to
+  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves the
+  tied output projection (the embedding's plain rows; `layers/embedding.py`).
 
 Every kernel changes only the memory layout or the summation order, so results differ from
 `F.linear` by float rounding, which a first-use self-check bounds. ``BATCHGEN_CPU_SMALL_GEMM=0``
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 SMALL_GEMM_MAX_ROWS = 8
 PANEL_MAX_ROWS = 64
 PANEL = 48  # output columns per panel (csrc/panel_gemm.c)
+# `rows_linear` serves up to 64 rows (decode steps): on a 49k x 512 tied head it took 1.3x (one
+# row) to 2.7x (two rows) less time than MKL's sgemm here (AVX2 EPYC, one thread, loaded box);
+# prefill chunks keep MKL's cache-blocked GEMM
+ROWS_GEMM_MAX_ROWS = 64
 
 
 def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...],
@@ -136,6 +142,42 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"small_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     return _c_linear(lib.bg_small_gemm_f32, x, weight, bias, out_f)
+
+
+def rows_gemm_available() -> bool:
+    """Whether `rows_linear` can run here (a C compiler, AVX2 + FMA, ``BATCHGEN_CPU_SMALL_GEMM``
+    not off, and the kernel agrees with `F.linear` on a self-check)."""
+    return env.cpu_small_gemm() and _rows_gemm_checked()
+
+
+@functools.lru_cache(maxsize=None)
+@torch.no_grad()
+def _rows_gemm_checked() -> bool:
+    lib = cpu_kernels.library()
+    if lib is None or not lib.bg_rows_gemm_supported():
+        return False
+    # a K tail (K % 8), a partial weight-row block and a partial 3-row tile
+    return _agrees_with_f_linear("plain-row", 37, 53, (1, 5, 33), lambda w: w,
+                                 lambda x, w, b: rows_linear(x, w) if b is None else
+                                 rows_linear(x, w) + b)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` through the AVX2 row kernel: fp32 CPU tensors, `weight` [out, in]
+    contiguous. Call only when `rows_gemm_available()`."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    out_f, in_f = weight.shape
+    if (x.shape[-1] != in_f or not weight.is_contiguous() or weight.dtype != torch.float32
+            or x.dtype != torch.float32):
+        raise ValueError(f"rows_linear: x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    shape = x.shape
+    x2 = x.reshape(-1, in_f).contiguous()
+    out = torch.empty(x2.shape[0], out_f, dtype=torch.float32)
+    lib.bg_rows_gemm_f32(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), x2.shape[0], out_f,
+                         in_f, torch.get_num_threads())
+    return out.view(*shape[:-1], out_f)
 
 
 def panel_gemm_available() -> bool:

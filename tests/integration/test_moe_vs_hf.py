@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
+from batchgen_data.kernels.cpu import moe as cpu_moe
 
 # tiny configs: hidden 64, 2-3 layers, a few experts of width 32
 _COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -125,6 +126,9 @@ def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ig
     path, hf = moe_model(arch)
     llm = LLM(str(path), **CASES[case])
     steps = check_greedy_case(llm, hf, case)
+    # decode steps ran the experts in one C call wherever the kernel builds (AVX2/FMA)
+    assert all((layer._c_experts is not None) == cpu_moe.available()
+               for layer in llm.engine.runner.model.moe_layers)
     moe = llm.engine.runner.model.moe
     num_layers = len(llm.engine.runner.model.moe_layers)
     assert num_layers == (2 if arch == "qwen3_moe" else 3)
@@ -175,6 +179,16 @@ def check_export_import(path: Path, include_kv: bool) -> None:
 
 def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: ignore[no-untyped-def]
     check_torch_backend(*moe_model("qwen2_moe"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_torch_experts_with_the_other_c_kernels_give_the_same_tokens(
+        arch: str, moe_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("BATCHGEN_CPU_MOE_KERNEL", "0")  # the hook: experts on torch's matmuls
+    path, hf = moe_model(arch)
+    llm = LLM(str(path), **CASES["tiny_chunks"])
+    assert all(layer._c_experts is None for layer in llm.engine.runner.model.moe_layers)
+    check_greedy_case(llm, hf, "tiny_chunks")
 
 
 @pytest.mark.parametrize("include_kv", [False, True])

@@ -1,0 +1,105 @@
+"""Interleaved A/B of the CPU MoE decode step: the C kernels on against torch, in one engine.
+
+One engine of `moe_throughput.py`'s model (random Qwen3-MoE shape: 8 layers, hidden 512, 32
+experts of 256, top-4, tied 49k vocabulary, fp32) decodes B sequences; each decode step runs
+under one arm, the arms taking turns step by step (the order rotated each round), so a machine
+whose load changes slows every arm alike. Arms:
+  torch    experts on torch's grouped matmuls, the tied head through F.linear (MKL)
+  experts  the one-call C experts kernel (`kernels/cpu/moe.py`), head on F.linear
+  head     the AVX2 row kernel for the tied head (`rows_linear`), experts on torch
+  c        both kernels (the engine's default on an AVX2 CPU)
+Steps grow each sequence's KV by one token, the same for every arm. Reported per B: median wall
+and process CPU time per step, the spread (p10-p90 of wall), and each arm's speed-up over
+`torch` (ratio of medians).
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/moe_decode_ab.py --batches 1,8,16,32
+
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import format_table, make_workload  # noqa: E402
+from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
+from moe_throughput import prepare_model_dir  # noqa: E402
+
+ARMS = {"torch": (False, False), "experts": (True, False), "head": (False, True), "c": (True, True)}
+
+
+def set_arm(model, experts: bool, head: bool) -> None:  # type: ignore[no-untyped-def]
+    from batchgen_data.kernels.cpu import moe as cpu_moe
+
+    for layer in model.moe_layers:
+        layer._c_experts = cpu_moe.moe_experts if experts else None
+    model.embed_tokens.c_rows = head
+
+
+def run_batch(model_dir: Path, batch: int, rounds: int, seed: int) -> list[dict]:
+    from batchgen_data import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=batch,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    eng, model = llm.engine, llm.engine.runner.model
+    if not (model.embed_tokens.c_rows and all(l._c_experts for l in model.moe_layers)):
+        raise SystemExit("the C kernels are off here (no compiler, no AVX2, or AVX-512 panels)")
+    for r in make_workload("uniform", batch, seed, VOCAB_SIZE, FIRST_PLAIN_ID):
+        eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=rounds * len(ARMS) + 8,
+                                                      ignore_eos=True, temperature=0))
+    eng.step_until_decode()
+    names = list(ARMS)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # one warm-up step per arm
+        set_arm(model, *ARMS[name])
+        eng.step()
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            set_arm(model, *ARMS[name])
+            c0, w0 = time.process_time(), time.perf_counter()
+            eng.step()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+    base = statistics.median(wall["torch"])
+    rows = []
+    for name in names:
+        w = sorted(wall[name])
+        rows.append({"batch": batch, "arm": name, "wall_ms": round(statistics.median(w) * 1e3, 1),
+                     "p10_ms": round(w[len(w) // 10] * 1e3, 1),
+                     "p90_ms": round(w[(len(w) * 9) // 10] * 1e3, 1),
+                     "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 1),
+                     "speedup": round(base / statistics.median(w), 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,16,32", help="sequences per decode step")
+    ap.add_argument("--rounds", type=int, default=10, help="timed steps per arm and batch size")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
+                                  / f"qwen3-moe-shape-seed{args.seed}", args.seed)
+    records = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        records += run_batch(model_dir, batch, args.rounds, args.seed)
+        print(f"B={batch} done", file=sys.stderr, flush=True)
+    print(format_table(records, ["batch", "arm", "wall_ms", "p10_ms", "p90_ms", "cpu_ms",
+                                 "speedup"]))
+    print(json.dumps({"benchmark": "moe_decode_ab", "threads": args.threads,
+                      "rounds": args.rounds, "records": records}))
+
+
+if __name__ == "__main__":
+    main()

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = load_rows(args.data, args.limit)
     # Blocks of one input batch each: Ray feeds a task's batches to the UDF one after another,
     # so a single big block would keep just one batch in the engine at a time.
-    ds = ray.data.from_pandas(as_chat(rows)).repartition(target_num_rows_per_block=32)
+    ds = ray.data.from_pandas(as_chat(rows)).repartition(target_num_rows_per_block=32, strict=True)
     ds = ds.map_batches(
         BatchGenPredictor, batch_size=32, batch_format="pyarrow",
         fn_constructor_kwargs=dict(

@@ -7,36 +7,9 @@ from __future__ import annotations
 import torch
 
 from batchgen_data.offload.kv_staging import KVStaging
+from copy_order import OrderChecker
 
 LAYERS, HOST_BLOCKS, BLOCK, HKV, D = 3, 24, 4, 2, 8
-
-
-class OrderChecker:
-    """Synchronous copies that assert `StreamCopier`'s contract: no copy into a slot between
-    its `wait_ready` and its `release` (an attention still reads it), no read of a slot whose
-    last copy was not waited on."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.reading = [False] * num_slots
-        self.unwaited = [False] * num_slots
-        self.copies = 0
-
-    def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert not self.reading[slot], f"copy into slot {slot} while it is read"
-        dst.copy_(src)
-        self.unwaited[slot] = True
-        self.copies += 1
-
-    def wait_ready(self, slot: int) -> None:
-        self.reading[slot] = True
-        self.unwaited[slot] = False
-
-    def release(self, slot: int) -> None:
-        assert self.reading[slot] and not self.unwaited[slot]
-        self.reading[slot] = False
-
-    def host_wait(self, slot: int) -> None:
-        pass  # copies are synchronous here
 
 
 def _host_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from batchgen_data.offload.store import WeightStore, layer_bytes, weight_bytes
+from copy_order import OrderChecker
 
 
 class Block(nn.Module):
@@ -85,34 +86,6 @@ def test_tied_tensor_stays_resident() -> None:
     names = {e.name for layer in store.layers for e in layer.entries if e.module is
              model.layers[3].up}
     assert names == {"bias"}  # the shared weight is not streamed (another layer reads it)
-
-
-class OrderChecker:
-    """A copier that checks the ordering contract `StreamCopier` relies on: a slot is never
-    copied into while a layer that waited on it has not released it (its `free` event would be
-    stale), and every copy is waited on before the slot is read."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.reading = [False] * num_slots
-        self.unwaited = [False] * num_slots
-        self.copies = 0
-
-    def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert not self.reading[slot], f"copy into slot {slot} while a layer still reads it"
-        dst.copy_(src)
-        self.unwaited[slot] = True
-        self.copies += 1
-
-    def wait_ready(self, slot: int) -> None:
-        self.reading[slot] = True
-        self.unwaited[slot] = False
-
-    def release(self, slot: int) -> None:
-        assert self.reading[slot] and not self.unwaited[slot]
-        self.reading[slot] = False
-
-    def host_wait(self, slot: int) -> None:
-        pass  # copies are synchronous here
 
 
 @pytest.mark.parametrize("parts", [False, True])

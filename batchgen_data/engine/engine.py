@@ -334,7 +334,8 @@ class Engine:
             remaining_tokens_est=sum(s.remaining_tokens_estimate()
                                      for r in self.requests.values() for s in r.unfinished()),
             kv_bytes_per_token=self.host.bytes_per_token,
-            prefill_tokens_per_s=int(1.0 / spt) if spt else 0)
+            prefill_tokens_per_s=int(1.0 / spt) if spt else 0,
+            decode_step_s=self.stats.min_decode_step_s)
 
     def movable(self, max_running: int | None = None,
                 exclude: Container[str] = ()) -> list[RequestSummary]:

@@ -24,7 +24,7 @@ the real `Sequence` class, one byte per token instead of a list of ints.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen_data.config import SchedulerConfig
@@ -116,6 +116,8 @@ class SimActor:
     steps: int = 0
     spans: int = 0
     trace: list[tuple[float, int]] = field(default_factory=list)  # (time, running) on change
+    # the fastest pure decode step so far: `EngineLoad.decode_step_s`, as `Engine.load` reports
+    min_decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         bs = self.shape.block_size
@@ -185,7 +187,8 @@ class SimActor:
         remaining_tokens_est and the rates stay 0: the policy does not read them (the cluster
         prices KV moves with its cost model) and summing the estimate costs O(sequences)."""
         running = span.run.running_at(now) if span and span.run else None
-        return self.sched.load(self.actor_id, running)
+        return replace(self.sched.load(self.actor_id, running),
+                       decode_step_s=self.min_decode_step_s)
 
     def summaries(self, max_running: int) -> list[RequestSummary]:
         """What `Engine.movable(max_running)` gives: waiting (queue order), held, and the
@@ -213,7 +216,11 @@ class SimActor:
                 q.token_ids.append(0)
                 if len(q.token_ids) - len(q.prompt_token_ids) >= target[q.seq_id]:
                     done.append(q)
-        t = now + self.cost.step_time(out.total_tokens, kv, len(out.seqs))
+        dt = self.cost.step_time(out.total_tokens, kv, len(out.seqs))
+        if out.total_tokens == len(out.seqs) and (
+                not self.min_decode_step_s or dt < self.min_decode_step_s):
+            self.min_decode_step_s = dt  # one token per sequence: a pure decode step
+        t = now + dt
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
         for q in done:

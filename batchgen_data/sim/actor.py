@@ -183,9 +183,10 @@ class SimActor:
         return self.sched.num_preemptions
 
     def load(self, now: float, span: Span | None) -> EngineLoad:
-        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy.
-        remaining_tokens_est and the rates stay 0: the policy does not read them (the cluster
-        prices KV moves with its cost model) and summing the estimate costs O(sequences)."""
+        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy,
+        with the fastest decode step so far. remaining_tokens_est and the prefill rate stay 0:
+        the policy does not read them (the cluster prices KV moves with its cost model) and
+        summing the estimate costs O(sequences)."""
         running = span.run.running_at(now) if span and span.run else None
         return replace(self.sched.load(self.actor_id, running),
                        decode_step_s=self.min_decode_step_s)
@@ -217,9 +218,8 @@ class SimActor:
                 if len(q.token_ids) - len(q.prompt_token_ids) >= target[q.seq_id]:
                     done.append(q)
         dt = self.cost.step_time(out.total_tokens, kv, len(out.seqs))
-        if out.total_tokens == len(out.seqs) and (
-                not self.min_decode_step_s or dt < self.min_decode_step_s):
-            self.min_decode_step_s = dt  # one token per sequence: a pure decode step
+        if out.total_tokens == len(out.seqs):  # one token per sequence: a pure decode step
+            self._note_decode_step(dt)
         t = now + dt
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
@@ -267,11 +267,17 @@ class SimActor:
         """Apply the span's decode run up to its (possibly interrupted) end; rows finished."""
         finished = span.finished
         if span.run is not None and span.steps > 0:
+            n = len(span.run.seqs)  # the run's first step decodes them all
+            self._note_decode_step(self.cost.step_time(n, span.run.total, n))
             span.run.commit(span.steps, finished)
         self.busy_s += span.end - span.start
         self.steps += 1 + span.steps
         self.spans += 1
         return finished
+
+    def _note_decode_step(self, dt: float) -> None:
+        if not self.min_decode_step_s or dt < self.min_decode_step_s:
+            self.min_decode_step_s = dt
 
     def _move_kv(self, out: SchedulerOutput) -> int:
         """What `Engine._move_kv` does, with byte counts for KV: returns bytes over PCIe."""

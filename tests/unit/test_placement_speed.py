@@ -94,3 +94,23 @@ def test_engine_reports_its_fastest_pure_decode_step() -> None:
         stats.record(num_seqs=8, num_tokens=8, num_sampled=8, dt=dt)
     stats.record(num_seqs=8, num_tokens=20, num_sampled=8, dt=0.01)  # a mixed step
     assert stats.min_decode_step_s == 0.02
+
+
+def test_a_straggling_engine_reports_a_higher_floor() -> None:
+    # the emulated runner sleeps the cost model's step time x slowdown: the engine's own clock
+    # must see the straggler's 3x in its load report
+    from batchgen_data.engine import emulated_runner as emu
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.sampling_params import SamplingParams
+
+    floors = []
+    for slowdown in (1.0, 3.0):
+        spec = emu.EmulatedSpec("h200-llama8b", scale=0.2, slowdown=slowdown)
+        e = Engine.from_kwargs(spec.model_string(), max_num_seqs=4)
+        assert e.load().decode_step_s == 0.0  # nothing measured yet
+        for i in range(2):
+            e.submit(emu.encode_prompt(6, 16, salt=i), SamplingParams(temperature=0.0, max_tokens=10), request_id=f"r{i}")
+        while e.has_unfinished():
+            e.step()
+        floors.append(e.load().decode_step_s)
+    assert floors[0] > 0 and floors[1] > 2.0 * floors[0]

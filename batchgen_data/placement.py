@@ -235,6 +235,10 @@ def plan_moves(loads: Sequence[EngineLoad],
     least `min_kv_gain_tokens`. A memory-bound decode step's time grows with the KV it reads, so
     this evens out step times, and every move lowers the sum of squared loads: later rounds
     cannot send a sequence back. An engine either gives or takes in one round, never both.
+    With the speed rules on (`no_slower_receivers`, `shed_slow_factor`), a running sequence
+    skips receivers measured slower than its donor, a straggler sheds its oldest to a receiver
+    that much faster, and every donor-receiver pair is tried (fullest donor, emptiest receiver
+    first) rather than only the fullest with the emptiest, which may be the straggler.
     """
     receivers = find_receivers(loads, cfg)
     if not receivers:
@@ -268,13 +272,16 @@ def plan_moves(loads: Sequence[EngineLoad],
                 while budget[dst] > 0 and pools[src][kind] and src not in took and dst not in gave:
                     claim(src, dst, kind, pools[src][kind][0])
     starving = [r.engine_id for r in receivers if is_short_of_work(r, cfg)]  # running goes here
+    speed_rules = cfg.no_slower_receivers or cfg.shed_slow_factor > 0
     seats_left = {e: int(cfg.starve_fraction * by_id[e].max_num_seqs) - by_id[e].running
                   for e in starving}  # shed sequences fill a receiver up to short-of-work only
     while True:
         dsts = sorted((e for e in starving if budget[e] > 0 and e not in gave),
                       key=lambda e: (kv[e], str(e)))
         srcs = sorted((e for e in pools if pools[e]["running"] and e not in took),
-                      key=lambda e: (-kv[e], str(e)))
+                      key=lambda e: (kv[e], str(e)), reverse=True)
+        if not speed_rules:  # without them, only the fullest donor and the emptiest receiver
+            srcs, dsts = srcs[:1], dsts[:1]
         move = next(((src, dst, req) for src in srcs for dst in dsts if src != dst
                      and _may_take_running(by_id[src], by_id[dst], cfg)
                      for req in [_running_to_move(pools[src]["running"], kv[src] - kv[dst],

@@ -146,9 +146,10 @@ class PlacementConfig:
     # to engines short of work (a move costs a recompute or a KV transfer).
     seat_receivers: bool = False
     # speed rules, from each engine's measured decode-step floor (`EngineLoad.decode_step_s`):
-    # a running sequence never moves to an engine whose floor is above its donor's (the long
-    # tail must not land on a straggler, where every token costs more)
-    no_slower_receivers: bool = False
+    # a running sequence never moves to an engine whose floor is more than this many times its
+    # donor's (the long tail must not land on a straggler, where every token costs more); above
+    # 1 so that timing noise between equal devices blocks nothing (0: off)
+    max_receiver_slowdown: float = 0.0
     # an engine whose floor is at least this many times a short-of-work receiver's hands that
     # receiver its oldest running sequences even when the KV-gain rule would keep them: a
     # lone long row on a straggler finishes sooner on a faster idle engine (0: off)
@@ -161,6 +162,9 @@ class PlacementConfig:
         for name in ("queue_depth", "min_running_age", "min_kv_gain_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
+        if self.max_receiver_slowdown != 0.0 and self.max_receiver_slowdown < 1.0:
+            raise ValueError(f"max_receiver_slowdown={self.max_receiver_slowdown!r}: must be "
+                             "0 (off) or >= 1")
         if self.shed_slow_factor != 0.0 and self.shed_slow_factor <= 1.0:
             raise ValueError(f"shed_slow_factor={self.shed_slow_factor!r}: must be 0 (off) "
                              "or > 1")
@@ -235,8 +239,8 @@ def plan_moves(loads: Sequence[EngineLoad],
     least `min_kv_gain_tokens`. A memory-bound decode step's time grows with the KV it reads, so
     this evens out step times, and every move lowers the sum of squared loads: later rounds
     cannot send a sequence back. An engine either gives or takes in one round, never both.
-    With the speed rules on (`no_slower_receivers`, `shed_slow_factor`), a running sequence
-    skips receivers measured slower than its donor, a straggler sheds its oldest to a receiver
+    With the speed rules on (`max_receiver_slowdown`, `shed_slow_factor`), a running sequence
+    skips receivers measured that much slower than its donor, a straggler sheds its oldest to a receiver
     that much faster, and every donor-receiver pair is tried (fullest donor, emptiest receiver
     first) rather than only the fullest with the emptiest, which may be the straggler.
     """
@@ -272,7 +276,7 @@ def plan_moves(loads: Sequence[EngineLoad],
                 while budget[dst] > 0 and pools[src][kind] and src not in took and dst not in gave:
                     claim(src, dst, kind, pools[src][kind][0])
     starving = [r.engine_id for r in receivers if is_short_of_work(r, cfg)]  # running goes here
-    speed_rules = cfg.no_slower_receivers or cfg.shed_slow_factor > 0
+    speed_rules = cfg.max_receiver_slowdown > 0 or cfg.shed_slow_factor > 0
     seats_left = {e: int(cfg.starve_fraction * by_id[e].max_num_seqs) - by_id[e].running
                   for e in starving}  # shed sequences fill a receiver up to short-of-work only
     while True:
@@ -297,13 +301,13 @@ def plan_moves(loads: Sequence[EngineLoad],
 
 
 def _may_take_running(src: EngineLoad, dst: EngineLoad, cfg: PlacementConfig) -> bool:
-    """`no_slower_receivers`: a running sequence stays off an engine measured slower than its
-    donor (an engine not measured yet is not judged); with `shed_slow_factor`, off one slower
-    by that factor."""
+    """`max_receiver_slowdown`: a running sequence stays off an engine measured that many times
+    slower than its donor (an engine not measured yet is not judged); with `shed_slow_factor`,
+    off one slower by that factor."""
     if _sheds_to(dst, src, cfg):
         return False  # what shedding moved off a straggler never goes back to it
-    return not (cfg.no_slower_receivers and src.decode_step_s > 0
-                and dst.decode_step_s > src.decode_step_s)
+    return not (cfg.max_receiver_slowdown > 0 and src.decode_step_s > 0
+                and dst.decode_step_s > cfg.max_receiver_slowdown * src.decode_step_s)
 
 
 def _sheds_to(src: EngineLoad, dst: EngineLoad, cfg: PlacementConfig) -> bool:

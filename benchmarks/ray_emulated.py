@@ -175,7 +175,7 @@ def placement(args: argparse.Namespace) -> dict[str, Any]:
     out = {**DEFAULT_PLACEMENT, "min_running_age": -(-cfg.min_running_age // g),
            "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
     if args.no_speed_rules:
-        out.update(no_slower_receivers=False, shed_slow_factor=0.0)
+        out.update(max_receiver_slowdown=0.0, shed_slow_factor=0.0)
     return out
 
 
@@ -281,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="path prefix: write each arm's per-row trace (owner, batch, times)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
     ap.add_argument("--no-speed-rules", action="store_true",
-                    help="placement without the straggler rules (no_slower_receivers, "
+                    help="placement without the straggler rules (max_receiver_slowdown, "
                          "shed_slow_factor): the policy before them")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator's figures for this configuration (no Ray)")

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # `seat_receivers`, an actor's free seat is worth filling from another actor's queue (measured
 # by benchmarks/ray_migration.py); the speed rules, which keep the long tail off stragglers and
 # move it off them (benchmarks/ray_emulated.py, docs/ray_data.md)
-DEFAULT_PLACEMENT: dict[str, Any] = {"seat_receivers": True, "no_slower_receivers": True,
+DEFAULT_PLACEMENT: dict[str, Any] = {"seat_receivers": True, "max_receiver_slowdown": 1.2,
                                      "shed_slow_factor": 1.3}
 
 

@@ -1,4 +1,4 @@
-"""The placement policy's speed rules (`no_slower_receivers`, `shed_slow_factor`): the long tail
+"""The placement policy's speed rules (`max_receiver_slowdown`, `shed_slow_factor`): the long tail
 stays off stragglers and leaves them, judged only from each engine's measured decode-step floor."""
 from __future__ import annotations
 
@@ -30,21 +30,22 @@ def routes(moves: list[Move]) -> dict[str, list[str]]:
     return out
 
 
-def test_no_slower_receivers_keeps_the_oldest_row_off_a_straggler() -> None:
+def test_max_receiver_slowdown_keeps_the_oldest_row_off_a_straggler() -> None:
     # a busy fast donor; the receiver with the least KV is a straggler, the other is fast
     donor = load("d", running=20, used_blocks=400)
     slow, fast = load("s", step_s=SLOW), load("f", running=2, used_blocks=20)
     reqs = {"d": [running("old", 2000, 900), running("mid", 1500, 600)]}
     plain = routes(plan_moves([donor, slow, fast], reqs, PlacementConfig()))
     assert plain["d->s"][0] == "old"  # the default sends the oldest to the emptiest
-    rule = PlacementConfig(no_slower_receivers=True)
+    rule = PlacementConfig(max_receiver_slowdown=1.2)
     got = routes(plan_moves([donor, slow, fast], reqs, rule))
     assert "d->s" not in got and got["d->f"][0] == "old"
     # with only the straggler short of work nothing running moves
     assert plan_moves([donor, slow], reqs, rule) == []
-    # an engine not measured yet (floor 0) is not judged
-    unknown = replace(slow, decode_step_s=0.0)
-    assert routes(plan_moves([donor, unknown], reqs, rule))["d->s"][0] == "old"
+    # an engine not measured yet (floor 0) is not judged, and timing noise between equal
+    # devices (10% here) blocks nothing
+    for other in (replace(slow, decode_step_s=0.0), replace(slow, decode_step_s=1.1 * FAST)):
+        assert routes(plan_moves([donor, other], reqs, rule))["d->s"][0] == "old"
 
 
 def test_shed_moves_a_lone_long_row_off_a_straggler() -> None:
@@ -83,7 +84,9 @@ def test_shed_rows_never_go_back_and_fill_receivers_only_to_short_of_work() -> N
 def test_speed_rule_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="shed_slow_factor"):
         PlacementConfig(shed_slow_factor=1.0)
-    assert PlacementConfig().shed_slow_factor == 0.0 and not PlacementConfig().no_slower_receivers
+    with pytest.raises(ValueError, match="max_receiver_slowdown"):
+        PlacementConfig(max_receiver_slowdown=0.9)
+    assert PlacementConfig().shed_slow_factor == PlacementConfig().max_receiver_slowdown == 0.0
 
 
 def test_engine_reports_its_fastest_pure_decode_step() -> None:
@@ -98,18 +101,21 @@ def test_engine_reports_its_fastest_pure_decode_step() -> None:
 
 def test_a_straggling_engine_reports_a_higher_floor() -> None:
     # the emulated runner sleeps the cost model's step time x slowdown: the engine's own clock
-    # must see the straggler's 3x in its load report
+    # must see the straggler's 3x in its load report. Steps of 16 tokens (~50 ms of sleep), so
+    # that a loaded box's late wake-ups (which the runner takes off the next sleep) stay small
     from batchgen_data.engine import emulated_runner as emu
     from batchgen_data.engine.engine import Engine
     from batchgen_data.sampling_params import SamplingParams
 
     floors = []
     for slowdown in (1.0, 3.0):
-        spec = emu.EmulatedSpec("h200-llama8b", scale=0.2, slowdown=slowdown)
+        spec = emu.EmulatedSpec("h200-llama8b", scale=0.5, slowdown=slowdown,
+                                tokens_per_step=16)
         e = Engine.from_kwargs(spec.model_string(), max_num_seqs=4)
         assert e.load().decode_step_s == 0.0  # nothing measured yet
         for i in range(2):
-            e.submit(emu.encode_prompt(6, 16, salt=i), SamplingParams(temperature=0.0, max_tokens=10), request_id=f"r{i}")
+            e.submit(emu.encode_prompt(5, 16, salt=i),
+                     SamplingParams(temperature=0.0, max_tokens=10), request_id=f"r{i}")
         while e.has_unfinished():
             e.step()
         floors.append(e.load().decode_step_s)

@@ -21,7 +21,8 @@ def run(shed: float, no_slower: bool = False) -> tuple[Cluster, float]:
     out = np.array([40, 50, 60, 70, 2000, 30, 40, 50])
     wl = Workload("straggler-tail", np.full(8, 64), out, 2048)
     placement = PlacementConfig(queue_depth=0, min_running_age=16, min_kv_gain_tokens=64,
-                                no_slower_receivers=no_slower, shed_slow_factor=shed)
+                                max_receiver_slowdown=1.2 if no_slower else 0.0,
+                                shed_slow_factor=shed)
     mode = ModeConfig("migrate", batch_size=4, max_concurrent_batches=1, placement=placement,
                       migrate=True, tick_s=0.05, max_tasks_in_flight=1, ray_tasks=True)
     c = Cluster(wl, 2, COST, SHAPE, mode, slowdown=[1.0, 1.5], plan=[[0], [1]])

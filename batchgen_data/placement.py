@@ -215,14 +215,13 @@ def pick_donors(loads: Sequence[EngineLoad], cfg: PlacementConfig) -> list[Engin
     receivers = find_receivers(loads, cfg)
     if not receivers:
         return []
-    starving = [r.kv_tokens for r in receivers if is_short_of_work(r, cfg)]
-    floor = min(starving) if starving else None  # running sequences go to these only
-    starving_loads = [r for r in receivers if is_short_of_work(r, cfg)]
+    starving = [r for r in receivers if is_short_of_work(r, cfg)]
+    floor = min(r.kv_tokens for r in starving) if starving else None  # running goes to these
     donors = [ld for ld in loads
               if _surplus_waiting(ld, cfg) > 0 or ld.held > 0
               or (floor is not None and ld.running > 0
                   and ld.kv_tokens - floor >= 2 * cfg.min_kv_gain_tokens)
-              or (ld.running > 0 and any(_sheds_to(ld, r, cfg) for r in starving_loads))]
+              or (ld.running > 0 and any(_sheds_to(ld, r, cfg) for r in starving))]
     return sorted(donors, key=lambda ld: (-ld.kv_tokens, -ld.num_active, str(ld.engine_id)))
 
 
@@ -240,9 +239,9 @@ def plan_moves(loads: Sequence[EngineLoad],
     this evens out step times, and every move lowers the sum of squared loads: later rounds
     cannot send a sequence back. An engine either gives or takes in one round, never both.
     With the speed rules on (`max_receiver_slowdown`, `shed_slow_factor`), a running sequence
-    skips receivers measured that much slower than its donor, a straggler sheds its oldest to a receiver
-    that much faster, and every donor-receiver pair is tried (fullest donor, emptiest receiver
-    first) rather than only the fullest with the emptiest, which may be the straggler.
+    skips receivers measured that much slower than its donor, a straggler sheds its oldest to
+    a receiver that much faster, and every donor-receiver pair is tried (fullest donor,
+    emptiest receiver first), not only the fullest with the emptiest, which may be a straggler.
     """
     receivers = find_receivers(loads, cfg)
     if not receivers:
@@ -286,18 +285,30 @@ def plan_moves(loads: Sequence[EngineLoad],
                       key=lambda e: (kv[e], str(e)), reverse=True)
         if not speed_rules:  # without them, only the fullest donor and the emptiest receiver
             srcs, dsts = srcs[:1], dsts[:1]
-        move = next(((src, dst, req) for src in srcs for dst in dsts if src != dst
-                     and _may_take_running(by_id[src], by_id[dst], cfg)
-                     for req in [_running_to_move(pools[src]["running"], kv[src] - kv[dst],
-                                                  _sheds_to(by_id[src], by_id[dst], cfg)
-                                                  and seats_left[dst] > 0, cfg)]
-                     if req is not None), None)
+        move = _first_running_move(srcs, dsts, by_id, kv, pools, seats_left, cfg)
         if move is None:
             break
         src, dst, req = move
         seats_left[dst] -= 1
         claim(src, dst, "running", req)
     return [Move(src, dst, kind, tuple(ids), ship) for (src, dst, kind, ship), ids in planned.items()]
+
+
+def _first_running_move(srcs: Sequence[EngineId], dsts: Sequence[EngineId],
+                        by_id: Mapping[EngineId, EngineLoad], kv: Mapping[EngineId, int],
+                        pools: Mapping[EngineId, dict[str, list[RequestSummary]]],
+                        seats_left: Mapping[EngineId, int], cfg: PlacementConfig,
+                        ) -> tuple[EngineId, EngineId, RequestSummary] | None:
+    """The first (donor, receiver, sequence) in the given orders that a rule allows."""
+    for src in srcs:
+        for dst in dsts:
+            if src == dst or not _may_take_running(by_id[src], by_id[dst], cfg):
+                continue
+            shed = _sheds_to(by_id[src], by_id[dst], cfg) and seats_left[dst] > 0
+            req = _running_to_move(pools[src]["running"], kv[src] - kv[dst], shed, cfg)
+            if req is not None:
+                return src, dst, req
+    return None
 
 
 def _may_take_running(src: EngineLoad, dst: EngineLoad, cfg: PlacementConfig) -> bool:

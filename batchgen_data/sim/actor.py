@@ -116,7 +116,8 @@ class SimActor:
     steps: int = 0
     spans: int = 0
     trace: list[tuple[float, int]] = field(default_factory=list)  # (time, running) on change
-    # the fastest pure decode step so far: `EngineLoad.decode_step_s`, as `Engine.load` reports
+    # the fastest pure decode step with at most half the seats busy: `EngineLoad.decode_step_s`,
+    # as `Engine.load` reports it
     min_decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -219,7 +220,7 @@ class SimActor:
                     done.append(q)
         dt = self.cost.step_time(out.total_tokens, kv, len(out.seqs))
         if out.total_tokens == len(out.seqs):  # one token per sequence: a pure decode step
-            self._note_decode_step(dt)
+            self._note_decode_step(len(out.seqs), dt)
         t = now + dt
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
@@ -268,14 +269,16 @@ class SimActor:
         finished = span.finished
         if span.run is not None and span.steps > 0:
             n = len(span.run.seqs)  # the run's first step decodes them all
-            self._note_decode_step(self.cost.step_time(n, span.run.total, n))
+            self._note_decode_step(n, self.cost.step_time(n, span.run.total, n))
             span.run.commit(span.steps, finished)
         self.busy_s += span.end - span.start
         self.steps += 1 + span.steps
         self.spans += 1
         return finished
 
-    def _note_decode_step(self, dt: float) -> None:
+    def _note_decode_step(self, num_seqs: int, dt: float) -> None:
+        if num_seqs > max(1, self.shape.max_num_seqs // 2):
+            return  # a full engine's step time says more about its load than its device
         if not self.min_decode_step_s or dt < self.min_decode_step_s:
             self.min_decode_step_s = dt
 

@@ -97,6 +97,13 @@ def test_engine_reports_its_fastest_pure_decode_step() -> None:
         stats.record(num_seqs=8, num_tokens=8, num_sampled=8, dt=dt)
     stats.record(num_seqs=8, num_tokens=20, num_sampled=8, dt=0.01)  # a mixed step
     assert stats.min_decode_step_s == 0.02
+    # as the engine records them: only steps with at most half the seats busy count, a full
+    # engine's steps being slow for its load, not its device
+    light = EngineStats()
+    light.record(num_seqs=8, num_tokens=8, num_sampled=8, dt=0.02, light_seqs=4)
+    assert light.min_decode_step_s == 0.0
+    light.record(num_seqs=4, num_tokens=4, num_sampled=4, dt=0.03, light_seqs=4)
+    assert light.min_decode_step_s == 0.03
 
 
 def test_a_straggling_engine_reports_a_higher_floor() -> None:

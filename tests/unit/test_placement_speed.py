@@ -127,3 +127,13 @@ def test_a_straggling_engine_reports_a_higher_floor() -> None:
             e.step()
         floors.append(e.load().decode_step_s)
     assert floors[0] > 0 and floors[1] > 2.0 * floors[0]
+
+
+def test_the_ray_connector_turns_the_rules_on() -> None:
+    # what the coordinator plans with unless `migration_options["placement"]` says otherwise,
+    # and what benchmarks/ray_emulated.py gives the simulator too
+    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT
+
+    cfg = PlacementConfig(**DEFAULT_PLACEMENT)
+    assert cfg.max_receiver_slowdown > 1.0 and cfg.shed_slow_factor > cfg.max_receiver_slowdown
+    assert cfg.seat_receivers

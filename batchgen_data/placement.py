@@ -45,6 +45,10 @@ class EngineLoad:
     # the KV host tier of running sequences (`host_kv_tier_bytes`, docs/offload.md); 0: none
     free_host_blocks: int = 0
     host_blocks: int = 0
+    # seconds of the fastest pure decode step this engine has run (0: none yet): its speed at
+    # light load, where a straggler (throttled, shared or older device) shows as a higher floor
+    # whatever its current batch; read by the speed rules of `PlacementConfig`
+    decode_step_s: float = 0.0
 
     @property
     def num_active(self) -> int:
@@ -141,6 +145,15 @@ class PlacementConfig:
     # waiting where it is while a seat elsewhere is empty. Running sequences still move only
     # to engines short of work (a move costs a recompute or a KV transfer).
     seat_receivers: bool = False
+    # speed rules, from each engine's measured decode-step floor (`EngineLoad.decode_step_s`):
+    # a running sequence never moves to an engine whose floor is more than this many times its
+    # donor's (the long tail must not land on a straggler, where every token costs more); above
+    # 1 so that timing noise between equal devices blocks nothing (0: off)
+    max_receiver_slowdown: float = 0.0
+    # an engine whose floor is at least this many times a short-of-work receiver's hands that
+    # receiver its oldest running sequences even when the KV-gain rule would keep them: a
+    # lone long row on a straggler finishes sooner on a faster idle engine (0: off)
+    shed_slow_factor: float = 0.0
     transfer: TransferCost | None = field(default=None)  # None: never ship KV, recompute
 
     def __post_init__(self) -> None:
@@ -149,6 +162,12 @@ class PlacementConfig:
         for name in ("queue_depth", "min_running_age", "min_kv_gain_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
+        if self.max_receiver_slowdown != 0.0 and self.max_receiver_slowdown < 1.0:
+            raise ValueError(f"max_receiver_slowdown={self.max_receiver_slowdown!r}: must be "
+                             "0 (off) or >= 1")
+        if self.shed_slow_factor != 0.0 and self.shed_slow_factor <= 1.0:
+            raise ValueError(f"shed_slow_factor={self.shed_slow_factor!r}: must be 0 (off) "
+                             "or > 1")
         if self.max_requests_per_receiver < 1:
             raise ValueError(f"max_requests_per_receiver={self.max_requests_per_receiver!r}: "
                              "must be >= 1")
@@ -196,12 +215,13 @@ def pick_donors(loads: Sequence[EngineLoad], cfg: PlacementConfig) -> list[Engin
     receivers = find_receivers(loads, cfg)
     if not receivers:
         return []
-    starving = [r.kv_tokens for r in receivers if is_short_of_work(r, cfg)]
-    floor = min(starving) if starving else None  # running sequences go to these only
+    starving = [r for r in receivers if is_short_of_work(r, cfg)]
+    floor = min(r.kv_tokens for r in starving) if starving else None  # running goes to these
     donors = [ld for ld in loads
               if _surplus_waiting(ld, cfg) > 0 or ld.held > 0
               or (floor is not None and ld.running > 0
-                  and ld.kv_tokens - floor >= 2 * cfg.min_kv_gain_tokens)]
+                  and ld.kv_tokens - floor >= 2 * cfg.min_kv_gain_tokens)
+              or (ld.running > 0 and any(_sheds_to(ld, r, cfg) for r in starving))]
     return sorted(donors, key=lambda ld: (-ld.kv_tokens, -ld.num_active, str(ld.engine_id)))
 
 
@@ -218,6 +238,10 @@ def plan_moves(loads: Sequence[EngineLoad],
     least `min_kv_gain_tokens`. A memory-bound decode step's time grows with the KV it reads, so
     this evens out step times, and every move lowers the sum of squared loads: later rounds
     cannot send a sequence back. An engine either gives or takes in one round, never both.
+    With the speed rules on (`max_receiver_slowdown`, `shed_slow_factor`), a running sequence
+    skips receivers measured that much slower than its donor, a straggler sheds its oldest to
+    a receiver that much faster, and every donor-receiver pair is tried (fullest donor,
+    emptiest receiver first), not only the fullest with the emptiest, which may be a straggler.
     """
     receivers = find_receivers(loads, cfg)
     if not receivers:
@@ -251,21 +275,68 @@ def plan_moves(loads: Sequence[EngineLoad],
                 while budget[dst] > 0 and pools[src][kind] and src not in took and dst not in gave:
                     claim(src, dst, kind, pools[src][kind][0])
     starving = [r.engine_id for r in receivers if is_short_of_work(r, cfg)]  # running goes here
+    speed_rules = cfg.max_receiver_slowdown > 0 or cfg.shed_slow_factor > 0
+    seats_left = {e: int(cfg.starve_fraction * by_id[e].max_num_seqs) - by_id[e].running
+                  for e in starving}  # shed sequences fill a receiver up to short-of-work only
     while True:
-        dsts = [e for e in starving if budget[e] > 0 and e not in gave]
-        srcs = [e for e in pools if pools[e]["running"] and e not in took]
-        if not dsts or not srcs:
+        dsts = sorted((e for e in starving if budget[e] > 0 and e not in gave),
+                      key=lambda e: (kv[e], str(e)))
+        srcs = sorted((e for e in pools if pools[e]["running"] and e not in took),
+                      key=lambda e: (kv[e], str(e)), reverse=True)
+        if not speed_rules:  # without them, only the fullest donor and the emptiest receiver
+            srcs, dsts = srcs[:1], dsts[:1]
+        move = _first_running_move(srcs, dsts, by_id, kv, pools, seats_left, cfg)
+        if move is None:
             break
-        dst = min(dsts, key=lambda e: (kv[e], str(e)))
-        src = max(srcs, key=lambda e: (kv[e], str(e)))
-        gap = kv[src] - kv[dst]
-        req = next((q for q in pools[src]["running"]
-                    if src != dst and min(q.num_tokens, gap - q.num_tokens) >= cfg.min_kv_gain_tokens),
-                   None)
-        if req is None:
-            break
+        src, dst, req = move
+        seats_left[dst] -= 1
         claim(src, dst, "running", req)
     return [Move(src, dst, kind, tuple(ids), ship) for (src, dst, kind, ship), ids in planned.items()]
+
+
+def _first_running_move(srcs: Sequence[EngineId], dsts: Sequence[EngineId],
+                        by_id: Mapping[EngineId, EngineLoad], kv: Mapping[EngineId, int],
+                        pools: Mapping[EngineId, dict[str, list[RequestSummary]]],
+                        seats_left: Mapping[EngineId, int], cfg: PlacementConfig,
+                        ) -> tuple[EngineId, EngineId, RequestSummary] | None:
+    """The first (donor, receiver, sequence) in the given orders that a rule allows."""
+    for src in srcs:
+        for dst in dsts:
+            if src == dst or not _may_take_running(by_id[src], by_id[dst], cfg):
+                continue
+            shed = _sheds_to(by_id[src], by_id[dst], cfg) and seats_left[dst] > 0
+            req = _running_to_move(pools[src]["running"], kv[src] - kv[dst], shed, cfg)
+            if req is not None:
+                return src, dst, req
+    return None
+
+
+def _may_take_running(src: EngineLoad, dst: EngineLoad, cfg: PlacementConfig) -> bool:
+    """`max_receiver_slowdown`: a running sequence stays off an engine measured that many times
+    slower than its donor (an engine not measured yet is not judged); with `shed_slow_factor`,
+    off one slower by that factor."""
+    if _sheds_to(dst, src, cfg):
+        return False  # what shedding moved off a straggler never goes back to it
+    return not (cfg.max_receiver_slowdown > 0 and src.decode_step_s > 0
+                and dst.decode_step_s > cfg.max_receiver_slowdown * src.decode_step_s)
+
+
+def _sheds_to(src: EngineLoad, dst: EngineLoad, cfg: PlacementConfig) -> bool:
+    """`shed_slow_factor`: `src` steps at least that many times slower than `dst` (both
+    measured), so its running sequences gain by moving even where the KV rule keeps them."""
+    return (cfg.shed_slow_factor > 0 and src.decode_step_s > 0 and dst.decode_step_s > 0
+            and src.decode_step_s >= cfg.shed_slow_factor * dst.decode_step_s)
+
+
+def _running_to_move(pool: Sequence[RequestSummary], gap: int, shed: bool,
+                     cfg: PlacementConfig) -> RequestSummary | None:
+    """The oldest running sequence worth moving across a KV gap of `gap` tokens: one whose
+    move lowers the larger load of the pair by `min_kv_gain_tokens`, or with `shed` the
+    oldest of all (the speed gain pays for it)."""
+    if shed and pool:
+        return pool[0]
+    return next((q for q in pool if min(q.num_tokens, gap - q.num_tokens)
+                 >= cfg.min_kv_gain_tokens), None)
 
 
 def _candidates(load: EngineLoad, reqs: Sequence[RequestSummary],

@@ -82,6 +82,12 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
         summary[f"sim_ratio_migration_vs_tuned_static{key}"] = median_of("sim_vs_tuned",
                                                                          "migrate")
         summary[f"packing_bound_s{key}"] = median_of("packing_bound_s")
+        seeds = len({r["seed"] for r in rs if r["arm"] == "migrate"})
+        if seeds:  # issue 21: the packing bound printed next to the ratio
+            print(f"stragglers {setting}: migration / tuned static, median of {seeds} seeds: "
+                  f"Ray {summary[f'bct_ratio_migration_vs_tuned_static{key}']}, simulator "
+                  f"{summary[f'sim_ratio_migration_vs_tuned_static{key}']}; packing bound "
+                  f"(longest row alone) {summary[f'packing_bound_s{key}']} s")
         for arm in dict.fromkeys(r["arm"] for r in rs):
             summary[f"bct_s{key}_{arm}"] = {"ray": median_of("bct_ray_s", arm),
                                             "sim": median_of("bct_sim_s", arm),

@@ -165,13 +165,18 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
 
 
 def placement(args: argparse.Namespace) -> dict[str, Any]:
-    """Placement thresholds counted in tokens, in coarse tokens (the defaults / g), so a coarse
-    run moves the same rows a real one would; both the connector and the simulator get these."""
+    """The connector's placement switches, with thresholds counted in tokens in coarse tokens
+    (the defaults / g), so a coarse run moves the same rows a real one would; both the connector
+    and the simulator get these. `--no-speed-rules`: without the straggler rules."""
+    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT
     from batchgen_data.placement import PlacementConfig
 
     g, cfg = args.tokens_per_step, PlacementConfig()
-    return {"seat_receivers": True, "min_running_age": -(-cfg.min_running_age // g),
-            "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
+    out = {**DEFAULT_PLACEMENT, "min_running_age": -(-cfg.min_running_age // g),
+           "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
+    if args.no_speed_rules:
+        out.update(max_receiver_slowdown=0.0, shed_slow_factor=0.0)
+    return out
 
 
 def slots(arm: str, args: argparse.Namespace) -> tuple[int, int | None]:
@@ -275,6 +280,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace", default="",
                     help="path prefix: write each arm's per-row trace (owner, batch, times)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    ap.add_argument("--no-speed-rules", action="store_true",
+                    help="placement without the straggler rules (max_receiver_slowdown, "
+                         "shed_slow_factor): the policy before them")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator's figures for this configuration (no Ray)")
     args = ap.parse_args(argv)

@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# The connector's placement switches where they differ from PlacementConfig's defaults:
+# `seat_receivers`, an actor's free seat is worth filling from another actor's queue (measured
+# by benchmarks/ray_migration.py); the speed rules, which keep the long tail off stragglers and
+# move it off them (benchmarks/ray_emulated.py, docs/ray_data.md)
+DEFAULT_PLACEMENT: dict[str, Any] = {"seat_receivers": True, "max_receiver_slowdown": 1.2,
+                                     "shed_slow_factor": 1.3}
+
+
 @dataclass(frozen=True)
 class MigrationOptions:
     job_id: str | None = None  # coordinator key; None: the Ray job id + the predictor's config
@@ -52,8 +60,7 @@ class MigrationOptions:
     # it (measured prefill rate vs bytes over `link_bytes_per_s`); False: always recompute
     ship_kv: bool = True
     link_bytes_per_s: float = 1.25e9
-    # PlacementConfig fields; `seat_receivers` defaults to True here: an actor's free seat is
-    # worth filling from another actor's queue (measured by benchmarks/ray_migration.py)
+    # PlacementConfig fields, over DEFAULT_PLACEMENT
     placement: dict[str, Any] = field(default_factory=dict)
     # test hook, off (-1) by default: after this many engine steps, the engine runs no further
     # step until it has exported or imported a row (or `timeout_s` has passed), so a test can
@@ -353,8 +360,7 @@ def start_migration(driver: EngineDriver, fingerprint: str,
 
     try:
         name = coordinator_name(options.job_id, fingerprint)
-        coordinator = get_coordinator(name, placement={"seat_receivers": True,
-                                                       **options.placement},
+        coordinator = get_coordinator(name, placement={**DEFAULT_PLACEMENT, **options.placement},
                                       dead_after_s=options.dead_after_s,
                                       ship_kv=options.ship_kv,
                                       link_bytes_per_s=options.link_bytes_per_s,

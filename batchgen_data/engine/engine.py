@@ -162,7 +162,8 @@ class Engine:
         for seq in done:
             self._retire(seq)
         finished.extend(self._collect_finished(done))
-        self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0)
+        self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0,
+                          light_seqs=max(1, self.scheduler.config.max_num_seqs // 2))
         self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions
         (self.stats.offload_bytes_moved,
@@ -334,7 +335,8 @@ class Engine:
             remaining_tokens_est=sum(s.remaining_tokens_estimate()
                                      for r in self.requests.values() for s in r.unfinished()),
             kv_bytes_per_token=self.host.bytes_per_token,
-            prefill_tokens_per_s=int(1.0 / spt) if spt else 0)
+            prefill_tokens_per_s=int(1.0 / spt) if spt else 0,
+            decode_step_s=self.stats.min_decode_step_s)
 
     def movable(self, max_running: int | None = None,
                 exclude: Container[str] = ()) -> list[RequestSummary]:

@@ -57,6 +57,10 @@ class EngineStats:
     # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
     # recomputing a moved sequence's KV would cost here (0.0 until such a step ran)
     prefill_s_per_token: float = 0.0
+    # seconds of the fastest pure decode step (one token per sequence) with at most half the
+    # seats busy, 0.0 before one: the engine's speed at light load, which placement compares to
+    # spot a straggler (a full engine's steps are slower for its load, not its device)
+    min_decode_step_s: float = 0.0
     # MoE models: tokens per expert per step (`ExpertLoad.summary()` in `as_dict`)
     tokens_per_expert: ExpertLoad = field(default_factory=ExpertLoad)
     # cpu_offload_gb > 0: weight bytes streamed host -> device, and the peak weight bytes
@@ -68,11 +72,17 @@ class EngineStats:
     kv_host_bytes_moved: int = 0
     kv_host_seqs_peak: int = 0
 
-    def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
+    def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float,
+               light_seqs: int = 0) -> None:
+        """One step's counts; a pure decode step of at most `light_seqs` sequences (0: any)
+        counts towards `min_decode_step_s`."""
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:
             rate = dt / num_tokens
             self.prefill_s_per_token = rate if not self.prefill_s_per_token else (
                 0.8 * self.prefill_s_per_token + 0.2 * rate)
+        if 0 < num_seqs == num_tokens and (not light_seqs or num_seqs <= light_seqs) and (
+                not self.min_decode_step_s or dt < self.min_decode_step_s):
+            self.min_decode_step_s = dt
         self.num_steps += 1
         self.max_batch_seqs = max(self.max_batch_seqs, num_seqs)
         self.batch_seqs_hist[num_seqs] += 1

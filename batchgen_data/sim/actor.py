@@ -24,7 +24,7 @@ the real `Sequence` class, one byte per token instead of a list of ints.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen_data.config import SchedulerConfig
@@ -116,6 +116,9 @@ class SimActor:
     steps: int = 0
     spans: int = 0
     trace: list[tuple[float, int]] = field(default_factory=list)  # (time, running) on change
+    # the fastest pure decode step with at most half the seats busy: `EngineLoad.decode_step_s`,
+    # as `Engine.load` reports it
+    min_decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         bs = self.shape.block_size
@@ -181,11 +184,13 @@ class SimActor:
         return self.sched.num_preemptions
 
     def load(self, now: float, span: Span | None) -> EngineLoad:
-        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy.
-        remaining_tokens_est and the rates stay 0: the policy does not read them (the cluster
-        prices KV moves with its cost model) and summing the estimate costs O(sequences)."""
+        """The report `Engine.load()` would give at `now`, in the middle of `span` if busy,
+        with the fastest decode step so far. remaining_tokens_est and the prefill rate stay 0:
+        the policy does not read them (the cluster prices KV moves with its cost model) and
+        summing the estimate costs O(sequences)."""
         running = span.run.running_at(now) if span and span.run else None
-        return self.sched.load(self.actor_id, running)
+        return replace(self.sched.load(self.actor_id, running),
+                       decode_step_s=self.min_decode_step_s)
 
     def summaries(self, max_running: int) -> list[RequestSummary]:
         """What `Engine.movable(max_running)` gives: waiting (queue order), held, and the
@@ -213,7 +218,10 @@ class SimActor:
                 q.token_ids.append(0)
                 if len(q.token_ids) - len(q.prompt_token_ids) >= target[q.seq_id]:
                     done.append(q)
-        t = now + self.cost.step_time(out.total_tokens, kv, len(out.seqs))
+        dt = self.cost.step_time(out.total_tokens, kv, len(out.seqs))
+        if out.total_tokens == len(out.seqs):  # one token per sequence: a pure decode step
+            self._note_decode_step(len(out.seqs), dt)
+        t = now + dt
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
         for q in done:
@@ -260,11 +268,19 @@ class SimActor:
         """Apply the span's decode run up to its (possibly interrupted) end; rows finished."""
         finished = span.finished
         if span.run is not None and span.steps > 0:
+            n = len(span.run.seqs)  # the run's first step decodes them all
+            self._note_decode_step(n, self.cost.step_time(n, span.run.total, n))
             span.run.commit(span.steps, finished)
         self.busy_s += span.end - span.start
         self.steps += 1 + span.steps
         self.spans += 1
         return finished
+
+    def _note_decode_step(self, num_seqs: int, dt: float) -> None:
+        if num_seqs > max(1, self.shape.max_num_seqs // 2):
+            return  # a full engine's step time says more about its load than its device
+        if not self.min_decode_step_s or dt < self.min_decode_step_s:
+            self.min_decode_step_s = dt
 
     def _move_kv(self, out: SchedulerOutput) -> int:
         """What `Engine._move_kv` does, with byte counts for KV: returns bytes over PCIe."""

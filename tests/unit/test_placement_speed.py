@@ -1,0 +1,139 @@
+"""The placement policy's speed rules (`max_receiver_slowdown`, `shed_slow_factor`): the long tail
+stays off stragglers and leaves them, judged only from each engine's measured decode-step floor."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from batchgen_data.engine.stats import EngineStats
+from batchgen_data.placement import (EngineLoad, Move, PlacementConfig, RequestSummary,
+                                     pick_donors, plan_moves)
+
+SEATS = 64
+FAST, SLOW = 0.010, 0.015  # seconds of each engine's fastest decode step (a 1.5x straggler)
+
+
+def load(eid: str, running: int = 0, used_blocks: int = 0, step_s: float = FAST) -> EngineLoad:
+    return EngineLoad(eid, 0, running, 0, 0, 1000 - used_blocks, 1000, SEATS, 16,
+                      decode_step_s=step_s)
+
+
+def running(rid: str, tokens: int, age: int) -> RequestSummary:
+    return RequestSummary(rid, "running", tokens, age, tokens - 1)
+
+
+def routes(moves: list[Move]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for mv in moves:
+        out.setdefault(f"{mv.src}->{mv.dst}", []).extend(mv.request_ids)
+    return out
+
+
+def test_max_receiver_slowdown_keeps_the_oldest_row_off_a_straggler() -> None:
+    # a busy fast donor; the receiver with the least KV is a straggler, the other is fast
+    donor = load("d", running=20, used_blocks=400)
+    slow, fast = load("s", step_s=SLOW), load("f", running=2, used_blocks=20)
+    reqs = {"d": [running("old", 2000, 900), running("mid", 1500, 600)]}
+    plain = routes(plan_moves([donor, slow, fast], reqs, PlacementConfig()))
+    assert plain["d->s"][0] == "old"  # the default sends the oldest to the emptiest
+    rule = PlacementConfig(max_receiver_slowdown=1.2)
+    got = routes(plan_moves([donor, slow, fast], reqs, rule))
+    assert "d->s" not in got and got["d->f"][0] == "old"
+    # with only the straggler short of work nothing running moves
+    assert plan_moves([donor, slow], reqs, rule) == []
+    # an engine not measured yet (floor 0) is not judged, and timing noise between equal
+    # devices (10% here) blocks nothing
+    for other in (replace(slow, decode_step_s=0.0), replace(slow, decode_step_s=1.1 * FAST)):
+        assert routes(plan_moves([donor, other], reqs, rule))["d->s"][0] == "old"
+
+
+def test_shed_moves_a_lone_long_row_off_a_straggler() -> None:
+    # one long row on a slow engine, a fast engine idle: moving it lowers no KV load (the
+    # default keeps it) but every token after the move is 1.5x faster
+    slow = load("s", running=1, used_blocks=100, step_s=SLOW)
+    idle = load("f")
+    reqs = {"s": [running("long", 1600, 1500)]}
+    assert plan_moves([slow, idle], reqs, PlacementConfig()) == []
+    assert pick_donors([slow, idle], PlacementConfig()) == []
+    cfg = PlacementConfig(shed_slow_factor=1.3)
+    assert [d.engine_id for d in pick_donors([slow, idle], cfg)] == ["s"]
+    assert routes(plan_moves([slow, idle], reqs, cfg)) == {"s->f": ["long"]}
+    # a gap below the factor is noise, not a straggler; an unmeasured floor is not judged
+    near = load("s", running=1, used_blocks=100, step_s=1.2 * FAST)
+    assert plan_moves([near, idle], {"s": reqs["s"]}, cfg) == []
+    assert plan_moves([slow, replace(idle, decode_step_s=0.0)], reqs, cfg) == []
+
+
+def test_shed_rows_never_go_back_and_fill_receivers_only_to_short_of_work() -> None:
+    cfg = PlacementConfig(shed_slow_factor=1.3)
+    # after shedding, the fast engine holds much more KV than the idle straggler: the KV rule
+    # alone would send its oldest back, the speed rule does not
+    fast = load("f", running=10, used_blocks=600)
+    idle_slow = load("s", step_s=SLOW)
+    back = {"f": [running("r1", 3000, 900), running("r2", 2000, 800)]}
+    assert routes(plan_moves([fast, idle_slow], back, PlacementConfig()))["f->s"]
+    assert plan_moves([fast, idle_slow], back, cfg) == []
+    # a straggler with 40 rows sheds to an idle fast engine until it has half its seats busy
+    slow = load("s", running=40, used_blocks=300, step_s=SLOW)
+    reqs = {"s": [running(f"q{i}", 100, 400 - i) for i in range(40)]}
+    got = routes(plan_moves([slow, load("f")], reqs, cfg))["s->f"]
+    assert got == [f"q{i}" for i in range(SEATS // 2)]  # oldest first
+
+
+def test_speed_rule_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="shed_slow_factor"):
+        PlacementConfig(shed_slow_factor=1.0)
+    with pytest.raises(ValueError, match="max_receiver_slowdown"):
+        PlacementConfig(max_receiver_slowdown=0.9)
+    assert PlacementConfig().shed_slow_factor == PlacementConfig().max_receiver_slowdown == 0.0
+
+
+def test_engine_reports_its_fastest_pure_decode_step() -> None:
+    stats = EngineStats()
+    stats.record(num_seqs=4, num_tokens=400, num_sampled=4, dt=0.5)  # a prefill step
+    assert stats.min_decode_step_s == 0.0
+    for dt in (0.03, 0.02, 0.04):
+        stats.record(num_seqs=8, num_tokens=8, num_sampled=8, dt=dt)
+    stats.record(num_seqs=8, num_tokens=20, num_sampled=8, dt=0.01)  # a mixed step
+    assert stats.min_decode_step_s == 0.02
+    # as the engine records them: only steps with at most half the seats busy count, a full
+    # engine's steps being slow for its load, not its device
+    light = EngineStats()
+    light.record(num_seqs=8, num_tokens=8, num_sampled=8, dt=0.02, light_seqs=4)
+    assert light.min_decode_step_s == 0.0
+    light.record(num_seqs=4, num_tokens=4, num_sampled=4, dt=0.03, light_seqs=4)
+    assert light.min_decode_step_s == 0.03
+
+
+def test_a_straggling_engine_reports_a_higher_floor() -> None:
+    # the emulated runner sleeps the cost model's step time x slowdown: the engine's own clock
+    # must see the straggler's 3x in its load report. Steps of 16 tokens (~50 ms of sleep), so
+    # that a loaded box's late wake-ups (which the runner takes off the next sleep) stay small
+    from batchgen_data.engine import emulated_runner as emu
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.sampling_params import SamplingParams
+
+    floors = []
+    for slowdown in (1.0, 3.0):
+        spec = emu.EmulatedSpec("h200-llama8b", scale=0.5, slowdown=slowdown,
+                                tokens_per_step=16)
+        e = Engine.from_kwargs(spec.model_string(), max_num_seqs=4)
+        assert e.load().decode_step_s == 0.0  # nothing measured yet
+        for i in range(2):
+            e.submit(emu.encode_prompt(5, 16, salt=i),
+                     SamplingParams(temperature=0.0, max_tokens=10), request_id=f"r{i}")
+        while e.has_unfinished():
+            e.step()
+        floors.append(e.load().decode_step_s)
+    assert floors[0] > 0 and floors[1] > 2.0 * floors[0]
+
+
+def test_the_ray_connector_turns_the_rules_on() -> None:
+    # what the coordinator plans with unless `migration_options["placement"]` says otherwise,
+    # and what benchmarks/ray_emulated.py gives the simulator too
+    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT
+
+    cfg = PlacementConfig(**DEFAULT_PLACEMENT)
+    assert cfg.max_receiver_slowdown > 1.0 and cfg.shed_slow_factor > cfg.max_receiver_slowdown
+    assert cfg.seat_receivers

@@ -9,6 +9,7 @@ load changes slows every arm alike. Arms:
   tile    this tree's C kernels, the projections still on oneDNN
   rows    this tree's C kernels, the projections through the AVX2 row kernel on the plain
           weight (the "rows" layout the backend now picks on an AVX2 CPU without AVX-512)
+  mkl     this tree's C kernels, the projections through F.linear (MKL) on the plain weight
 The oneDNN arms need a packed copy of each projection next to the plain one: this benchmark
 holds two copies, the engine never does. Reported per B: median wall and process CPU time per
 step, the p10-p90 spread of wall, and each arm's speed-up over `before` (ratio of medians).
@@ -38,7 +39,7 @@ from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import prepare_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("before", "tile", "rows")
+ARMS = ("before", "tile", "rows", "mkl")
 
 
 def baseline_library(rev: str) -> ctypes.CDLL:
@@ -75,8 +76,8 @@ def run_batch(model_dir: Path, batch: int, rounds: int, seed: int, old: ctypes.C
     if not projections or any(m.layout != "rows" for m in projections):
         raise SystemExit("the projections are not on the rows layout here (AVX-512, no AVX2, "
                          "or no compiler)")
-    for m in projections:  # the oneDNN arms' copy (benchmark only)
-        m.packed = cpu_linear.pack_onednn(m.weight.detach())
+    # the oneDNN arms' copy (benchmark only)
+    onednn = {m: cpu_linear.pack_onednn(m.weight.detach()) for m in projections}
     real_library = build.library
     new = real_library()
 
@@ -84,7 +85,8 @@ def run_batch(model_dir: Path, batch: int, rounds: int, seed: int, old: ctypes.C
         lib = old if name == "before" else new
         build.library = lambda: lib  # every kernel wrapper looks the library up per call
         for m in projections:
-            m.layout = "rows" if name == "rows" else "onednn"
+            m.layout = {"rows": "rows", "mkl": "plain"}.get(name, "onednn")
+            m.packed = onednn[m] if m.layout == "onednn" else None
 
     for r in make_workload("uniform", batch, seed, VOCAB_SIZE, FIRST_PLAIN_ID):
         eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=rounds * len(ARMS) + 8,

@@ -42,6 +42,9 @@ PANEL = 48  # output columns per panel (csrc/panel_gemm.c)
 # row) to 2.7x (two rows) less time than MKL's sgemm here (AVX2 EPYC, one thread, loaded box);
 # prefill chunks keep MKL's cache-blocked GEMM
 ROWS_GEMM_MAX_ROWS = 64
+# multiply-adds under which `rows_linear` runs on one thread (a 32-expert router gate at up to
+# 16 rows of 512)
+SMALL_PRODUCT = 1 << 18
 
 
 def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...],
@@ -172,12 +175,17 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             or x.dtype != torch.float32):
         raise ValueError(f"rows_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    shape = x.shape
-    x2 = x.reshape(-1, in_f).contiguous()
-    out = torch.empty(x2.shape[0], out_f, dtype=torch.float32)
-    lib.bg_rows_gemm_f32(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), x2.shape[0], out_f,
-                         in_f, torch.get_num_threads())
-    return out.view(*shape[:-1], out_f)
+    # this runs a few times per layer per decode step: skip the copies a 2-D contiguous x
+    # (the common case) does not need
+    flat = x.dim() == 2 and x.is_contiguous()
+    x2 = x if flat else x.reshape(-1, in_f).contiguous()
+    rows = x2.shape[0]
+    out = x2.new_empty((rows, out_f))
+    # waking the second thread costs more than a small product gains from it (a router gate)
+    threads = 1 if rows * out_f * in_f < SMALL_PRODUCT else torch.get_num_threads()
+    lib.bg_rows_gemm_f32(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out_f, in_f,
+                         threads)
+    return out if flat else out.view(*x.shape[:-1], out_f)
 
 
 def panel_gemm_available() -> bool:

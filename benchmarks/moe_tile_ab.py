@@ -16,6 +16,7 @@ step, the p10-p90 spread of wall, and each arm's speed-up over `before` (ratio o
 Needs an AVX2 CPU without AVX-512 (elsewhere the projections live in panels).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/moe_tile_ab.py --batches 1,8,16,32
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/moe_tile_ab.py --model default  # dense
 
 Prints a table, then one JSON line.
 """
@@ -62,7 +63,7 @@ def baseline_library(rev: str) -> ctypes.CDLL:
     return lib
 
 
-def run_batch(model_dir: Path, batch: int, rounds: int, seed: int, old: ctypes.CDLL
+def run_batch(model_dir: Path | str, batch: int, rounds: int, seed: int, old: ctypes.CDLL
               ) -> list[dict]:
     from batchgen_data import LLM, SamplingParams
     from batchgen_data.kernels.cpu import build
@@ -126,13 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps per arm and batch size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None,
+                    help="another model directory, or `default` (the dense default model); "
+                         "default: the random Qwen3-MoE model")
     ap.add_argument("--baseline-rev", default="c07b472",
                     help="git revision whose kernels the `before` arm runs")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     old = baseline_library(args.baseline_rev)
-    model_dir = prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
-                                  / f"qwen3-moe-shape-seed{args.seed}", args.seed)
+    if args.model == "default":
+        from batchgen_data.models.default_model import default_model_dir
+        args.model = str(default_model_dir())
+    model_dir = args.model or prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
+                                                / f"qwen3-moe-shape-seed{args.seed}", args.seed)
     records = []
     for batch in (int(b) for b in args.batches.split(",")):
         records += run_batch(model_dir, batch, args.rounds, args.seed, old)

@@ -11,8 +11,9 @@ exactly one of these layouts and routes every call to the kernels of that layout
   MKL's batched matmul on the same panels (each is a [in, 48] matrix) for larger row counts.
 * the plain layout: `csrc/small_gemm.c` (`small_linear`, up to `SMALL_GEMM_MAX_ROWS` rows)
   streams the weight once (AVX-512); `csrc/rows_gemm.c` (`rows_linear`, up to
-  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves the
-  tied output projection (the embedding's plain rows; `layers/embedding.py`).
+  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves
+  every linear layer's decode rows (the "rows" layout, `layers/linear.py`) and the tied output
+  projection (the embedding's plain rows; `layers/embedding.py`).
 
 Every kernel changes only the memory layout or the summation order, so results differ from
 `F.linear` by float rounding, which a first-use self-check bounds. ``BATCHGEN_CPU_SMALL_GEMM=0``

@@ -3,7 +3,8 @@
 Same model and prompts as `moe_throughput.py` (random Qwen3-MoE shape: 8 layers, hidden 512,
 32 experts of 256, top-4, fp32). For each batch size B the engine gets B prompts of the uniform
 workload, runs until every sequence decodes, and then times `--steps` pure-decode steps; the
-parts (experts, router, attention with its norms, LM head, input preparation, scheduling) are
+parts (experts, router, the attention block split into its q|k|v and o matmuls, attention, norms,
+rotation and the rest, LM head, input preparation, scheduling) are
 timed by wrapping the methods that run them. HF: the same B prompts, left-padded, one forward
 over the prompt, then `--steps` single-token forwards with its KV cache (the per-step work of
 static `generate`, without its logits processors). Times are CPU seconds of the calling thread
@@ -33,7 +34,8 @@ from _common import format_table, make_workload  # noqa: E402
 from cpu_throughput import EOS_ID, FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import prepare_model_dir  # noqa: E402
 
-PARTS = ("experts", "router", "attention", "lm_head", "prepare", "schedule")
+PARTS = ("experts", "router", "qkv", "o", "attn", "norms", "rope", "attn_rest", "lm_head",
+         "prepare", "schedule")
 
 
 def timed(owner: Any, name: str, part: str, acc: collections.Counter) -> None:
@@ -60,12 +62,21 @@ def ours(model_dir: Path, batch: int, steps: int, seed: int) -> dict[str, float]
     acc: collections.Counter = collections.Counter()
     model = eng.runner.model
     for layer in model.layers:
-        timed(layer, "attend", "attention", acc)
+        timed(layer, "attend", "attend", acc)  # the whole block; its parts are timed inside
+        sa = layer.self_attn
+        timed(sa.qkv_proj, "forward", "qkv", acc)
+        timed(sa.o_proj, "forward", "o", acc)
+        timed(sa.attn, "forward", "attn", acc)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, sa.q_norm, sa.k_norm):
+            if norm is not None:
+                timed(norm, "forward", "norms", acc)
         if isinstance(layer.mlp, moe.FusedMoE):
             timed(layer.mlp.gate, "forward", "router", acc)
             if layer.mlp._c_experts is not None:  # the one-call C kernel (few tokens)
                 timed(layer.mlp, "_c_experts", "experts", acc)
+    timed(model.rotary, "forward", "rope", acc)  # one module shared by every layer
     timed(moe, "cpu_fused_experts", "experts", acc)  # FusedMoE.forward looks it up per call
+    timed(moe, "route", "router", acc)  # softmax + top-k, likewise
     timed(model, "compute_logits", "lm_head", acc)
     timed(eng.runner, "prepare", "prepare", acc)
     timed(eng.scheduler, "schedule", "schedule", acc)
@@ -79,6 +90,8 @@ def ours(model_dir: Path, batch: int, steps: int, seed: int) -> dict[str, float]
     for _ in range(steps):
         eng.step()
     total = (time.thread_time() - t0) / steps
+    # the attention block's own Python and small ops: what its timed parts leave over
+    acc["attn_rest"] = acc["attend"] - sum(acc[p] for p in ("qkv", "o", "attn", "norms", "rope"))
     row = {p: acc[p] / steps * 1e3 for p in PARTS}
     row["step"] = total * 1e3
     row["other"] = row["step"] - sum(row[p] for p in PARTS)

@@ -58,8 +58,8 @@ class LayerBackend:
     `c_attention`: decode attention over the paged cache in C (fp32 CPU). `c_moe`: an MoE
     layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
     a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
-    CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "onednn"
-    or "panels" (see layers/linear.py).
+    CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "rows",
+    "onednn" or "panels" (see layers/linear.py).
     """
 
     device: torch.device
@@ -91,6 +91,8 @@ class LayerBackend:
         fp32 = dtype == torch.float32
         if fp32 and linear.panel_gemm_available():
             layout = "panels"
+        elif fp32 and linear.rows_gemm_available():
+            layout = "rows"  # AVX2 without AVX-512: decode rows in C on the plain weight
         elif dtype in (torch.float32, torch.bfloat16) and linear.onednn_available():
             layout = "onednn"
         else:

@@ -6,7 +6,9 @@ The layout is chosen when the model is built (`backend.current().linear`) and ap
   * "onednn": oneDNN's blocked layout for every row count (CPU, fp32/bf16, no AVX-512);
   * "panels": 48-column panels (CPU, fp32, AVX-512): the C panel kernel up to `PANEL_MAX_ROWS`
     rows (every decode step of a batch up to that size), torch's batched matmul on the same
-    panels beyond (prefill chunks, bigger decode batches).
+    panels beyond (prefill chunks, bigger decode batches);
+  * "rows": the plain [out, in] weight (CPU, fp32, AVX2 without AVX-512): the C row kernel up to
+    `ROWS_GEMM_MAX_ROWS` rows (decode steps), `F.linear` beyond (prefill chunks).
 Earlier versions kept the plain weight next to the packed copies (three copies of every weight
 while they fit 2 GiB); one copy is what keeps an engine of the default model near its weights'
 size in memory (`benchmarks/engine_memory.py`).
@@ -34,7 +36,10 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Moves the loaded weight into the layout's form and drops the plain copy."""
-        if self.layout == "plain" or self.weight is None:
+        if self.layout in ("plain", "rows") or self.weight is None:
+            if self.layout == "rows" and self.weight is not None \
+                    and not self.weight.is_contiguous():  # the C kernel reads rows in place
+                self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
             return
         from batchgen_data.kernels.cpu import linear as cpu_linear
 
@@ -46,6 +51,8 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "rows":
+            return rows_forward(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return packed_forward(x, self.packed, self.bias, self.out_features, self.layout)
@@ -65,6 +72,20 @@ def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     if x.numel() // x.shape[-1] <= cpu_linear.PANEL_MAX_ROWS:
         return cpu_linear.panel_linear(x, packed, bias, out_features)
     return cpu_linear.panel_matmul(x, packed, bias, out_features)
+
+
+def rows_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """`F.linear` on the plain layout: the AVX2 row kernel for a decode step's few rows, where
+    it streams each weight row once against all of them (on the MoE benchmark's model it cut
+    the q|k|v and o matmuls below oneDNN's, `benchmarks/moe_tile_ab.py`), `F.linear` for
+    prefill chunks, where MKL's cache-blocked GEMM wins."""
+    from batchgen_data.kernels.cpu import linear as cpu_linear
+
+    if x.numel() > x.shape[-1] * cpu_linear.ROWS_GEMM_MAX_ROWS or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    out = cpu_linear.rows_linear(x, weight)
+    return out if bias is None else out.add_(bias)
 
 
 class MergedLinear(Linear):

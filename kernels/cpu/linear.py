@@ -11,8 +11,9 @@ exactly one of these layouts and routes every call to the kernels of that layout
   MKL's batched matmul on the same panels (each is a [in, 48] matrix) for larger row counts.
 * the plain layout: `csrc/small_gemm.c` (`small_linear`, up to `SMALL_GEMM_MAX_ROWS` rows)
   streams the weight once (AVX-512); `csrc/rows_gemm.c` (`rows_linear`, up to
-  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves the
-  tied output projection (the embedding's plain rows; `layers/embedding.py`).
+  `ROWS_GEMM_MAX_ROWS` rows, AVX2 + FMA) does the same on a CPU without AVX-512, where it serves
+  every linear layer's decode rows (the "rows" layout, `layers/linear.py`) and the tied output
+  projection (the embedding's plain rows; `layers/embedding.py`).
 
 Every kernel changes only the memory layout or the summation order, so results differ from
 `F.linear` by float rounding, which a first-use self-check bounds. ``BATCHGEN_CPU_SMALL_GEMM=0``
@@ -42,6 +43,9 @@ PANEL = 48  # output columns per panel (csrc/panel_gemm.c)
 # row) to 2.7x (two rows) less time than MKL's sgemm here (AVX2 EPYC, one thread, loaded box);
 # prefill chunks keep MKL's cache-blocked GEMM
 ROWS_GEMM_MAX_ROWS = 64
+# multiply-adds under which `rows_linear` runs on one thread (a 32-expert router gate at up to
+# 16 rows of 512)
+SMALL_PRODUCT = 1 << 18
 
 
 def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...],
@@ -172,12 +176,17 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             or x.dtype != torch.float32):
         raise ValueError(f"rows_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    shape = x.shape
-    x2 = x.reshape(-1, in_f).contiguous()
-    out = torch.empty(x2.shape[0], out_f, dtype=torch.float32)
-    lib.bg_rows_gemm_f32(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), x2.shape[0], out_f,
-                         in_f, torch.get_num_threads())
-    return out.view(*shape[:-1], out_f)
+    # this runs a few times per layer per decode step: skip the copies a 2-D contiguous x
+    # (the common case) does not need
+    flat = x.dim() == 2 and x.is_contiguous()
+    x2 = x if flat else x.reshape(-1, in_f).contiguous()
+    rows = x2.shape[0]
+    out = x2.new_empty((rows, out_f))
+    # waking the second thread costs more than a small product gains from it (a router gate)
+    threads = 1 if rows * out_f * in_f < SMALL_PRODUCT else torch.get_num_threads()
+    lib.bg_rows_gemm_f32(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out_f, in_f,
+                         threads)
+    return out if flat else out.view(*x.shape[:-1], out_f)
 
 
 def panel_gemm_available() -> bool:

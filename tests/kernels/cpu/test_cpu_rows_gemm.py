@@ -61,3 +61,33 @@ def test_torch_only_and_the_hook_keep_f_linear(monkeypatch: pytest.MonkeyPatch) 
     assert not LayerBackend.choose(CPU, torch.float32, cpu_kernels=False, head_dim=64).c_rows
     monkeypatch.setenv("BATCHGEN_CPU_SMALL_GEMM", "0")
     assert not LayerBackend.choose(CPU, torch.float32, head_dim=64).c_rows
+
+
+@needs_rows_gemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_layout_runs_decode_rows_in_c_and_prefill_on_f_linear(
+        bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen_data.layers.linear import Linear
+
+    with building(LayerBackend(CPU, torch.float32, linear="rows")):
+        lin = Linear(40, 70, bias=bias)
+    for p in lin.parameters():
+        p.data.normal_()
+    lin.process_weights_after_loading()
+    assert lin.packed is None and lin.weight is not None  # one copy: the plain weight
+    calls: list[int] = []
+    kernel = cpu_linear.rows_linear
+    monkeypatch.setattr(cpu_linear, "rows_linear",
+                        lambda x, w: (calls.append(x.numel() // x.shape[-1]), kernel(x, w))[1])
+    for shape in ((1, 40), (5, 40), (2, 3, 40), (64, 40), (65, 40)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5,
+                                   atol=1e-5)
+    assert calls == [1, 5, 6, 64]  # 65 rows: a prefill chunk, F.linear
+
+
+def test_an_avx2_cpu_without_avx512_keeps_plain_weights_for_the_row_kernel() -> None:
+    backend = LayerBackend.choose(CPU, torch.float32, head_dim=64)
+    if cpu_linear.panel_gemm_available() or not cpu_linear.rows_gemm_available():
+        pytest.skip("needs AVX2 without AVX-512 panels")
+    assert backend.linear == "rows" and backend.c_rows

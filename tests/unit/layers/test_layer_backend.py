@@ -24,6 +24,7 @@ def test_fp32_cpu_takes_every_kernel_that_runs_here() -> None:
     assert b.c_ops == ops.available()
     assert b.c_attention == attention.supports(64)
     want = ("panels" if linear.panel_gemm_available()
+            else "rows" if linear.rows_gemm_available()
             else "onednn" if linear.onednn_available() else "plain")
     assert b.linear == want
     assert not LayerBackend.choose(CPU, torch.float32, head_dim=48).c_attention  # no such kernel

@@ -18,7 +18,10 @@ LAYOUTS = [
                                                     reason="no oneDNN linear ops")),
     pytest.param("panels", marks=pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
                                                     reason="no C compiler or no AVX-512")),
+    pytest.param("rows", marks=pytest.mark.skipif(not cpu_linear.rows_gemm_available(),
+                                                  reason="no C compiler or no AVX2/FMA")),
 ]
+PLAIN_WEIGHT = ("plain", "rows")  # the layouts that keep the [out, in] weight itself
 
 
 def _built(layout: str, make):  # type: ignore[no-untyped-def]
@@ -42,7 +45,7 @@ def test_linear_keeps_one_copy_and_matches_f_linear(layout: str, bias: bool) -> 
     weight = lin.weight.detach().clone()
     b = None if lin.bias is None else lin.bias.detach().clone()
     lin.process_weights_after_loading()
-    if layout == "plain":
+    if layout in PLAIN_WEIGHT:
         assert lin.packed is None and lin.weight is not None
     else:  # the plain copy is gone: the packed one is the only one
         assert lin.weight is None and lin.packed is not None

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, make_workload  # noqa: E402
+from _common import format_table, interleaved_steps, make_workload  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import prepare_model_dir  # noqa: E402
 
@@ -56,29 +54,8 @@ def run_batch(model_dir: Path, batch: int, rounds: int, seed: int) -> list[dict]
         eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=rounds * len(ARMS) + 8,
                                                       ignore_eos=True, temperature=0))
     eng.step_until_decode()
-    names = list(ARMS)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    for name in names:  # one warm-up step per arm
-        set_arm(model, *ARMS[name])
-        eng.step()
-    for rnd in range(rounds):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            set_arm(model, *ARMS[name])
-            c0, w0 = time.process_time(), time.perf_counter()
-            eng.step()
-            wall[name].append(time.perf_counter() - w0)
-            cpu[name].append(time.process_time() - c0)
-    base = statistics.median(wall["torch"])
-    rows = []
-    for name in names:
-        w = sorted(wall[name])
-        rows.append({"batch": batch, "arm": name, "wall_ms": round(statistics.median(w) * 1e3, 1),
-                     "p10_ms": round(w[len(w) // 10] * 1e3, 1),
-                     "p90_ms": round(w[(len(w) * 9) // 10] * 1e3, 1),
-                     "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 1),
-                     "speedup": round(base / statistics.median(w), 3)})
-    return rows
+    return interleaved_steps(eng.step, lambda name: set_arm(model, *ARMS[name]), list(ARMS),
+                             rounds, batch, base="torch")
 
 
 def main(argv: list[str] | None = None) -> None:

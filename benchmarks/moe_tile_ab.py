@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, make_workload  # noqa: E402
+from _common import format_table, interleaved_steps, make_workload  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import prepare_model_dir  # noqa: E402
 
@@ -93,32 +91,11 @@ def run_batch(model_dir: Path | str, batch: int, rounds: int, seed: int, old: ct
         eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=rounds * len(ARMS) + 8,
                                                       ignore_eos=True, temperature=0))
     eng.step_until_decode()
-    wall: dict[str, list[float]] = {n: [] for n in ARMS}
-    cpu: dict[str, list[float]] = {n: [] for n in ARMS}
     try:
-        for name in ARMS:  # one warm-up step per arm
-            set_arm(name)
-            eng.step()
-        for rnd in range(rounds):
-            for name in ARMS[rnd % len(ARMS):] + ARMS[:rnd % len(ARMS)]:
-                set_arm(name)
-                c0, w0 = time.process_time(), time.perf_counter()
-                eng.step()
-                wall[name].append(time.perf_counter() - w0)
-                cpu[name].append(time.process_time() - c0)
+        return interleaved_steps(eng.step, set_arm, list(ARMS), rounds, batch, base="before")
     finally:
         set_arm("rows")
         build.library = real_library
-    base = statistics.median(wall["before"])
-    rows = []
-    for name in ARMS:
-        w = sorted(wall[name])
-        rows.append({"batch": batch, "arm": name, "wall_ms": round(statistics.median(w) * 1e3, 1),
-                     "p10_ms": round(w[len(w) // 10] * 1e3, 1),
-                     "p90_ms": round(w[(len(w) * 9) // 10] * 1e3, 1),
-                     "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 1),
-                     "speedup": round(base / statistics.median(w), 3)})
-    return rows
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -130,12 +130,13 @@ class Meter:
         self.split = {"decode": [0, 0.0, 0], "prefill": [0, 0.0, 0]}  # steps, seconds, seqs
         record = self.stats.record
 
-        def counted(num_seqs: int, num_tokens: int, num_sampled: int, dt: float) -> None:
+        def counted(num_seqs: int, num_tokens: int, num_sampled: int, dt: float,
+                    **kwargs: Any) -> None:
             row = self.split["decode" if num_tokens == num_seqs else "prefill"]
             row[0] += 1
             row[1] += dt
             row[2] += num_seqs
-            record(num_seqs, num_tokens, num_sampled, dt)
+            record(num_seqs, num_tokens, num_sampled, dt, **kwargs)  # e.g. light_seqs
         self.stats.record = counted  # type: ignore[method-assign]
 
     def start(self) -> None:

@@ -107,7 +107,9 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
                                          ("bench_batch", first_id, pa.int64()),
                                          ("bench_wall", time.time(), pa.float64()),
                                          ("bench_overhead", runner.overhead(), pa.float64()),
-                                         ("bench_first_step", runner.first_step_at, pa.float64())):
+                                         ("bench_first_step", runner.first_step_at, pa.float64()),
+                                         ("bench_floor", self.driver.engine.stats.min_decode_step_s,
+                                          pa.float64())):
                     table = table.append_column(name, pa.array([value] * n, typ))
                 yield table
 
@@ -168,14 +170,14 @@ def placement(args: argparse.Namespace) -> dict[str, Any]:
     """The connector's placement switches, with thresholds counted in tokens in coarse tokens
     (the defaults / g), so a coarse run moves the same rows a real one would; both the connector
     and the simulator get these. `--no-speed-rules`: without the straggler rules."""
-    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT
+    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT, SPEED_RULES
     from batchgen_data.placement import PlacementConfig
 
     g, cfg = args.tokens_per_step, PlacementConfig()
     out = {**DEFAULT_PLACEMENT, "min_running_age": -(-cfg.min_running_age // g),
            "min_kv_gain_tokens": -(-cfg.min_kv_gain_tokens // g)}
-    if args.no_speed_rules:
-        out.update(max_receiver_slowdown=0.0, shed_slow_factor=0.0)
+    if not args.no_speed_rules:
+        out.update(SPEED_RULES)
     return out
 
 
@@ -224,8 +226,11 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
     for r in out:
         called[r["bench_owner"]] = min(r["bench_called"], called.get(r["bench_owner"], math.inf))
         batch_call[r["bench_batch"]] = (r["bench_called"], r["bench_owner"])
+    floor: dict[int, float] = {}  # the floor is a running minimum: its last value is the least
     for r in out:  # each owner's tokens, and its overhead as of its last yield
         owner = r["bench_owner"]
+        if r["bench_floor"] > 0:
+            floor[owner] = min(r["bench_floor"], floor.get(owner, math.inf))
         tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
         if r["bench_wall"] >= last.get(owner, (0.0, 0.0))[0]:
             last[owner] = (r["bench_wall"], r["bench_overhead"])
@@ -244,6 +249,12 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             "first_step_by_actor": [None if first.get(i) is None
                                     else round((first[i] - t0) / args.scale, 2)
                                     for i in range(args.actors)],
+            # the floor each engine reported to placement (`EngineLoad.decode_step_s`), in
+            # modelled ms: a straggler's is its factor times the others'; a fast engine's that
+            # reads high was measured under CPU contention, and the speed rules treat it as slow
+            "decode_floor_ms_by_actor": [None if i not in floor or not floor[i]
+                                         else round(floor[i] / args.scale * 1e3, 2)
+                                         for i in range(args.actors)],
             # when each actor's first input batch reached it (Ray had it alive by then)
             "first_call_by_actor": [None if i not in called
                                     else round((called[i] - t0) / args.scale, 2)

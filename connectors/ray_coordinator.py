@@ -128,8 +128,10 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         """Moves planned, exchanges served, this process's CPU seconds so far (its start-up
         included), and the KV moved between engines through the object store (bytes, and the
-        put + get seconds engines spent on it)."""
+        put + get seconds engines spent on it). `engines`: those reporting now (a finished one
+        is pruned once silent for `dead_after_s`); `engines_seen`: every engine that reported."""
         return {"num_moves": self.num_moves, "engines": sorted(self.reports),
+                "engines_seen": sorted(self.transfers),
                 "num_exchanges": self.num_exchanges, "cpu_s": round(time.process_time(), 3),
                 "kv_bytes_moved": sum(b for b, _ in self.transfers.values()),
                 "kv_transfer_s": round(sum(s for _, s in self.transfers.values()), 6),

@@ -274,4 +274,5 @@ def test_ray_data_job_matches_offline_and_moves_rows(job: str, model: str, llm: 
         num_cpus=0.5).take_all()
     assert_offline_equal(offline_tokens(llm, rows), out)
     stats = ray.get(ray.get_actor(coordinator_name(job, ""), namespace=NAMESPACE).stats.remote())
-    assert stats["num_moves"] >= 1 and len(stats["engines"]) == 2, stats
+    # both engines took part; one that finished first may already be pruned from `engines`
+    assert stats["num_moves"] >= 1 and len(stats["engines_seen"]) == 2, stats

@@ -129,11 +129,13 @@ def test_a_straggling_engine_reports_a_higher_floor() -> None:
     assert floors[0] > 0 and floors[1] > 2.0 * floors[0]
 
 
-def test_the_ray_connector_turns_the_rules_on() -> None:
-    # what the coordinator plans with unless `migration_options["placement"]` says otherwise,
-    # and what benchmarks/ray_emulated.py gives the simulator too
-    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT
+def test_the_ray_connector_offers_the_rules_opt_in() -> None:
+    # off in what the coordinator plans with by default (wall-clock floors of engines sharing
+    # CPU cores differ by contention alone); `SPEED_RULES` turns them on, as
+    # benchmarks/ray_emulated.py does for both the connector and the simulator
+    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT, SPEED_RULES
 
-    cfg = PlacementConfig(**DEFAULT_PLACEMENT)
+    off = PlacementConfig(**DEFAULT_PLACEMENT)
+    assert off.seat_receivers and off.max_receiver_slowdown == 0 and off.shed_slow_factor == 0
+    cfg = PlacementConfig(**{**DEFAULT_PLACEMENT, **SPEED_RULES})
     assert cfg.max_receiver_slowdown > 1.0 and cfg.shed_slow_factor > cfg.max_receiver_slowdown
-    assert cfg.seat_receivers

@@ -18,18 +18,15 @@ Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, interleaved_steps, make_workload  # noqa: E402
+from _common import interleaved_steps, make_workload  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
-from moe_throughput import prepare_model_dir  # noqa: E402
+from moe_throughput import moe_model_dir, print_step_records, step_bench_parser  # noqa: E402
 
 ARMS = {"torch": (False, False), "experts": (True, False), "head": (False, True), "c": (True, True)}
 
@@ -59,24 +56,16 @@ def run_batch(model_dir: Path, batch: int, rounds: int, seed: int) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8,16,32", help="sequences per decode step")
-    ap.add_argument("--rounds", type=int, default=10, help="timed steps per arm and batch size")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    args = step_bench_parser(__doc__).parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
-                                  / f"qwen3-moe-shape-seed{args.seed}", args.seed)
+    model_dir = moe_model_dir(args.seed)
     records = []
     for batch in (int(b) for b in args.batches.split(",")):
         records += run_batch(model_dir, batch, args.rounds, args.seed)
         print(f"B={batch} done", file=sys.stderr, flush=True)
-    print(format_table(records, ["batch", "arm", "wall_ms", "p10_ms", "p90_ms", "cpu_ms",
-                                 "speedup"]))
-    print(json.dumps({"benchmark": "moe_decode_ab", "threads": args.threads,
-                      "rounds": args.rounds, "records": records}))
-
+    print_step_records("moe_decode_ab", records, ["batch", "arm", "wall_ms", "p10_ms", "p90_ms",
+                                                  "cpu_ms", "speedup"],
+                       threads=args.threads, rounds=args.rounds)
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,8 @@ Prints a table (ms per step) and one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +27,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, make_workload  # noqa: E402
+from _common import make_workload  # noqa: E402
 from cpu_throughput import EOS_ID, FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
-from moe_throughput import prepare_model_dir  # noqa: E402
+from moe_throughput import moe_model_dir, print_step_records, step_bench_parser  # noqa: E402
 
 PARTS = ("experts", "router", "qkv", "o", "attn", "norms", "rope", "attn_rest", "lm_head",
          "prepare", "schedule")
@@ -126,16 +123,12 @@ def hf(model_dir: Path, batch: int, steps: int, seed: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,4,8,16,32", help="sequences per decode step")
-    ap.add_argument("--steps", type=int, default=6, help="timed decode steps per batch size")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = step_bench_parser(__doc__, batches="1,4,8,16,32", threads=1, count="steps",
+                           count_default=6, count_help="timed decode steps per batch size")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's step")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    default_dir = Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"qwen3-moe-shape-seed{args.seed}"
-    model_dir = prepare_model_dir(default_dir, args.seed)
+    model_dir = moe_model_dir(args.seed)
     records = []
     for batch in (int(b) for b in args.batches.split(",")):
         systems = [("ours", ours)] + ([] if args.no_hf else [("hf", hf)])
@@ -144,10 +137,8 @@ def main(argv: list[str] | None = None) -> None:
             records.append({"system": name, "batch": batch,
                             **{k: round(v, 1) for k, v in row.items()}})
             print(f"{name} B={batch} done", file=sys.stderr, flush=True)
-    print(format_table(records, ["system", "batch", "step", *PARTS, "other"]))
-    print(json.dumps({"benchmark": "moe_step_profile", "threads": args.threads,
-                      "clock": "thread_time", "records": records}))
-
+    print_step_records("moe_step_profile", records, ["system", "batch", "step", *PARTS, "other"],
+                       threads=args.threads, clock="thread_time")
 
 if __name__ == "__main__":
     main()

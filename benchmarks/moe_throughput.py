@@ -74,6 +74,33 @@ def prepare_model_dir(path: Path, seed: int) -> Path:
     return path
 
 
+def moe_model_dir(seed: int) -> Path:
+    """The random Qwen3-MoE-shaped model of `seed`, made once under the temp dir."""
+    return prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
+                             / f"qwen3-moe-shape-seed{seed}", seed)
+
+
+def step_bench_parser(doc: str, batches: str = "1,8,16,32", threads: int = 2,
+                      count: str = "rounds", count_default: int = 10,
+                      count_help: str = "timed steps per arm and batch size",
+                      ) -> argparse.ArgumentParser:
+    """The options every per-step MoE benchmark takes (moe_decode_ab, moe_tile_ab,
+    moe_step_profile): batch sizes, how many timed steps, threads, the model's seed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--batches", default=batches, help="sequences per decode step")
+    ap.add_argument(f"--{count}", type=int, default=count_default, help=count_help)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def print_step_records(benchmark: str, records: list[dict[str, Any]], columns: list[str],
+                       **meta: Any) -> None:
+    """The table, then the one JSON line."""
+    print(format_table(records, columns))
+    print(json.dumps({"benchmark": benchmark, **meta, "records": records}))
+
+
 class RouterCounter:
     """Counts the tokens HF's routers send to each expert: one entry per router call."""
 

@@ -22,9 +22,7 @@ Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import subprocess
 import sys
 import tempfile
@@ -33,9 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, interleaved_steps, make_workload  # noqa: E402
+from _common import interleaved_steps, make_workload  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
-from moe_throughput import prepare_model_dir  # noqa: E402
+from moe_throughput import moe_model_dir, print_step_records, step_bench_parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("before", "tile", "rows", "mkl")
@@ -99,11 +97,7 @@ def run_batch(model_dir: Path | str, batch: int, rounds: int, seed: int, old: ct
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8,16,32", help="sequences per decode step")
-    ap.add_argument("--rounds", type=int, default=10, help="timed steps per arm and batch size")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = step_bench_parser(__doc__)
     ap.add_argument("--model", default=None,
                     help="another model directory, or `default` (the dense default model); "
                          "default: the random Qwen3-MoE model")
@@ -115,18 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.model == "default":
         from batchgen_data.models.default_model import default_model_dir
         args.model = str(default_model_dir())
-    model_dir = args.model or prepare_model_dir(Path(tempfile.gettempdir()) / "batchgen_data_bench"
-                                                / f"qwen3-moe-shape-seed{args.seed}", args.seed)
+    model_dir = args.model or moe_model_dir(args.seed)
     records = []
     for batch in (int(b) for b in args.batches.split(",")):
         records += run_batch(model_dir, batch, args.rounds, args.seed, old)
         print(f"B={batch} done", file=sys.stderr, flush=True)
-    print(format_table(records, ["batch", "arm", "wall_ms", "p10_ms", "p90_ms", "cpu_ms",
-                                 "speedup"]))
-    print(json.dumps({"benchmark": "moe_tile_ab", "threads": args.threads,
-                      "rounds": args.rounds, "baseline_rev": args.baseline_rev,
-                      "records": records}))
-
+    print_step_records("moe_tile_ab", records, ["batch", "arm", "wall_ms", "p10_ms", "p90_ms",
+                                                "cpu_ms", "speedup"],
+                       threads=args.threads, rounds=args.rounds, baseline_rev=args.baseline_rev)
 
 if __name__ == "__main__":
     main()

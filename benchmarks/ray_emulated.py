@@ -211,10 +211,11 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
     bad = [r for r in out if r["error"] is not None
            or r["num_generated_tokens"] != int(wl.output_lens[r["id"]])]
     assert not bad, f"{arm}: {len(bad)} rows wrong, e.g. {bad[0]['error']!r}"
-    moves = 0
+    moves, coord_stats = 0, {}
     if arm in ("late", "migrate"):
         coord = ray.get_actor(coordinator_name(processor.job_id, ""), namespace=NAMESPACE)
-        moves = ray.get(coord.stats.remote())["num_moves"]
+        coord_stats = ray.get(coord.stats.remote())
+        moves = coord_stats["num_moves"]
     ray.kill(barrier)
     if args.trace:
         save_trace(f"{args.trace}.{arm}.s{seed}.json", out, t0, args, factors)
@@ -236,6 +237,10 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             last[owner] = (r["bench_wall"], r["bench_overhead"])
     ends = sorted((w - t0) / args.scale for w, _ in last.values())
     return {"arm": arm, "bct_ray_s": ends[-1], "moves": moves,
+            # the coordinator's CPU seconds (its start-up included) and exchanges served: the
+            # planner's share of the 2 cores the emulated engines also run on
+            "coordinator_cpu_s": coord_stats.get("cpu_s"),
+            "exchanges": coord_stats.get("num_exchanges"),
             "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1),
             # how Ray bound the rows (tokens owned per actor, by ticket; factors say which were
             # slow) and when each owner yielded its last row: the imbalance behind the BCT
@@ -260,6 +265,9 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
                                     else round((called[i] - t0) / args.scale, 2)
                                     for i in range(args.actors)],
             "_plan": ray_plan(batch_call, args),
+            # each engine's overhead as of its last yield (the run's `overhead` is the most)
+            "overhead_by_actor": [None if i not in last else round(last[i][1], 3)
+                                  for i in range(args.actors)],
             "last_yield_by_actor": [None if i not in last
                                     else round((last[i][0] - t0) / args.scale, 2)
                                     for i in range(args.actors)]}

@@ -169,6 +169,7 @@ class EmulatedRunner:
         self._last_end: float | None = None
         self._overshoot = 0.0  # seconds slept beyond what was asked, not yet paid back
         self._last_ids: frozenset[int] = frozenset()
+        self._device_s: float | None = None  # the last step's emulated device time, wall s
 
     def prepare(self, out: SchedulerOutput) -> EmulatedInput:
         kv = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
@@ -185,6 +186,7 @@ class EmulatedRunner:
         # a sequence of the last step is still here: the engine was busy, not waiting for rows
         busy = self._last_end is not None and not self._last_ids.isdisjoint(inp.seq_ids)
         self._sleep(inp.seconds * self.spec.slowdown)
+        self._device_s = inp.seconds * self.spec.slowdown * self.spec.scale
         end = time.perf_counter()
         if busy:
             self.gap_s += start - self._last_end  # type: ignore[operator]
@@ -208,6 +210,14 @@ class EmulatedRunner:
         took = time.perf_counter() - t0
         self._overshoot = took - want
         self.slept_s += took
+
+    def device_step_s(self) -> float | None:
+        """The last step's emulated device time in wall seconds (modelled x slowdown x scale):
+        what a GPU would report for it. Not the wall time of the sleep: on a box running 16
+        engines on 2 cores, sleepers wake late and `_sleep` pays that back in the next step,
+        so wall times read both high (contention) and low (payback) at random, and an engine's
+        fastest step would say nothing about its device."""
+        return self._device_s
 
     def overhead(self) -> float:
         """Fraction of a busy engine's wall time spent outside the emulated compute."""

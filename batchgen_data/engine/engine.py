@@ -162,7 +162,9 @@ class Engine:
         for seq in done:
             self._retire(seq)
         finished.extend(self._collect_finished(done))
-        self.stats.record(len(out.seqs), out.total_tokens, len(tokens), time.perf_counter() - t0,
+        device_s = self.runner.device_step_s()
+        self.stats.record(len(out.seqs), out.total_tokens, len(tokens),
+                          time.perf_counter() - t0 if device_s is None else device_s,
                           light_seqs=max(1, self.scheduler.config.max_num_seqs // 2))
         self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions

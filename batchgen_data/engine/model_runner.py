@@ -93,6 +93,12 @@ class ModelRunner:
         tier = self.kv_tier
         return (0, 0) if tier is None else (tier.bytes_moved, tier.host_seqs_peak)
 
+    def device_step_s(self) -> float | None:
+        """Seconds the device spent on the last `run`, where the runner knows them apart from
+        the host loop's; None here: the engine times the step by the wall clock (a real
+        device's step time is its wall time, the host's work overlapping or small)."""
+        return None
+
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
         s = model.shape

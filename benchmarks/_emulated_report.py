@@ -29,6 +29,29 @@ def ray_plan(batch_call: dict[int, tuple[float, int]],
     return plan
 
 
+def load_records(path: str, args: argparse.Namespace) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """The Ray measurements of an earlier run (its printed `{"arm": ...}` lines), keyed by
+    (stragglers, seed, arm), each with the dispatch plan rebuilt from its `--trace` file, for
+    `--resim`: the simulator's figures recomputed against the same Ray runs."""
+    sim_keys = {"bct_sim_s", "replayed", "sim_waves_s", "sim_at0_s", "sim_credited_s",
+                "sim_slots_s", "sim_home_last_s", "packing_bound_s"}
+    out: dict[tuple[str, int, str], dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.startswith('{"arm"'):
+                continue
+            rec = json.loads(line)
+            if rec.get("bct_ray_s") is None:
+                continue
+            key = (rec.pop("stragglers"), rec.pop("seed"), rec["arm"])
+            with open(f"{args.trace}.{rec['arm']}.s{key[1]}.json") as t:
+                trace = json.load(t)
+            batch_call = {batch: (called, owner) for _, owner, batch, called, _ in trace["rows"]}
+            rec["_plan"] = ray_plan(batch_call, args)
+            out[key] = {k: v for k, v in rec.items() if k not in sim_keys}
+    return out
+
+
 def save_trace(path: str, out: list[dict[str, Any]], t0: float, args: argparse.Namespace,
                factors: list[float]) -> None:
     """Per row, in modelled seconds from the barrier: its owner (ticket), its input batch (first

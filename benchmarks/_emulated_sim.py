@@ -4,8 +4,9 @@ thresholds and coordinator period (in modelled seconds).
 
 Three simulator numbers per arm:
 * `sim`: the arm as the connector runs it: Ray's task dispatch (sim/modes.py, rules 1-5) with
-  the arm's concurrent calls and tasks in flight, and the arm's coordinator; this is the figure
-  the Ray run must agree with (the 10% rule);
+  the arm's concurrent calls and tasks in flight, and the arm's coordinator with the
+  connector's report-to-report delays (`ModeConfig.mailbox`); this is the figure the Ray run
+  must agree with (the 10% rule);
 * `sim_credited`: the simulator mode the arm stands for, with its row-level window (what the
   simulator's headline credits that feeding with);
 * `sim_slots`: the simulator's `static` mode with the connector's slots and no coordinator.
@@ -53,7 +54,8 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
         feed = dict(max_concurrent_batches=calls, max_tasks_in_flight=in_flight, plan=plan,
                     **common)
         ray_like = compare(wl, args.actors, cost, shape, modes=(SIM_MODES[arm],),
-                           ray_tasks=True, window_calls=calls, **feed)[SIM_MODES[arm]]
+                           ray_tasks=True, window_calls=calls, mailbox=True,
+                           **feed)[SIM_MODES[arm]]
         no_moves = compare(wl, args.actors, cost, shape, modes=("static",), **feed)["static"]
         out[arm] = {"sim": ray_like.bct_s, "sim_credited": credited[SIM_MODES[arm]].bct_s,
                     "sim_slots": no_moves.bct_s,

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _emulated_report import ray_plan, report, save_trace  # noqa: E402
+from _emulated_report import load_records, ray_plan, report, save_trace  # noqa: E402
 from _emulated_sim import measured_start, sim_bcts  # noqa: E402
 
 from batchgen_data.engine.emulated_runner import EmulatedSpec, coarsen, encode_prompt  # noqa: E402
@@ -149,6 +149,7 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
     from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig
 
     seats = args.max_num_seqs
+    cost = EmulatedSpec.parse(model).cost_model()
     feed: dict[str, Any] = {
         # ray.data.llm's 8 concurrent batches, raised to fill the seats as Ray's warning says
         "tuned": dict(stream=False, migration=False, late_binding=False,
@@ -163,7 +164,11 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
         engine_kwargs={"max_num_seqs": seats, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "max_model_len": max_len},
         window_depth=args.window_depth,
-        migration_options={"interval_s": args.interval, "placement": placement(args)}, **feed)
+        # the emulated cluster's links are the cost model's, as the simulator charges them, so
+        # the coordinator's ship-or-recompute choice is the simulator's
+        migration_options={"interval_s": args.interval, "placement": placement(args),
+                           "link_bytes_per_s": cost.link_bytes_per_s,
+                           "pcie_bytes_per_s": cost.pcie_bytes_per_s}, **feed)
 
 
 def placement(args: argparse.Namespace) -> dict[str, Any]:
@@ -304,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "shed_slow_factor): the policy before them")
     ap.add_argument("--sim-only", action="store_true",
                     help="only the simulator's figures for this configuration (no Ray)")
+    ap.add_argument("--resim", default="",
+                    help="a file with an earlier run's output: its Ray figures as they were, "
+                         "the simulator's recomputed (needs that run's --trace prefix)")
     args = ap.parse_args(argv)
     if args.quick:
         args.actors, args.seeds, args.rows = 4, 1, 512
@@ -326,7 +334,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"{args.scale} (no model runs); {args.actors} actors, {args.max_num_seqs} seats, "
           f"{args.rows} {args.workload} rows, g={args.tokens_per_step} tokens per step", flush=True)
     # a caller's Ray (a test session, a notebook) is used as it is, and left running
-    owns_ray = not args.sim_only and not ray.is_initialized()
+    stored = load_records(args.resim, args) if args.resim else None
+    owns_ray = not args.sim_only and stored is None and not ray.is_initialized()
     if owns_ray:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, object_store_memory=1 << 30)
@@ -348,9 +357,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                       placement(args))
                 for k in range(len(arms)):  # rotate the order: the box is shared and noisy
                     arm = arms[(k + seed) % len(arms)]
-                    rec = ({"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
-                            "wall_s": None} if args.sim_only
-                           else run_arm(arm, rows, wl, args, factors, seed))
+                    if args.sim_only:
+                        rec = {"arm": arm, "bct_ray_s": None, "moves": None, "overhead": None,
+                               "wall_s": None}
+                    elif stored is not None:
+                        rec = stored[(stragglers or "none", seed, arm)]
+                    else:
+                        rec = run_arm(arm, rows, wl, args, factors, seed)
                     got = waves = sim.get(arm, {})
                     plan = rec.pop("_plan", None)
                     if got and not args.sim_only:

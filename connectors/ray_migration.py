@@ -61,9 +61,11 @@ class MigrationOptions:
     # when the long tail could move to it; False: leave as soon as its own rows are done
     linger: bool = True
     # a moved running/held sequence takes its KV along when that is cheaper than recomputing
-    # it (measured prefill rate vs bytes over `link_bytes_per_s`); False: always recompute
+    # it (measured prefill rate vs bytes over `link_bytes_per_s` between nodes and
+    # `pcie_bytes_per_s` device <-> host); False: always recompute
     ship_kv: bool = True
-    link_bytes_per_s: float = 1.25e9
+    link_bytes_per_s: float = 1.25e9  # 10 GbE
+    pcie_bytes_per_s: float = 16e9  # PCIe 4.0 x16 in practice
     # PlacementConfig fields, over DEFAULT_PLACEMENT
     placement: dict[str, Any] = field(default_factory=dict)
     # test hook, off (-1) by default: after this many engine steps, the engine runs no further
@@ -78,7 +80,7 @@ class MigrationOptions:
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
-                     "link_bytes_per_s"):
+                     "link_bytes_per_s", "pcie_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"migration {name}={getattr(self, name)!r}: must be > 0")
 
@@ -368,6 +370,7 @@ def start_migration(driver: EngineDriver, fingerprint: str,
                                       dead_after_s=options.dead_after_s,
                                       ship_kv=options.ship_kv,
                                       link_bytes_per_s=options.link_bytes_per_s,
+                                      pcie_bytes_per_s=options.pcie_bytes_per_s,
                                       cooldown_s=4 * options.interval_s)
     except Exception as e:  # noqa: BLE001 - no Ray, no cluster: the job runs unmigrated
         log.warning("batchgen migration: no coordinator (%r); running without migration", e)

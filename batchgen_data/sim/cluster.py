@@ -29,7 +29,7 @@ from batchgen_data.sim.modes import ModeConfig
 from batchgen_data.sim.result import SimResult
 from batchgen_data.sim.workload import Workload
 
-_END, _ARRIVE, _TICK, _UP = 0, 1, 2, 3
+_END, _ARRIVE, _TICK, _UP, _DELIVER = 0, 1, 2, 3, 4
 
 
 class Cluster:
@@ -73,6 +73,7 @@ class Cluster:
         self.span: list[Span | None] = [None] * num_actors  # the span each actor is in
         self.exports: list[list[tuple[int, int, bool]]] = [[] for _ in range(num_actors)]
         self.inbound = [0] * num_actors
+        self.planned_at = [-math.inf] * num_actors  # last move each actor took part in
         self.finish = np.full(n, np.nan)
         self.finished_by = np.full(n, -1, dtype=np.int32)
         self.num_finished = 0
@@ -170,23 +171,39 @@ class Cluster:
         self.span[a] = None
         homes = {a}
         fed: set[int] = set()  # actors whose queued batch started: their engines get rows
+        delay = self.mode.deliver_delay_s
         for row, t in self.actors[a].end_span(span):
             assert math.isnan(self.finish[row]), f"row {row} finished twice"
-            self.finish[row] = t
-            self.finished_by[row] = a
-            self.num_finished += 1
-            b = row // self.mode.batch_size
-            home = self.batch_home[b]
-            self.in_flight[home] -= 1
-            self.batch_left[b] -= 1
-            if self.batch_left[b] == 0:
-                self.batches_open[home] -= 1
-                self.batches_running[home] -= 1
-                if self.task_queue[home]:
-                    self._start_batch(home, self.task_queue[home].popleft())
-                    fed.add(home)
-            homes.add(home)
+            home = self.batch_home[row // self.mode.batch_size]
+            if home != a and delay > 0:  # a guest's result travels to its owner's task
+                self.finished_by[row] = a
+                self._push(t + delay, _DELIVER, row)
+                continue
+            self._credit(row, t, a, homes, fed)
         self._run_exports(a, now)
+        self._feed(now, homes, fed, a)
+        self._start(a, now)
+
+    def _credit(self, row: int, t: float, a: int, homes: set[int], fed: set[int]) -> None:
+        """Row `row` returned through its input batch's task at `t` (it ran last on `a`)."""
+        self.finish[row] = t
+        self.finished_by[row] = a
+        self.num_finished += 1
+        b = row // self.mode.batch_size
+        home = self.batch_home[b]
+        self.in_flight[home] -= 1
+        self.batch_left[b] -= 1
+        if self.batch_left[b] == 0:
+            self.batches_open[home] -= 1
+            self.batches_running[home] -= 1
+            if self.task_queue[home]:
+                self._start_batch(home, self.task_queue[home].popleft())
+                fed.add(home)
+        homes.add(home)
+
+    def _feed(self, now: float, homes: set[int], fed: set[int], a: int = -1) -> None:
+        """After rows returned: new input batches where the mode allows; actors other than
+        `a` (whose next span its caller starts) take them now or at their next step."""
         if self.mode.by_task:
             fed |= self._dispatch(now)
         for h in sorted(homes | fed):
@@ -198,7 +215,13 @@ class Cluster:
                 self._bind(h, now)
             if h != a and self.actors[h].has_work():
                 self._start(h, now)
-        self._start(a, now)
+
+    def _deliver(self, now: float, row: int) -> None:
+        """A moved row's result reaches its owner (`ModeConfig.mailbox`)."""
+        homes: set[int] = set()
+        fed: set[int] = set()
+        self._credit(row, now, int(self.finished_by[row]), homes, fed)
+        self._feed(now, homes, fed)
 
     def _run_exports(self, a: int, now: float) -> None:
         for row, dst, ship in self.exports[a]:
@@ -216,7 +239,7 @@ class Cluster:
                 delay = self.transfer.ship_seconds(seq.num_computed_tokens)
             else:
                 delay = self.mode.rpc_latency_s
-            self._push(now + delay, _ARRIVE, (dst, seq, out_len, kv))
+            self._push(now + delay + self.mode.import_delay_s, _ARRIVE, (dst, seq, out_len, kv))
         self.exports[a] = []
 
     def _arrive(self, now: float, dst: int, seq, out_len: int, kv: int | None) -> None:  # type: ignore[no-untyped-def]
@@ -247,8 +270,10 @@ class Cluster:
 
     def _tick(self, now: float) -> None:
         pcfg = self.placement
+        cool = now - self.mode.cooldown_s  # with a mailbox, a moved pair reports anew first
         loads = [act.load(now, self.span[i]) for i, act in enumerate(self.actors)
-                 if not self.exports[i] and not self.inbound[i] and self.started[i]]
+                 if not self.exports[i] and not self.inbound[i] and self.started[i]
+                 and self.planned_at[i] <= cool]
         receivers = find_receivers(loads, pcfg)
         if receivers:
             donors = pick_donors(loads, pcfg)[:self.mode.max_donors]
@@ -256,10 +281,12 @@ class Cluster:
             summaries = {d.engine_id: [q for q in self.actors[d.engine_id].summaries(
                 pcfg.max_requests_per_receiver) if q.kind in kinds] for d in donors}
             for mv in plan_moves(loads, summaries, pcfg):
+                self.planned_at[mv.src] = self.planned_at[mv.dst] = now
                 for rid in mv.request_ids:
                     self.exports[mv.src].append((int(rid), mv.dst, mv.ship_kv))
                     self.inbound[mv.dst] += 1
-            reach = now + self.mode.rpc_latency_s  # the export request's trip to the donor
+            # the export request's trip to the donor
+            reach = now + self.mode.rpc_latency_s + self.mode.order_delay_s
             for i, todo in enumerate(self.exports):
                 if todo and self.span[i] is None:
                     self._run_exports(i, reach)
@@ -295,6 +322,8 @@ class Cluster:
                 self._arrive(now, *data)  # type: ignore[misc]
             elif kind == _UP:
                 self._up(now, data)  # type: ignore[arg-type]
+            elif kind == _DELIVER:
+                self._deliver(now, data)  # type: ignore[arg-type]
             else:
                 self._tick(now)
         if self.num_finished != self.wl.num_rows:

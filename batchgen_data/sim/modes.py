@@ -69,6 +69,31 @@ class ModeConfig:
     max_donors: int = 16  # donors the coordinator asks for request summaries per round
     max_tasks_in_flight: int | None = None  # task dispatch; None: 2 x max_concurrent_batches
     ray_tasks: bool = False  # streaming modes: dispatch by Ray tasks as the connector does
+    # the Ray connector's protocol (connectors/ray_migration.py): engines meet the coordinator
+    # only at their reports, every `tick_s`, at uncorrelated phases, so in expectation an order
+    # reaches its donor tick/2 after the plan, an exported row reaches its receiver 1.5 ticks
+    # after the export (the donor's next report carries it, the receiver's next one fetches
+    # it), a moved row's result reaches its owner 1 tick after it finishes (the guest's next
+    # report, then the owner's), and a donor and its receiver sit out 4 ticks of planning
+    # (`cooldown_s` = 4 x interval_s there). False: the coordinator sees and reaches every
+    # engine at once (`rpc_latency_s`), what the simulator assumed before
+    mailbox: bool = False
+
+    @property
+    def order_delay_s(self) -> float:
+        return self.tick_s / 2 if self.mailbox else 0.0
+
+    @property
+    def import_delay_s(self) -> float:
+        return 1.5 * self.tick_s if self.mailbox else 0.0
+
+    @property
+    def deliver_delay_s(self) -> float:
+        return self.tick_s if self.mailbox else 0.0
+
+    @property
+    def cooldown_s(self) -> float:
+        return 4 * self.tick_s if self.mailbox else 0.0
 
     def __post_init__(self) -> None:
         if self.name not in MODES:
@@ -111,11 +136,12 @@ def mode_config(name: str, max_num_seqs: int, batch_size: int = 32,
                 max_concurrent_batches: int = 8, tick_s: float = 0.25,
                 placement: PlacementConfig | None = None,
                 max_tasks_in_flight: int | None = None, ray_tasks: bool = False,
-                window_calls: int | None = None) -> ModeConfig:
+                window_calls: int | None = None, mailbox: bool = False) -> ModeConfig:
     """The configuration each mode gets in the comparison, at `max_num_seqs` seats;
     `ray_tasks`: the streaming modes get Ray's task dispatch as the connector runs them, not
     the row-level window: `window_calls` concurrent batches per actor (None: the connector's
-    default window) and, with a coordinator, no more bound than that."""
+    default window) and, with a coordinator, no more bound than that; `mailbox`: moves and
+    results take the connector's report-to-report delays (`ModeConfig.mailbox`)."""
     if name == "static-tuned":
         max_concurrent_batches = tuned_concurrency(max_num_seqs, batch_size,
                                                    max_concurrent_batches)
@@ -133,4 +159,4 @@ def mode_config(name: str, max_num_seqs: int, batch_size: int = 32,
         pcfg = placement or PlacementConfig(queue_depth=batch_size)
     return ModeConfig(name, batch_size, max_concurrent_batches, pcfg,
                       name in MOVABLE, tick_s, max_tasks_in_flight=max_tasks_in_flight,
-                      ray_tasks=ray_tasks)
+                      ray_tasks=ray_tasks, mailbox=mailbox)

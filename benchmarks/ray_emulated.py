@@ -246,6 +246,8 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             # planner's share of the 2 cores the emulated engines also run on
             "coordinator_cpu_s": coord_stats.get("cpu_s"),
             "exchanges": coord_stats.get("num_exchanges"),
+            # engines pruned as silent (reports stalled for dead_after_s) and imports dropped
+            "pruned": coord_stats.get("pruned"), "dropped_imports": coord_stats.get("dropped_imports"),
             "overhead": max(o for _, o in last.values()), "wall_s": round(wall, 1),
             # how Ray bound the rows (tokens owned per actor, by ticket; factors say which were
             # slow) and when each owner yielded its last row: the imbalance behind the BCT

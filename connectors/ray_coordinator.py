@@ -50,6 +50,10 @@ class Report:
     # gets took (totals: the coordinator sums the latest over engines)
     kv_bytes_received: int = 0
     kv_transfer_s: float = 0.0
+    # rows this engine runs for other owners, and its own rows running elsewhere: the
+    # coordinator tells an owner which of its rows no live engine holds and no mail carries
+    guests: tuple[str, ...] = ()
+    away: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,10 @@ class Reply:
     # another live engine still owns unfinished rows: a finished engine keeps its last task
     # open while this is True, so Ray Data keeps it alive as a receiver for the others' tail
     others_busy: bool
+    # this engine's away rows that no live engine reports as a guest and no mail carries now
+    # (lost in transit, or between a pickup and the receiver's next report: the owner waits
+    # `MigrationOptions.lost_after_s` of such replies before running the row itself)
+    lost: tuple[str, ...] = ()
 
 
 def kv_nbytes(state: dict[str, Any]) -> int:
@@ -101,6 +109,10 @@ class Coordinator:
         self.num_moves = 0
         self.num_exchanges = 0
         self.kv_bytes_relayed = 0  # KV that reached this actor inline in mail (should stay 0)
+        # imports dropped because their receiver had gone silent (their senders reclaim them),
+        # and engines pruned as silent for `dead_after_s`
+        self.num_dropped_imports = 0
+        self.num_pruned = 0
         # each engine's latest transfer totals, kept after it stops reporting
         self.transfers: dict[str, tuple[int, float]] = {}
         self._last_seen = time.monotonic()
@@ -118,30 +130,53 @@ class Coordinator:
         for dst, msg in outbox:
             if msg[0] == "import" and isinstance(msg[2], dict):
                 self.kv_bytes_relayed += kv_nbytes(msg[2])
-            if dst in live:  # mail to a dead engine is dropped: its sender reclaims the row
-                self.mail[dst].append(msg)
+            if msg[0] == "import" and dst not in live:
+                # its sender sees `dst` missing from `live` in this reply and runs the row
+                self.num_dropped_imports += 1
+                continue
+            # a result is kept even for an owner that has gone silent: an engine whose reports
+            # stalled for `dead_after_s` may come back, and nobody else would send it again
+            # (if the owner is really gone, Ray retries its task and the mail is never read)
+            self.mail[dst].append(msg)
         self._plan(now, live)
         others_busy = any(self.reports[e][1].owned > 0 for e in live if e != engine_id)
+        lost = self._lost(report.away, live)
         return Reply(tuple(self.orders.pop(engine_id, [])), tuple(self.mail.pop(engine_id, [])),
-                     tuple(sorted(live)), others_busy)
+                     tuple(sorted(live)), others_busy, lost)
+
+    def _lost(self, away: tuple[str, ...], live: set[str]) -> tuple[str, ...]:
+        """Rows of `away` that no live engine holds as a guest and no queued mail carries (an
+        import on its way, or a result on its way home)."""
+        if not away:
+            return ()
+        held = {rid for e in live for rid in self.reports[e][1].guests}
+        for msgs in self.mail.values():
+            held.update(m[3] if m[0] == "import" else m[1] for m in msgs)
+        return tuple(rid for rid in away if rid not in held)
 
     def stats(self) -> dict[str, Any]:
         """Moves planned, exchanges served, this process's CPU seconds so far (its start-up
         included), and the KV moved between engines through the object store (bytes, and the
-        put + get seconds engines spent on it). `engines`: those reporting now (a finished one
+        put + get seconds engines spent on it); imports dropped for a silent receiver, and how
+        many times an engine was pruned as silent. `engines`: those reporting now (a finished one
         is pruned once silent for `dead_after_s`); `engines_seen`: every engine that reported."""
         return {"num_moves": self.num_moves, "engines": sorted(self.reports),
                 "engines_seen": sorted(self.transfers),
                 "num_exchanges": self.num_exchanges, "cpu_s": round(time.process_time(), 3),
                 "kv_bytes_moved": sum(b for b, _ in self.transfers.values()),
                 "kv_transfer_s": round(sum(s for _, s in self.transfers.values()), 6),
-                "kv_bytes_relayed": self.kv_bytes_relayed}
+                "kv_bytes_relayed": self.kv_bytes_relayed,
+                "dropped_imports": self.num_dropped_imports, "pruned": self.num_pruned}
 
     def _live(self, now: float) -> set[str]:
         dead = [e for e, (t, _) in self.reports.items() if now - t > self.dead_after_s]
         for e in dead:
             del self.reports[e]
-            self.mail.pop(e, None)
+            self.num_pruned += 1
+            # its orders are void (the plan is made anew); its mail stays: an engine whose
+            # reports stalled may come back. Its owners reclaim the rows they sent it (they
+            # see it gone from `live`), so an import read late runs a row twice and the second
+            # result is ignored; a result read late is the only copy of it
             self.orders.pop(e, None)
         return set(self.reports)
 

@@ -13,8 +13,10 @@ that calls the job's coordinator (`ray_coordinator`) every `interval_s`. Ownersh
   which the importer resolves from the object store (point to point, timed and counted);
 * the owner resolves the Future with it, so the owner's task yields the row, exactly once.
 
-If the importer stops reporting (dead) or the result does not come back within `timeout_s`,
-the owner imports its kept state into its own engine; a late result is then dropped. If the
+If the importer stops reporting (dead), the coordinator reports the row lost (no live engine
+holds it as a guest and no mail carries it) for `lost_after_s`, or the result does not come
+back within `timeout_s`, the owner imports its kept state into its own engine; a late result is
+then dropped. If the
 coordinator fails, every engine logs once, takes its rows back, drops its guests, and runs
 without migration. Exported state is greedy/seeded-exact, so a row's tokens never depend on
 where it ran.
@@ -55,6 +57,9 @@ class MigrationOptions:
     interval_s: float = 0.25  # how often an engine reports and collects mail
     dead_after_s: float = 10.0  # an engine silent this long counts as dead
     timeout_s: float = 600.0  # an exported row not back by then is run at home again
+    # ... and sooner, one the coordinator has reported lost (no live engine holds it, no mail
+    # carries it) in every reply for this long
+    lost_after_s: float = 10.0
     rpc_timeout_s: float = 30.0  # a coordinator call slower than this counts as a failure
     # keep an engine's last task open while other engines still own unfinished rows, so Ray
     # Data does not release it as idle (it does so once every input is dispatched) exactly
@@ -80,7 +85,7 @@ class MigrationOptions:
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
-                     "link_bytes_per_s", "pcie_bytes_per_s"):
+                     "lost_after_s", "link_bytes_per_s", "pcie_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"migration {name}={getattr(self, name)!r}: must be > 0")
 
@@ -116,6 +121,7 @@ class MigrationClient:
                        "kv_shipped": 0, "kv_imported_tokens": 0, "kv_bytes_sent": 0,
                        "kv_put_s": 0.0, "kv_bytes_received": 0, "kv_get_s": 0.0}
         self.disabled = False
+        self._lost_since: dict[str, float] = {}  # away rows the coordinator reports lost
         self.others_busy = False  # another live engine still owns unfinished rows
         self.active_calls = 0  # the predictor's __call__s now running
         self._guests_done = threading.Condition()
@@ -194,7 +200,7 @@ class MigrationClient:
             self._receive(msg)
         for move in reply.orders:
             self._export(move.dst, move.request_ids, move.ship_kv)
-        self._reclaim_lost(set(reply.live))
+        self._reclaim_lost(set(reply.live), reply.lost)
 
     def _exchange(self) -> Reply:
         import ray
@@ -205,7 +211,7 @@ class MigrationClient:
             outbox, self.outbox = self.outbox, []
         c = self.counts
         report = replace(report, accepting=self.active_calls > 0,
-                         owned=report.owned + len(self.away),
+                         owned=report.owned + len(self.away), away=tuple(self.away),
                          kv_bytes_received=c["kv_bytes_received"],
                          kv_transfer_s=c["kv_put_s"] + c["kv_get_s"])
         ref = self.coordinator.exchange.remote(report, outbox)
@@ -218,7 +224,8 @@ class MigrationClient:
         movable = [r for r in engine.movable(exclude=self.guests)
                    if (opts.move_queued if r.kind == "waiting" else opts.move_started)]
         return Report(engine.load(self.engine_id), tuple(movable),
-                      owned=engine.num_unfinished(exclude=self.guests))
+                      owned=engine.num_unfinished(exclude=self.guests),
+                      guests=tuple(self.guests))
 
     # ---- owner side ---------------------------------------------------------------------
     def _export(self, dst: str, rids: tuple[str, ...], ship_kv: bool) -> None:
@@ -256,11 +263,19 @@ class MigrationClient:
         self.counts["kv_bytes_sent"] += nbytes
         return ref
 
-    def _reclaim_lost(self, live: set[str]) -> None:
+    def _reclaim_lost(self, live: set[str], reported_lost: tuple[str, ...] = ()) -> None:
+        """Run at home the away rows whose receiver is gone, that are out too long, or that
+        the coordinator has reported lost for `lost_after_s`."""
         now = time.monotonic()
+        since = {rid: self._lost_since.get(rid, now) for rid in reported_lost if rid in self.away}
+        self._lost_since = since
         lost = [rid for rid, a in self.away.items()
-                if a.dst not in live or now - a.since > self.options.timeout_s]
+                if a.dst not in live or now - a.since > self.options.timeout_s
+                or now - since.get(rid, now) > self.options.lost_after_s]
         for rid in lost:
+            if rid in since:
+                log.warning("batchgen migration: row %s was lost on its way to or from %s; "
+                            "running it here", rid, self.away[rid].dst)
             self._reclaim(rid)
 
     def _reclaim(self, rid: str) -> None:

@@ -47,8 +47,25 @@ def test_mail_is_forwarded_once_and_dropped_for_dead_engines() -> None:
     assert c.exchange(report("a", IDLE), []).inbox == (("deliver", "r1", "out"),)
     assert c.exchange(report("a", IDLE), []).inbox == ()
     time.sleep(0.3)
+    # an import to an engine gone silent is dropped: the same reply tells its sender to
+    # run the row itself
     reply = c.exchange(report("a", IDLE), [("b", ("import", "a", {}))])
     assert reply.live == ("a",) and "b" not in c.mail
+    assert c.stats()["dropped_imports"] == 1 and c.stats()["pruned"] == 1
+
+
+def test_a_result_waits_for_an_owner_whose_reports_stalled() -> None:
+    # the owner "a" goes silent past dead_after_s while its row finishes on "b": the result
+    # must still reach it when it reports again (nobody would send it a second time)
+    c = Coordinator(dead_after_s=0.2)
+    c.exchange(report("a", IDLE), [])
+    c.exchange(report("b", IDLE), [("a", ("import", "b", {}))])  # queued for "a"
+    time.sleep(0.3)
+    reply = c.exchange(report("b", IDLE), [("a", ("deliver", "r1", "out"))])
+    assert reply.live == ("b",)
+    assert c.exchange(report("a", IDLE), []).inbox == (("import", "b", {}),
+                                                       ("deliver", "r1", "out"))
+    assert c.stats()["dropped_imports"] == 0
 
 
 def test_job_id_names_the_coordinator() -> None:
@@ -161,3 +178,48 @@ def test_stats_count_moves_and_exchanges() -> None:
     stats = c.stats()
     assert stats["num_moves"] == 2 and stats["num_exchanges"] == 2
     assert stats["engines"] == ["busy", "idle"] and stats["cpu_s"] > 0
+
+
+def test_a_row_no_engine_holds_and_no_mail_carries_is_reported_lost() -> None:
+    c = Coordinator()
+    c.exchange(report("b", IDLE), [])
+    owner = replace(report("a", IDLE, owned=2), away=("r1", "r2"))
+    # r1's import is on its way to b (in the outbox of this very exchange): not lost
+    assert c.exchange(owner, [("b", ("import", "a", {}, "r1"))]).lost == ("r2",)
+    c.exchange(replace(report("b", IDLE), guests=()), [])  # b picked r1 up, not reported yet
+    assert c.exchange(owner, []).lost == ("r1", "r2")
+    c.exchange(replace(report("b", IDLE), guests=("r1",)), [])  # now b runs it
+    assert c.exchange(owner, []).lost == ("r2",)
+    # r2's result is on its way home: not lost either
+    c.exchange(replace(report("b", IDLE), guests=("r1",)), [("a", ("deliver", "r2", "out"))])
+    reply = c.exchange(owner, [])
+    assert reply.lost == () and reply.inbox == (("deliver", "r2", "out"),)
+
+
+def test_an_owner_runs_a_row_reported_lost_for_lost_after_s(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import Future
+
+    from batchgen_data.connectors import ray_migration as rm
+
+    client = rm.MigrationClient(_FakeDriver(), None, "a", rm.MigrationOptions(
+        interval_s=3600.0, timeout_s=600.0, lost_after_s=5.0))
+    ran: list[str] = []
+    monkeypatch.setattr(client, "_reclaim", lambda rid: (ran.append(rid), client.away.pop(rid)))
+    clock = [100.0]
+    monkeypatch.setattr(rm.time, "monotonic", lambda: clock[0])
+    for rid in ("r1", "r2"):
+        client.away[rid] = rm._Away({}, Future(), "b", clock[0])
+    client._reclaim_lost({"a", "b"}, ("r1", "r2"))
+    clock[0] += 3.0
+    client._reclaim_lost({"a", "b"}, ("r1",))  # r2 turned up at b: its clock stops
+    assert ran == []
+    clock[0] += 3.0
+    client._reclaim_lost({"a", "b"}, ("r1", "r2"))  # r2 lost again: its clock starts anew
+    assert ran == ["r1"]
+    clock[0] += 4.0
+    client._reclaim_lost({"a", "b"}, ("r2",))
+    assert ran == ["r1"]
+    clock[0] += 2.0
+    client._reclaim_lost({"a", "b"}, ("r2",))
+    assert ran == ["r1", "r2"] and client.away == {}
+    client.stop()

@@ -108,7 +108,7 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
                                          ("bench_wall", time.time(), pa.float64()),
                                          ("bench_overhead", runner.overhead(), pa.float64()),
                                          ("bench_first_step", runner.first_step_at, pa.float64()),
-                                         ("bench_floor", self.driver.engine.stats.min_decode_step_s,
+                                         ("bench_floor", self.driver.engine.stats.decode_step_s(),
                                           pa.float64())):
                     table = table.append_column(name, pa.array([value] * n, typ))
                 yield table
@@ -232,14 +232,13 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
     for r in out:
         called[r["bench_owner"]] = min(r["bench_called"], called.get(r["bench_owner"], math.inf))
         batch_call[r["bench_batch"]] = (r["bench_called"], r["bench_owner"])
-    floor: dict[int, float] = {}  # the floor is a running minimum: its last value is the least
+    floor: dict[int, float] = {}  # the speed each owner reported as of its last yield
     for r in out:  # each owner's tokens, and its overhead as of its last yield
         owner = r["bench_owner"]
-        if r["bench_floor"] > 0:
-            floor[owner] = min(r["bench_floor"], floor.get(owner, math.inf))
         tokens[owner] = tokens.get(owner, 0) + r["num_generated_tokens"]
         if r["bench_wall"] >= last.get(owner, (0.0, 0.0))[0]:
             last[owner] = (r["bench_wall"], r["bench_overhead"])
+            floor[owner] = r["bench_floor"]
     ends = sorted((w - t0) / args.scale for w, _ in last.values())
     return {"arm": arm, "bct_ray_s": ends[-1], "moves": moves,
             # the coordinator's CPU seconds (its start-up included) and exchanges served: the
@@ -261,9 +260,9 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             "first_step_by_actor": [None if first.get(i) is None
                                     else round((first[i] - t0) / args.scale, 2)
                                     for i in range(args.actors)],
-            # the floor each engine reported to placement (`EngineLoad.decode_step_s`), in
-            # modelled ms: a straggler's is its factor times the others'; a fast engine's that
-            # reads high was measured under CPU contention, and the speed rules treat it as slow
+            # the speed each engine reported to placement at its last yield
+            # (`EngineLoad.decode_step_s`: the fitted reference step, `DecodeSpeed`), in
+            # modelled ms: a straggler's is its factor times the others'
             "decode_floor_ms_by_actor": [None if i not in floor or not floor[i]
                                          else round(floor[i] / args.scale * 1e3, 2)
                                          for i in range(args.actors)],

@@ -143,6 +143,8 @@ class Engine:
         self._move_kv(out)
         if not out.seqs:
             return finished
+        # the context this step attends over, for the speed fit (`DecodeSpeed`)
+        kv_tokens = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         t0 = time.perf_counter()
         inp = self.runner.prepare(out)
         logits = self.runner.run(inp)
@@ -165,7 +167,8 @@ class Engine:
         device_s = self.runner.device_step_s()
         self.stats.record(len(out.seqs), out.total_tokens, len(tokens),
                           time.perf_counter() - t0 if device_s is None else device_s,
-                          light_seqs=max(1, self.scheduler.config.max_num_seqs // 2))
+                          light_seqs=max(1, self.scheduler.config.max_num_seqs // 2),
+                          kv_tokens=kv_tokens)
         self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions
         (self.stats.offload_bytes_moved,
@@ -338,7 +341,7 @@ class Engine:
                                      for r in self.requests.values() for s in r.unfinished()),
             kv_bytes_per_token=self.host.bytes_per_token,
             prefill_tokens_per_s=int(1.0 / spt) if spt else 0,
-            decode_step_s=self.stats.min_decode_step_s)
+            decode_step_s=self.stats.decode_step_s())
 
     def movable(self, max_running: int | None = None,
                 exclude: Container[str] = ()) -> list[RequestSummary]:

@@ -2,7 +2,7 @@
 step (what the simulator's cost model is fitted on, `sim/calibrate.py`)."""
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,59 @@ class ExpertLoad:
                 "layer_steps": n}
 
 
+class DecodeSpeed:
+    """An engine's device speed, read from its pure decode steps whatever their load.
+
+    The fastest light step alone (`EngineStats.min_decode_step_s`) mixes device and load: a
+    fast engine whose lightest steps carried long contexts reads slower than a straggler whose
+    lightest steps were short (16 emulated actors, seed 3: floors of 445 ms on two fast
+    engines against 559 ms on a 1.5x straggler, a ratio of 1.26 under the 1.3x shedding
+    threshold, so a long row stayed on the straggler). A decode step's time is close to
+    linear in its sequences and the KV it reads (weights once per step, KV per token, a
+    little per sequence), so this fits `dt = a + b * seqs + c * kv_tokens` by least squares
+    over the last `window` pure decode steps and reports the fitted time of one reference
+    step (`REF_SEQS` sequences, `REF_KV` tokens of context): on two engines of one model it
+    differs only by their speed, whatever KV their measured steps carried. Until the steps
+    seen span enough shapes to fit the three terms (`MIN_STEPS`, and a full-rank design),
+    `step_s()` is 0.0 and the caller keeps the floor.
+    """
+
+    REF_SEQS = 1
+    REF_KV = 0
+    MIN_STEPS = 8
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._fit: float | None = None  # cached result, None: stale
+
+    def record(self, num_seqs: int, kv_tokens: int, dt: float) -> None:
+        self.samples.append((num_seqs, kv_tokens, dt))
+        self._fit = None
+
+    def step_s(self) -> float:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> float:
+        import numpy as np
+
+        if len(self.samples) < self.MIN_STEPS:
+            return 0.0
+        data = np.asarray(self.samples, dtype=np.float64)
+        # columns scaled to about 1, so the rank test reads shapes, not units
+        scale = np.maximum(np.abs(data[:, :2]).max(axis=0), 1.0)
+        x = np.column_stack([np.ones(len(data)), data[:, 0] / scale[0], data[:, 1] / scale[1]])
+        coef, _res, rank, sing = np.linalg.lstsq(x, data[:, 2], rcond=None)
+        if rank < 3 or sing[-1] < 1e-6 * sing[0]:
+            return 0.0  # every step had the same shape (or seqs and KV moved together)
+        ref = np.array([1.0, self.REF_SEQS / scale[0], self.REF_KV / scale[1]])
+        got = float(ref @ coef)
+        # a reference step is lighter than any measured one; a fit that says otherwise (noise
+        # on a few steps) is not trusted
+        return got if 0.0 < got <= float(data[:, 2].min()) else 0.0
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -61,6 +114,9 @@ class EngineStats:
     # seats busy, 0.0 before one: the engine's speed at light load, which placement compares to
     # spot a straggler (a full engine's steps are slower for its load, not its device)
     min_decode_step_s: float = 0.0
+    # the device speed fitted from pure decode steps of any load (`DecodeSpeed`), what the
+    # load report gives placement (`decode_step_s()`); `as_dict` has its reference step time
+    decode_speed: DecodeSpeed = field(default_factory=DecodeSpeed)
     # MoE models: tokens per expert per step (`ExpertLoad.summary()` in `as_dict`)
     tokens_per_expert: ExpertLoad = field(default_factory=ExpertLoad)
     # cpu_offload_gb > 0: weight bytes streamed host -> device, and the peak weight bytes
@@ -73,9 +129,12 @@ class EngineStats:
     kv_host_seqs_peak: int = 0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float,
-               light_seqs: int = 0) -> None:
+               light_seqs: int = 0, kv_tokens: int | None = None) -> None:
         """One step's counts; a pure decode step of at most `light_seqs` sequences (0: any)
-        counts towards `min_decode_step_s`."""
+        counts towards `min_decode_step_s`, and any pure decode step with its `kv_tokens`
+        (context attended over) towards `decode_speed`."""
+        if kv_tokens is not None and 0 < num_seqs == num_tokens:
+            self.decode_speed.record(num_seqs, kv_tokens, dt)
         if num_tokens >= 4 * num_seqs and num_tokens >= 32:
             rate = dt / num_tokens
             self.prefill_s_per_token = rate if not self.prefill_s_per_token else (
@@ -90,8 +149,20 @@ class EngineStats:
         self.generated_tokens += num_sampled
         self.step_time_s += dt
 
+    def decode_step_s(self) -> float:
+        """The engine's speed as placement reads it (`EngineLoad.decode_step_s`): the fitted
+        reference step (`DecodeSpeed`) once the steps seen allow a fit, the fastest light
+        decode step before that (0.0: none yet)."""
+        return self.decode_speed.step_s() or self.min_decode_step_s
+
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        speed = self.decode_speed
+        self.decode_speed = None  # type: ignore[assignment]  # asdict would copy its samples
+        try:
+            d = asdict(self)
+        finally:
+            self.decode_speed = speed
+        d["decode_speed"] = {"step_s": speed.step_s(), "steps": len(speed.samples)}
         d["batch_seqs_hist"] = dict(self.batch_seqs_hist)
         d["tokens_per_expert"] = self.tokens_per_expert.summary()
         return d

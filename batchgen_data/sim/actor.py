@@ -30,6 +30,7 @@ from typing import Any
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
+from batchgen_data.engine.stats import DecodeSpeed
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.host_tier import HostKVTier
 from batchgen_data.placement import EngineLoad, RequestSummary
@@ -119,6 +120,9 @@ class SimActor:
     # the fastest pure decode step with at most half the seats busy: `EngineLoad.decode_step_s`,
     # as `Engine.load` reports it
     min_decode_step_s: float = 0.0
+    # the speed fitted from decode steps of any load, as `EngineStats.decode_step_s` reports
+    # it: what the load report carries once it can fit (the floor before)
+    speed: DecodeSpeed = field(default_factory=DecodeSpeed)
 
     def __post_init__(self) -> None:
         bs = self.shape.block_size
@@ -190,7 +194,7 @@ class SimActor:
         summing the estimate costs O(sequences)."""
         running = span.run.running_at(now) if span and span.run else None
         return replace(self.sched.load(self.actor_id, running),
-                       decode_step_s=self.min_decode_step_s)
+                       decode_step_s=self.speed.step_s() or self.min_decode_step_s)
 
     def summaries(self, max_running: int) -> list[RequestSummary]:
         """What `Engine.movable(max_running)` gives: waiting (queue order), held, and the
@@ -220,7 +224,7 @@ class SimActor:
                     done.append(q)
         dt = self.cost.step_time(out.total_tokens, kv, len(out.seqs))
         if out.total_tokens == len(out.seqs):  # one token per sequence: a pure decode step
-            self._note_decode_step(len(out.seqs), dt)
+            self._note_decode_step(len(out.seqs), dt, kv)
         t = now + dt
         t += self._move_kv(out) / self.cost.pcie_bytes_per_s
         self.trace.append((now, len(out.seqs)))
@@ -269,14 +273,15 @@ class SimActor:
         finished = span.finished
         if span.run is not None and span.steps > 0:
             n = len(span.run.seqs)  # the run's first step decodes them all
-            self._note_decode_step(n, self.cost.step_time(n, span.run.total, n))
+            self._note_decode_step(n, self.cost.step_time(n, span.run.total, n), span.run.total)
             span.run.commit(span.steps, finished)
         self.busy_s += span.end - span.start
         self.steps += 1 + span.steps
         self.spans += 1
         return finished
 
-    def _note_decode_step(self, num_seqs: int, dt: float) -> None:
+    def _note_decode_step(self, num_seqs: int, dt: float, kv_tokens: int) -> None:
+        self.speed.record(num_seqs, kv_tokens, dt)
         if num_seqs > max(1, self.shape.max_num_seqs // 2):
             return  # a full engine's step time says more about its load than its device
         if not self.min_decode_step_s or dt < self.min_decode_step_s:

@@ -142,3 +142,63 @@ def test_the_ray_connector_offers_the_rules_opt_in() -> None:
     assert off.seat_receivers and off.max_receiver_slowdown == 0 and off.shed_slow_factor == 0
     cfg = PlacementConfig(**{**DEFAULT_PLACEMENT, **SPEED_RULES})
     assert cfg.max_receiver_slowdown > 1.0 and cfg.shed_slow_factor > cfg.max_receiver_slowdown
+
+
+def test_decode_speed_fit_reads_the_device_not_the_load() -> None:
+    # a fast engine whose lightest steps carried long contexts and a 1.5x straggler whose
+    # lightest steps were short: their floors (fastest light step) differ by less than 1.3x,
+    # the fitted reference step by exactly 1.5x
+    from batchgen_data.engine.stats import DecodeSpeed
+    from batchgen_data.sim.costmodel import CostModel
+
+    cost = CostModel("linear", c0=0.1, c_tok=2e-3, c_kv=1.4e-4, c_seq=3e-4,
+                     bytes_per_token=1, kv_capacity_tokens=10**6, pcie_bytes_per_s=1.0,
+                     link_bytes_per_s=1.0, c_mem=0.27)
+    fast, slow = EngineStats(), EngineStats()
+    for n in range(1, 17):  # contexts vary between steps of the same batch size
+        kv = n * (900 + 37 * (n % 5))
+        fast.record(n, n, n, cost.step_time(n, kv, n), light_seqs=16, kv_tokens=kv)
+        kv = n * (100 + 11 * (n % 3))
+        slow.record(n, n, n, 1.5 * cost.step_time(n, kv, n), light_seqs=16, kv_tokens=kv)
+    assert slow.min_decode_step_s / fast.min_decode_step_s < 1.3
+    assert slow.decode_step_s() / fast.decode_step_s() == pytest.approx(1.5, rel=1e-6)
+    # the reference step: one sequence, no context
+    assert fast.decode_step_s() == pytest.approx(cost.step_time(1, 0, 1), rel=1e-6)
+    # steps of one shape cannot separate seqs from KV: the floor stands until they can
+    same = EngineStats()
+    for _ in range(20):
+        same.record(4, 4, 4, 0.5, light_seqs=16, kv_tokens=400)
+    assert same.decode_speed.step_s() == 0.0 and same.decode_step_s() == 0.5
+    # too few steps to fit, and a prefill step never counts
+    few = DecodeSpeed()
+    for n in range(1, DecodeSpeed.MIN_STEPS):
+        few.record(n, 10 * n + n * n, 0.1 + 0.01 * n)
+    assert few.step_s() == 0.0
+    stats = EngineStats()
+    stats.record(4, 400, 4, 0.5, kv_tokens=400)
+    assert len(stats.decode_speed.samples) == 0
+    assert stats.as_dict()["decode_speed"] == {"step_s": 0.0, "steps": 0}
+
+
+def test_an_emulated_straggler_reports_its_factor_from_uneven_rows() -> None:
+    # rows of different lengths give steps of several shapes; the engine's load report then
+    # carries the fitted reference step, exactly the cost model's x slowdown on both engines
+    from batchgen_data.engine import emulated_runner as emu
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.sampling_params import SamplingParams
+
+    speeds = []
+    for slowdown in (1.0, 1.5):
+        spec = emu.EmulatedSpec("h200-llama8b", scale=1e-4, slowdown=slowdown,
+                                tokens_per_step=16)
+        e = Engine.from_kwargs(spec.model_string(), max_num_seqs=8)
+        for i in range(8):
+            e.submit(emu.encode_prompt(4 + 3 * i, 2 + 3 * i, salt=i),
+                     SamplingParams(temperature=0.0, max_tokens=64), request_id=f"r{i}")
+        while e.has_unfinished():
+            e.step()
+        assert e.stats.decode_speed.step_s() > 0
+        speeds.append(e.load().decode_step_s)
+    cost = spec.cost_model()
+    assert speeds[0] == pytest.approx(cost.step_time(1, 0, 1) * 1e-4, rel=1e-6)
+    assert speeds[1] == pytest.approx(1.5 * speeds[0], rel=1e-6)

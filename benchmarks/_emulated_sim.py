@@ -11,7 +11,8 @@ Three simulator numbers per arm:
   simulator's headline credits that feeding with);
 * `sim_slots`: the simulator's `static` mode with the connector's slots and no coordinator.
 Plus `sim_home_last`: per actor, when the last row it received finished (Ray measures the same:
-each actor's last yield).
+each actor's last yield), and `sim_bind_floor`: the `sim` run's critical path from its binding
+(each row's batch bound, then the row alone on an idle engine; the longest such chain).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
         no_moves = compare(wl, args.actors, cost, shape, modes=("static",), **feed)["static"]
         out[arm] = {"sim": ray_like.bct_s, "sim_credited": credited[SIM_MODES[arm]].bct_s,
                     "sim_slots": no_moves.bct_s,
+                    # the critical path this run's binding set: no schedule of the rows as
+                    # bound finishes before max(a row's input batch bound + its solo time)
+                    "sim_bind_floor": ray_like.tail_floor_s,
                     "sim_home_last": [None if math.isnan(t) else round(t, 2)
                                       for t in ray_like.home_last_s]}
     return out

@@ -43,7 +43,12 @@ EP_MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate",
 # tiers: as the remaining rows stop filling every group, whole groups turn light one by one
 #        (the fastest first), shed their young sequences to full groups and take the oldest
 # early: re-partition any group, at any time, to the width the model says steps fastest
-EP_FEATURES = ("pin", "tiers", "early")
+# align: admissions wait for a round: a group seats waiting rows only once it has a free seat
+#        per rank (or the queue's last rows, or after `align_wait_s`), and spreads their
+#        prompts' tokens evenly over its ranks; the prefill then costs one step for the group
+#        instead of one slow step per admission (lockstep: every rank waits for the one that
+#        prefills)
+EP_FEATURES = ("pin", "tiers", "early", "align")
 BATCH = 32  # ray.data.llm's batch_size
 
 
@@ -56,6 +61,7 @@ class EPMode:
     tail_seats: int = 64  # migrate modes, 4+ groups: sequences the tail group holds at most
     tail_age: int = 512  # tokens generated before a sequence may join the tail group
     pin_s: float = 5.0  # +pin: seconds a sequence stays in the group it moved to
+    align_wait_s: float = 1.0  # +align: the longest a free seat waits for its round
 
     def __post_init__(self) -> None:
         base, *feats = self.name.split("+")
@@ -96,6 +102,7 @@ class Group:
         self.arrivals: list[tuple[float, int, int, int, int, int]] = []
         self.busy_until = 0.0
         self.scheduled = False
+        self.free_since: float | None = None  # +align: when a seat freed with rows waiting
         self.set_tp(1)
 
     def set_tp(self, tp: int) -> None:

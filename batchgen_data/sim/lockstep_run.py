@@ -137,6 +137,9 @@ class EPCluster:
         grp.arrivals = keep
         budget = np.full(grp.ranks, self.p.prefill_budget)
         free = grp.free_seats()
+        if self.mode.late and self.mode.has("align"):
+            self._admit_round(grp, free, budget, now)
+            return
         if self.mode.late:  # a waiting row takes the least loaded rank's free seat
             times = grp.rank_times()
             while grp.shared and free.any():
@@ -162,6 +165,40 @@ class EPCluster:
                 free[k] -= 1
                 budget[k] -= self.inp[row]
 
+    def _admit_round(self, grp: Group, free: np.ndarray, budget: np.ndarray,
+                     now: float) -> None:
+        """+align: seat waiting rows in rounds. In lockstep a step lasts as long as its slowest
+        rank, so a prompt prefilled on one rank stalls all of them; admitting as seats free
+        (one or two rows a step at steady state) pays that stall once per row. A round waits
+        until the group has a free seat per rank (or as many as rows wait, or a seat has
+        waited `align_wait_s`, or nothing runs), then hands each next row to the rank with
+        the fewest prompt tokens this round (ties: least loaded), so every rank prefills about
+        the same and the stall is paid once for the round."""
+        if not grp.shared or not free.any():
+            grp.free_since = None
+            return
+        if grp.free_since is None:
+            grp.free_since = now
+        idle = not (grp.row >= 0).any()
+        if not (idle or int(free.sum()) >= min(grp.ranks, len(grp.shared))
+                or now - grp.free_since >= self.mode.align_wait_s):
+            return
+        grp.free_since = None
+        tokens = np.zeros(grp.ranks)
+        times = grp.rank_times()
+        while grp.shared:
+            cand = np.flatnonzero((free > 0) & (budget > 0))
+            if not len(cand):
+                break
+            k = int(cand[np.lexsort((times[cand], tokens[cand]))[0]])
+            row = grp.shared.popleft()
+            grp.seat(row, self.inp[row], self.out[row], 0, k, True)
+            if self.trace:
+                self.trace.seat(row, grp.gid, now)
+            free[k] -= 1
+            budget[k] -= self.inp[row]
+            tokens[k] += self.inp[row]
+
     def _has_queued(self, grp: Group) -> bool:
         return bool(grp.shared) or any(grp.queues) or bool(grp.arrivals)
 
@@ -177,10 +214,18 @@ class EPCluster:
             return
         b, new, kv = grp.loads()
         k = 1
-        if not grp.fresh.any() and not (self._has_queued(grp) and grp.free_seats().any()):
+        # +align: a round is being waited for, so free seats stay free until the next finish
+        # (or the round's deadline) and the steps before it can be summed like any others
+        pending = grp.free_since is not None and not grp.arrivals
+        if not grp.fresh.any() and (pending or not (self._has_queued(grp)
+                                                    and grp.free_seats().any())):
             k = int(grp.left[on].min())  # nothing changes before the next finish
+            step = max(grp.step_time(), 1e-6)
             if self.mode.name.startswith("migrate"):
-                k = max(1, min(k, int(self.mode.tick_s / max(grp.step_time(), 1e-6))))
+                k = max(1, min(k, int(self.mode.tick_s / step)))
+            if pending:
+                due = grp.free_since + self.mode.align_wait_s - now  # type: ignore[operator]
+                k = max(1, min(k, int(due / step)))
         if k == 1:
             dt = grp.step_time()
         else:  # k steps whose KV grows by b per rank per step

@@ -96,3 +96,52 @@ def test_every_row_finishes_once_with_the_remedies(mode: str) -> None:
     assert all(n == 0 for n in c.in_flight) and all(n == 0 for n in c.batch_left)
     for g in c.groups:
         assert g.active() == 0 and not g.arrivals and not g.shared and not any(g.queues)
+
+
+def test_align_admits_in_rounds_spread_over_the_ranks() -> None:
+    # rows with long prompts at steady state: without +align the group seats a row whenever a
+    # seat frees, so most steps carry one rank's prefill and every rank waits for it; with it
+    # the group waits for a free seat per rank and every rank prefills at once
+    rng = np.random.default_rng(7)
+    rows = 1200
+    wl = Workload("prompts", rng.integers(1500, 3000, rows),
+                  rng.integers(50, 400, rows), 400)
+    runs = {}
+    for name in ("migrate", "migrate+align"):
+        c = EPCluster(wl, 16, SMALL, EPMode(name, tick_s=0.2))
+        runs[name] = (c, c.run())
+    assert not np.isnan(runs["migrate+align"][1].finish_time).any()
+    assert runs["migrate+align"][1].bct_s < 0.8 * runs["migrate"][1].bct_s
+
+    # one round by hand: 16 free seats (one a rank) and 20 waiting rows: each rank gets one
+    # row, the 4 left wait for seats
+    c = EPCluster(Workload("w", np.arange(100, 120), np.full(20, 50), 50), 16, SMALL,
+                  EPMode("migrate+align"))
+    grp = c.groups[0]
+    for r in range(16):  # every rank full but one seat
+        for s in range(SMALL.seats_per_rank - 1):
+            assert grp.seat(1000 + r * 10 + s, 64, 500, 0, r, False)
+    grp.shared.extend(range(20))
+    c._admit(grp, 0.0)
+    assert len(grp.shared) == 4  # only 16 seats were free
+    seated = grp.row[grp.fresh]
+    assert sorted(seated.tolist()) == list(range(16))
+    ranks = grp.seat_rank[grp.fresh]
+    assert len(set(ranks.tolist())) == 16  # one row per rank: the round spread them
+
+
+def test_align_waits_for_a_round_but_not_forever() -> None:
+    c = EPCluster(Workload("w", np.full(40, 100), np.full(40, 50), 50), 16, SMALL,
+                  EPMode("migrate+align", align_wait_s=1.0))
+    grp = c.groups[0]
+    for r in range(16):
+        for s in range(SMALL.seats_per_rank):
+            if (r, s) != (0, 0):
+                assert grp.seat(1000 + r * 10 + s, 64, 500, 0, r, False)
+    grp.shared.extend(range(40))
+    c._admit(grp, 5.0)  # one free seat of 16 ranks: the round waits
+    assert len(grp.shared) == 40 and not grp.fresh.any()
+    c._admit(grp, 5.5)
+    assert len(grp.shared) == 40
+    c._admit(grp, 6.0)  # the seat has waited align_wait_s: it is filled
+    assert len(grp.shared) == 39 and int(grp.fresh.sum()) == 1

@@ -43,8 +43,9 @@ EP_MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate",
 # tiers: as the remaining rows stop filling every group, whole groups turn light one by one
 #        (the fastest first), shed their young sequences to full groups and take the oldest
 # early: re-partition any group, at any time, to the width the model says steps fastest
-# align: admissions wait for a round: a group seats waiting rows only once it has a free seat
-#        per rank (or the queue's last rows, or after `align_wait_s`), and spreads their
+# align: admissions wait for a round: a group seats waiting rows only once it has
+#        `align_seats` free seats per rank (or the queue's last rows, or after
+#        `align_wait_s`), and spreads their
 #        prompts' tokens evenly over its ranks; the prefill then costs one step for the group
 #        instead of one slow step per admission (lockstep: every rank waits for the one that
 #        prefills)
@@ -62,6 +63,10 @@ class EPMode:
     tail_age: int = 512  # tokens generated before a sequence may join the tail group
     pin_s: float = 5.0  # +pin: seconds a sequence stays in the group it moved to
     align_wait_s: float = 1.0  # +align: the longest a free seat waits for its round
+    # +align: free seats per rank (on average) that open a round: 4 rows a rank let the round
+    # even out prompt lengths (200k rows, seed 0: 1 -> 1477 s, 2 -> 1381 s, 4 -> 1317 s, 8 ->
+    # 1321 s, 16 -> 1326 s)
+    align_seats: int = 4
 
     def __post_init__(self) -> None:
         base, *feats = self.name.split("+")

@@ -170,8 +170,8 @@ class EPCluster:
         """+align: seat waiting rows in rounds. In lockstep a step lasts as long as its slowest
         rank, so a prompt prefilled on one rank stalls all of them; admitting as seats free
         (one or two rows a step at steady state) pays that stall once per row. A round waits
-        until the group has a free seat per rank (or as many as rows wait, or a seat has
-        waited `align_wait_s`, or nothing runs), then hands each next row to the rank with
+        until the group has `align_seats` free seats per rank (or as many as rows wait, or a
+        seat has waited `align_wait_s`, or nothing runs), then hands each next row to the rank with
         the fewest prompt tokens this round (ties: least loaded), so every rank prefills about
         the same and the stall is paid once for the round."""
         if not grp.shared or not free.any():
@@ -180,7 +180,8 @@ class EPCluster:
         if grp.free_since is None:
             grp.free_since = now
         idle = not (grp.row >= 0).any()
-        if not (idle or int(free.sum()) >= min(grp.ranks, len(grp.shared))
+        want = self.mode.align_seats * grp.ranks
+        if not (idle or int(free.sum()) >= min(want, len(grp.shared))
                 or now - grp.free_since >= self.mode.align_wait_s):
             return
         grp.free_since = None

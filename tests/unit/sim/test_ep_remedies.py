@@ -116,7 +116,7 @@ def test_align_admits_in_rounds_spread_over_the_ranks() -> None:
     # one round by hand: 16 free seats (one a rank) and 20 waiting rows: each rank gets one
     # row, the 4 left wait for seats
     c = EPCluster(Workload("w", np.arange(100, 120), np.full(20, 50), 50), 16, SMALL,
-                  EPMode("migrate+align"))
+                  EPMode("migrate+align", align_seats=1))
     grp = c.groups[0]
     for r in range(16):  # every rank full but one seat
         for s in range(SMALL.seats_per_rank - 1):
@@ -139,7 +139,7 @@ def test_align_waits_for_a_round_but_not_forever() -> None:
             if (r, s) != (0, 0):
                 assert grp.seat(1000 + r * 10 + s, 64, 500, 0, r, False)
     grp.shared.extend(range(40))
-    c._admit(grp, 5.0)  # one free seat of 16 ranks: the round waits
+    c._admit(grp, 5.0)  # one free seat in 16 ranks, 4 a rank wanted: the round waits
     assert len(grp.shared) == 40 and not grp.fresh.any()
     c._admit(grp, 5.5)
     assert len(grp.shared) == 40

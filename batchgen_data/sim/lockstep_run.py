@@ -147,23 +147,24 @@ class EPCluster:
                 if not len(cand):
                     break
                 k = int(cand[np.argmin(times[cand])])
-                row = grp.shared.popleft()
-                grp.seat(row, self.inp[row], self.out[row], 0, k, True)
-                if self.trace:
-                    self.trace.seat(row, grp.gid, now)
-                free[k] -= 1
-                budget[k] -= self.inp[row]
+                row = self._seat_new(grp, grp.shared.popleft(), k, free, budget, now)
                 times[k] += self.p.c_kv * self.inp[row] + self.p.c_seq
             return
         for k in range(grp.ranks):
             q = grp.queues[k]
             while q and free[k] > 0 and budget[k] > 0:
-                row = q.popleft()
-                grp.seat(row, self.inp[row], self.out[row], 0, k, True)
-                if self.trace:
-                    self.trace.seat(row, grp.gid, now)
-                free[k] -= 1
-                budget[k] -= self.inp[row]
+                self._seat_new(grp, q.popleft(), k, free, budget, now)
+
+    def _seat_new(self, grp: Group, row: int, k: int, free: np.ndarray, budget: np.ndarray,
+                  now: float) -> int:
+        """Seat waiting row `row` on rank k, where its prompt prefills this step; count its
+        seat and prompt tokens against the rank's `free` and `budget`."""
+        grp.seat(row, self.inp[row], self.out[row], 0, k, True)
+        if self.trace:
+            self.trace.seat(row, grp.gid, now)
+        free[k] -= 1
+        budget[k] -= self.inp[row]
+        return row
 
     def _admit_round(self, grp: Group, free: np.ndarray, budget: np.ndarray,
                      now: float) -> None:
@@ -192,12 +193,7 @@ class EPCluster:
             if not len(cand):
                 break
             k = int(cand[np.lexsort((times[cand], tokens[cand]))[0]])
-            row = grp.shared.popleft()
-            grp.seat(row, self.inp[row], self.out[row], 0, k, True)
-            if self.trace:
-                self.trace.seat(row, grp.gid, now)
-            free[k] -= 1
-            budget[k] -= self.inp[row]
+            row = self._seat_new(grp, grp.shared.popleft(), k, free, budget, now)
             tokens[k] += self.inp[row]
 
     def _has_queued(self, grp: Group) -> bool:

@@ -54,6 +54,9 @@ class Report:
     # coordinator tells an owner which of its rows no live engine holds and no mail carries
     guests: tuple[str, ...] = ()
     away: tuple[str, ...] = ()
+    # its own rows are done and its last task stays open only to take others' tail (`linger`):
+    # the reply's `others_busy` then weighs only what other engines reported since
+    lingering: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +64,10 @@ class Reply:
     orders: tuple[Move, ...]  # exports this engine must make now (`Move.src` is this engine)
     inbox: tuple[Message, ...]  # mail from other engines
     live: tuple[str, ...]  # engines that reported within `dead_after_s`, sorted
-    # another live engine still owns unfinished rows: a finished engine keeps its last task
-    # open while this is True, so Ray Data keeps it alive as a receiver for the others' tail
+    # another live engine still owns unfinished rows, or has not reported since this engine
+    # began to linger (its last report may predate rows it got since): a finished engine keeps
+    # its last task open while this is True, so Ray Data keeps it alive as a receiver for the
+    # others' tail
     others_busy: bool
     # this engine's away rows that no live engine reports as a guest and no mail carries now
     # (lost in transit, or between a pickup and the receiver's next report: the owner waits
@@ -115,6 +120,8 @@ class Coordinator:
         self.num_pruned = 0
         # each engine's latest transfer totals, kept after it stops reporting
         self.transfers: dict[str, tuple[int, float]] = {}
+        # when each lingering engine's current lingering stretch began (this actor's clock)
+        self.linger_since: dict[str, float] = {}
         self._last_seen = time.monotonic()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
@@ -139,10 +146,28 @@ class Coordinator:
             # (if the owner is really gone, Ray retries its task and the mail is never read)
             self.mail[dst].append(msg)
         self._plan(now, live)
-        others_busy = any(self.reports[e][1].owned > 0 for e in live if e != engine_id)
+        others_busy = self._others_busy(engine_id, report.lingering, live, now)
         lost = self._lost(report.away, live)
         return Reply(tuple(self.orders.pop(engine_id, [])), tuple(self.mail.pop(engine_id, [])),
                      tuple(sorted(live)), others_busy, lost)
+
+    def _others_busy(self, engine_id: str, lingering: bool, live: set[str], now: float) -> bool:
+        """Whether another live engine owns unfinished rows. For a lingering engine, one not heard
+        from since it began to linger counts as busy: its latest report may have been taken
+        before it received rows (a report queued while the coordinator starts arrives a second
+        late), and a receiver that left on it could not take that engine's tail."""
+        if lingering:
+            since = self.linger_since.setdefault(engine_id, now)
+        else:
+            since = None
+            self.linger_since.pop(engine_id, None)
+        for e in live:
+            if e == engine_id:
+                continue
+            seen, other = self.reports[e]
+            if other.owned > 0 or (since is not None and seen <= since):
+                return True
+        return False
 
     def _lost(self, away: tuple[str, ...], live: set[str]) -> tuple[str, ...]:
         """Rows of `away` that no live engine holds as a guest and no queued mail carries (an
@@ -172,6 +197,7 @@ class Coordinator:
         dead = [e for e, (t, _) in self.reports.items() if now - t > self.dead_after_s]
         for e in dead:
             del self.reports[e]
+            self.linger_since.pop(e, None)
             self.num_pruned += 1
             # its orders are void (the plan is made anew); its mail stays: an engine whose
             # reports stalled may come back. Its owners reclaim the rows they sent it (they

@@ -122,7 +122,14 @@ class MigrationClient:
                        "kv_put_s": 0.0, "kv_bytes_received": 0, "kv_get_s": 0.0}
         self.disabled = False
         self._lost_since: dict[str, float] = {}  # away rows the coordinator reports lost
-        self.others_busy = False  # another live engine still owns unfinished rows
+        # another live engine still owns unfinished rows (`Reply.others_busy`), as the reply to
+        # a report sent while lingering says; unknown (True) until then, so a last call that ends
+        # before the coordinator has heard of this engine's linger still waits for its verdict
+        self.others_busy = True
+        # the last call waits in `leave_call`; each such wait is a new stretch (`_linger_stretch`
+        # counts them), and only a reply to a report sent in the current one is its verdict
+        self.lingering = False
+        self._linger_stretch = 0
         self.active_calls = 0  # the predictor's __call__s now running
         self._guests_done = threading.Condition()
         self._stop = threading.Event()
@@ -169,10 +176,14 @@ class MigrationClient:
         with self._guests_done:
             if self.active_calls == 1:
                 linger = self.options.linger
+                if linger and self._thread.is_alive():
+                    self._linger_stretch += 1
+                    self.lingering, self.others_busy = True, True
                 self._guests_done.wait_for(
                     lambda: self.disabled or self._stop.is_set() or (
                         not self.guests and not (linger and self.others_busy)),
                     timeout=self.options.timeout_s)
+                self.lingering = False
             self.active_calls -= 1
 
     # ---- the loop -----------------------------------------------------------------------
@@ -192,17 +203,19 @@ class MigrationClient:
                 self._guests_done.notify_all()
 
     def _tick(self) -> None:
-        reply = self._exchange()
+        stretch = self._linger_stretch if self.lingering else -1
+        reply = self._exchange(lingering=stretch >= 0)
         with self._guests_done:
-            self.others_busy = reply.others_busy
-            self._guests_done.notify_all()
+            if stretch == self._linger_stretch and self.lingering:
+                self.others_busy = reply.others_busy
+                self._guests_done.notify_all()
         for msg in reply.inbox:
             self._receive(msg)
         for move in reply.orders:
             self._export(move.dst, move.request_ids, move.ship_kv)
         self._reclaim_lost(set(reply.live), reply.lost)
 
-    def _exchange(self) -> Reply:
+    def _exchange(self, lingering: bool = False) -> Reply:
         import ray
 
         # no timeout here: a slow step is not a coordinator failure (a dead engine fails it)
@@ -210,7 +223,7 @@ class MigrationClient:
         with self._lock:
             outbox, self.outbox = self.outbox, []
         c = self.counts
-        report = replace(report, accepting=self.active_calls > 0,
+        report = replace(report, accepting=self.active_calls > 0, lingering=lingering,
                          owned=report.owned + len(self.away), away=tuple(self.away),
                          kv_bytes_received=c["kv_bytes_received"],
                          kv_transfer_s=c["kv_put_s"] + c["kv_get_s"])

@@ -103,6 +103,25 @@ def test_reply_says_whether_other_engines_still_own_rows() -> None:
     assert c.exchange(report("a", IDLE, owned=0), []).others_busy is False
 
 
+def test_a_lingering_engine_waits_to_hear_from_the_others_again() -> None:
+    # "b" reported owning nothing, but that report may predate rows it got since (its first
+    # report waits out the coordinator's start): "a", which began to linger after it, must not
+    # leave on it. Once "b" has reported again, its `owned` is the verdict.
+    c = Coordinator()
+    c.exchange(report("b", IDLE, owned=0), [])
+    c.exchange(report("a", IDLE, owned=0), [])
+    lingering = replace(report("a", IDLE, owned=0), lingering=True)
+    assert c.exchange(lingering, []).others_busy is True
+    assert c.exchange(lingering, []).others_busy is True  # still nothing new from "b"
+    c.exchange(report("b", BUSY, WAITING, owned=3), [])
+    assert c.exchange(lingering, []).others_busy is True
+    c.exchange(report("b", IDLE, owned=0), [])
+    assert c.exchange(lingering, []).others_busy is False
+    # a new stretch (a later call that lingers again) waits for a fresh report again
+    c.exchange(report("a", IDLE, owned=0), [])
+    assert c.exchange(lingering, []).others_busy is True
+
+
 class _FakeDriver:
     """Just enough of EngineDriver for MigrationClient's constructor and loop."""
 
@@ -131,6 +150,36 @@ def test_last_call_lingers_while_other_engines_own_rows() -> None:
         client.others_busy = False
         client._guests_done.notify_all()
     assert left.wait(2.0) and client.active_calls == 0
+    client.stop()
+
+
+def test_only_a_reply_to_a_lingering_report_releases_the_last_call() -> None:
+    import threading
+
+    client = _client(linger=True)
+    sent: list[bool] = []
+    gate = threading.Event()
+
+    def exchange(lingering: bool = False) -> Reply:
+        sent.append(lingering)
+        gate.wait(5.0)
+        return Reply((), (), ("e1",), others_busy=False)
+
+    client._exchange = exchange
+    client.enter_call()
+    early = threading.Thread(target=client._tick)  # its report goes out before the call ends
+    early.start()
+    while not sent:
+        time.sleep(0.01)
+    left = threading.Event()
+    threading.Thread(target=lambda: (client.leave_call(), left.set())).start()
+    time.sleep(0.1)
+    gate.set()
+    early.join(5.0)
+    # that reply weighed a report that did not say "lingering": it does not count
+    assert sent == [False] and not left.wait(0.3)
+    client._tick()
+    assert sent == [False, True] and left.wait(2.0) and client.active_calls == 0
     client.stop()
 
 

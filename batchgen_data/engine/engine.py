@@ -138,13 +138,13 @@ class Engine:
             # head (those left belong to programs between steps): never stall on a pin
             self.pins.release_all()
             out = self.scheduler.schedule()
+        # what the step asks of the model: for `on_step`, and its context for the speed fit
+        shape = StepShape.of(out)
         if self.on_step is not None:
-            self.on_step(StepShape.of(out))
+            self.on_step(shape)
         self._move_kv(out)
         if not out.seqs:
             return finished
-        # the context this step attends over, for the speed fit (`DecodeSpeed`)
-        kv_tokens = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
         t0 = time.perf_counter()
         inp = self.runner.prepare(out)
         logits = self.runner.run(inp)
@@ -168,7 +168,7 @@ class Engine:
         self.stats.record(len(out.seqs), out.total_tokens, len(tokens),
                           time.perf_counter() - t0 if device_s is None else device_s,
                           light_seqs=max(1, self.scheduler.config.max_num_seqs // 2),
-                          kv_tokens=kv_tokens)
+                          kv_tokens=shape.kv_tokens)
         self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
         self.stats.num_preemptions = self.scheduler.num_preemptions
         (self.stats.offload_bytes_moved,

@@ -42,7 +42,11 @@ def test_gpu_throughput_quick(tmp_path: Path) -> None:
     assert len(cal) == 1 and "error" not in cal[0] and cal[0]["steps"] >= 10, cal
     preset = get_preset(str(tmp_path / "sim_preset_cpu.json"))
     assert preset.name == "cpu-tiny-measured" and preset.max_num_seqs == 4
-    assert preset.step_time(64, 64, 1) > preset.step_time(1, 8, 1) > 0
+    # a step with more of everything costs more; which term carries it is the fit's call (on a
+    # fast AVX-512 box the tiny model's per-token cost is below the timing noise: c_tok = c_kv
+    # = 0, c_seq > 0), so no single coefficient is required to be positive
+    assert preset.step_time(64, 64, 4) > preset.step_time(1, 8, 1) > 0
+    assert preset.step_time(64, 64, 1) >= preset.step_time(1, 8, 1)
 
 
 def _check_moe_case(records: list[dict]) -> None:

@@ -175,7 +175,7 @@ def placement(args: argparse.Namespace) -> dict[str, Any]:
     """The connector's placement switches, with thresholds counted in tokens in coarse tokens
     (the defaults / g), so a coarse run moves the same rows a real one would; both the connector
     and the simulator get these. `--no-speed-rules`: without the straggler rules."""
-    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT, SPEED_RULES
+    from batchgen_data.connectors.migration_options import DEFAULT_PLACEMENT, SPEED_RULES
     from batchgen_data.placement import PlacementConfig
 
     g, cfg = args.tokens_per_step, PlacementConfig()

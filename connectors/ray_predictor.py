@@ -48,7 +48,8 @@ import pyarrow as pa
 from batchgen_data.connectors.common import RequestBuilder, attach_outputs, to_arrow
 from batchgen_data.connectors.ray_metrics import start_stats_export
 from batchgen_data.connectors.programs import attach_program_outputs
-from batchgen_data.connectors.ray_migration import MigrationOptions, start_migration
+from batchgen_data.connectors.migration_options import MigrationOptions
+from batchgen_data.connectors.ray_migration import start_migration
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.devices import pick_device
 from batchgen_data import env

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen_data.chat import check_template_kwargs
 from batchgen_data.config import make_engine_config
 from batchgen_data.connectors import ray_blocks, row_extras
-from batchgen_data.connectors.ray_migration import MigrationOptions
+from batchgen_data.connectors.migration_options import MigrationOptions
 from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.connectors.resume import checkpoint_config
 from batchgen_data.sampling_params import SamplingParams

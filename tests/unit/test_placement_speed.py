@@ -136,7 +136,7 @@ def test_the_ray_connector_offers_the_rules_opt_in() -> None:
     # off in what the coordinator plans with by default (wall-clock floors of engines sharing
     # CPU cores differ by contention alone); `SPEED_RULES` turns them on, as
     # benchmarks/ray_emulated.py does for both the connector and the simulator
-    from batchgen_data.connectors.ray_migration import DEFAULT_PLACEMENT, SPEED_RULES
+    from batchgen_data.connectors.migration_options import DEFAULT_PLACEMENT, SPEED_RULES
 
     off = PlacementConfig(**DEFAULT_PLACEMENT)
     assert off.seat_receivers and off.max_receiver_slowdown == 0 and off.shed_slow_factor == 0

@@ -23,9 +23,11 @@ where it ran.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,21 @@ if TYPE_CHECKING:
     from batchgen_data.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+_CLIENTS: "weakref.WeakSet[MigrationClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_clients() -> None:
+    """At process exit, stop every client's thread and wait for it (briefly), so that none is
+    inside a `ray.get` while Ray tears its core worker down: seen once as a SIGSEGV in Ray's
+    task counter at the end of a job. Ray runs its own shutdown from an atexit hook registered
+    when the worker connected, before this module was imported, so this one runs first."""
+    clients = list(_CLIENTS)
+    for c in clients:
+        c.stop()
+    for c in clients:
+        c._thread.join(timeout=2.0)
 
 
 @dataclass
@@ -89,6 +106,7 @@ class MigrationClient:
             self._hold_for_move(options.hold_for_move_after)
         self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
         self._thread.start()
+        _CLIENTS.add(self)
 
     def _hold_for_move(self, after_steps: int) -> None:
         """Install the `hold_for_move_after` test hook on the driver."""

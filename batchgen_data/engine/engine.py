@@ -28,6 +28,7 @@ from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_he
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
+from batchgen_data.engine.token_draw import sample_seed
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.prompt_checks import first_bad_token
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
@@ -108,7 +109,7 @@ class Engine:
     def _seed_for(self, seed: int | None, index: int) -> int:
         if seed is None:
             return self._rng.getrandbits(62)
-        return seed if index == 0 else hash((seed, index)) & ((1 << 62) - 1)
+        return sample_seed(seed, index)
 
     def _add(self, req: Request, front: bool = False) -> None:
         self.requests[req.request_id] = req

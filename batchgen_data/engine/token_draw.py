@@ -2,7 +2,9 @@
 in memory that grows with the rows times the candidates, not with the rows times the vocabulary.
 
 The race picks ``argmax(logit / T - log(-log u))`` with ``u`` a counter-based hash of
-(sequence seed, output index, token id). Because ``u`` depends on the token id alone, the race
+(sequence seed, output index, token id): (seed, output index) mixed into one key first, then
+the token id (so consecutive steps draw independent noise; tests/unit/engine/
+test_sampling_statistics.py checks it). Because ``u`` depends on the token id alone, the race
 can run over any subset of tokens that holds every token the truncation keeps, and it picks the
 same token as a race over the whole vocabulary. So:
   * rows that truncate (top-k, top-p) race over ``K`` candidates from one ``topk`` call, with
@@ -39,12 +41,31 @@ def _shr_xor_(z: torch.Tensor, s: int) -> torch.Tensor:
     return z.bitwise_xor_(t)
 
 
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser of int64 ``z`` (a new tensor; multiplies wrap as uint64 would)."""
+    z = z.clone()
+    _shr_xor_(z, 30).mul_(_M1)
+    _shr_xor_(z, 27).mul_(_M2)
+    return _shr_xor_(z, 31)
+
+
+def stream_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One well-mixed int64 key per (seed, step), ``[N]``: the seed goes through a full
+    splitmix64 round, then the step is added and mixed again, so no two (seed, step) pairs
+    are a shifted copy of each other. (The old ``seed*MIX + step*GOLDEN + token*GOLDEN``
+    depended on ``step + token`` only: the next step's noise was this step's moved by one
+    token.)"""
+    key = _mix64(seeds.long() * _SEED_MIX + _GOLDEN)
+    return _mix64(key + steps.long() * _GOLDEN)
+
+
 def hash_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor
                     ) -> torch.Tensor:
-    """Float32 uniforms in (0, 1) from splitmix64 of (seed, step, token): seeds and steps
+    """Float32 uniforms in (0, 1) from a hash of (seed, step, token): seeds and steps
     ``[N]``, tokens int64 broadcastable to ``[N, C]`` (e.g. ``[1, C]`` or ``[N, C]``).
-    In-place steps: two ``[N, C]`` int64 tensors live at a time."""
-    base = seeds.long() * _SEED_MIX + steps.long() * _GOLDEN  # [N]
+    Token ``t`` of a row takes output ``t`` of the splitmix64 stream that starts at the row's
+    mixed (seed, step) key. In-place steps: two ``[N, C]`` int64 tensors live at a time."""
+    base = stream_keys(seeds, steps)  # [N]
     z = tokens * _GOLDEN + base.unsqueeze(1)  # int64 multiply and add wrap, as in splitmix64
     _shr_xor_(z, 30).mul_(_M1)
     _shr_xor_(z, 27).mul_(_M2)
@@ -52,6 +73,22 @@ def hash_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tens
     z >>= 40  # top 24 bits, non-negative after the mask
     z &= (1 << 24) - 1
     return (z.float() + 0.5) * (1.0 / (1 << 24))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed`` (``n > 1``): sample 0
+    keeps the user's seed; the others take a splitmix64 of (seed, index), the same on every
+    Python and every machine (Python's ``hash`` of a tuple is not a promise across versions).
+    62 bits, non-negative."""
+    if index == 0:
+        return seed
+    z = (seed * 0x2545F4914F6CDD1D + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 62) - 1)
 
 
 def _race(scaled: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,12 @@ def cpu_attention_kernel() -> bool:
     return _get_flag("BATCHGEN_CPU_ATTENTION_KERNEL", default=True)
 
 
+def cpu_march() -> str | None:
+    """``$BATCHGEN_CPU_MARCH``: the ``-march`` the CPU kernels build with instead of ``native``
+    (a test hook: ``x86-64-v3`` runs the AVX2 paths on an AVX-512 machine)."""
+    return _get_str("BATCHGEN_CPU_MARCH")
+
+
 def c_compiler() -> str | None:
     """``$CC``: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _get_str("CC")

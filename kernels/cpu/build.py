@@ -35,6 +35,13 @@ HEADERS = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.h")))  # in th
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off"]
 
 
+def _flags() -> list[str]:
+    """`FLAGS` with ``-march=native`` replaced by ``$BATCHGEN_CPU_MARCH`` when set (e.g.
+    ``x86-64-v3``: an AVX2-only build on an AVX-512 machine, to test the AVX2 paths)."""
+    march = env.cpu_march()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
+
+
 def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -51,7 +58,7 @@ def _build(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *_flags(), *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
@@ -112,7 +119,7 @@ def library() -> ctypes.CDLL | None:
         log.info("no C compiler (%s) for the CPU kernels; using the torch paths", compiler)
         return None
     parts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*parts, compiler, *FLAGS, platform.machine(),
+    key = hashlib.sha256("\0".join([*parts, compiler, *_flags(), platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     path = env.cache_dir() / "cpu_kernels" / f"batchgen_cpu-{key}.so"
     try:

@@ -14,3 +14,26 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
+
+
+def reduction_tolerance(expected: torch.Tensor, k: int, scale: float | None = None
+                        ) -> tuple[float, float]:
+    """(atol, rtol) for comparing two implementations of sums of ``k`` products in
+    ``expected``'s dtype that may add in different orders (another vector width, another
+    blocking: AVX2 against AVX-512, a C kernel against torch's GEMM). A reordered sum of ``k``
+    terms differs by about ``eps * sqrt(k)`` times the terms' size, and ``4 * eps * k`` bounds it
+    in practice (the worst case is ``eps * k``, reached only by adversarial inputs); ``scale``
+    is the terms' size, the largest ``|expected|`` by default. rtol is torch.testing's default
+    for the dtype. Never tighter than what the arithmetic can promise: an order that differs on
+    one CPU kind fails no test there."""
+    eps = torch.finfo(expected.dtype).eps
+    size = float(expected.abs().max()) if scale is None and expected.numel() else (scale or 1.0)
+    rtol = {torch.float32: 1.3e-6, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}[expected.dtype]
+    return 4 * eps * max(k, 1) * max(size, 1.0), rtol
+
+
+def assert_close_sum(actual: torch.Tensor, expected: torch.Tensor, k: int,
+                     scale: float | None = None) -> None:
+    """``assert_close`` with `reduction_tolerance`: for results that are sums of ``k`` terms."""
+    atol, rtol = reduction_tolerance(expected, k, scale)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)

@@ -6,12 +6,32 @@
 #                                                   # MODEL llama8b (default) or qwen3moe
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.
 export OUT="${OUT:-$(mktemp -d)}"
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+
+# The project as a cluster gets it: the wheel, installed into a folder of its own, never the
+# checkout (a package missing from the wheel fails here, not on a user's cluster). Where pip
+# cannot build a wheel on this machine, the wheel's layout is copied instead, and said so.
+SITE="$(mktemp -d)"
+mkdir -p "$SITE/src" && cp -r batchgen_data kernels connectors pyproject.toml README.md "$SITE/src/"
+if "$PY" -m pip wheel --no-deps --no-build-isolation -q -w "$SITE/dist" "$SITE/src" \
+        >"$OUT/install.log" 2>&1 \
+   && "$PY" -m pip install --no-deps --no-index -q --target "$SITE/site" "$SITE"/dist/*.whl \
+        >>"$OUT/install.log" 2>&1; then
+    echo "batchgen_data: installed from its wheel into $SITE/site"
+else
+    mkdir -p "$SITE/site"
+    cp -r batchgen_data "$SITE/site/"
+    cp -r kernels "$SITE/site/batchgen_data/kernels"
+    cp -r connectors "$SITE/site/batchgen_data/connectors"
+    echo "batchgen_data: no wheel built here (see install.log); its layout copied to $SITE/site"
+fi
+export PYTHONPATH="$SITE/site"
+(cd /tmp && "$PY" -c "import batchgen_data.engine.engine as e; print('engine from', e.__file__)") \
+    || { echo "batchgen_data does not import from its installed layout"; exit 1; }
 
 if [ "${1:-}" = "offload" ]; then
     shift

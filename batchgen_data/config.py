@@ -83,6 +83,10 @@ class EngineConfig:
     weight_memory_bytes: int | None = None
     # streamed MoE layers copy in only the experts a step routes to (False: whole layers)
     stream_experts: bool = True
+    # "module:function" building the engine's parts (`EngineParts`) from this config instead
+    # of loading a model: the seam for runners outside the package, e.g. the lab's emulated
+    # runner (``batchgen_lab.emulated_runner:build_parts``, lab/). None: the model's runner.
+    parts_builder: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -104,6 +108,9 @@ class EngineConfig:
             raise TypeError(f"stream_experts={self.stream_experts!r}: must be True or False")
         if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
             raise ValueError(f"weight_memory_bytes={self.weight_memory_bytes!r}: must be >= 1")
+        if self.parts_builder is not None and (not isinstance(self.parts_builder, str)
+                                               or self.parts_builder.count(":") != 1):
+            raise ValueError(f"parts_builder={self.parts_builder!r}: use 'module:function'")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

@@ -1,7 +1,7 @@
 """Placement policy: which engine's work moves where, decided from load reports alone.
 
 Pure Python with no engine or Ray imports, so the same code drives the Ray coordinator and the
-cluster simulator (`batchgen_data.sim`). Two decisions live here:
+cluster simulator (`batchgen_lab.sim`). Two decisions live here:
 
 * **Late binding** (`rows_wanted`): an engine binds only a shallow queue of rows beyond its seats
   (`max_num_seqs`), so rows stay unassigned — and free to go to whichever engine runs dry first —

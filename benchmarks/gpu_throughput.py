@@ -11,7 +11,7 @@
 5. Times the engine's steps for the cluster simulator's cost model (`sim.calibrate`: prefills
    up to 2k tokens, decode batches of 1-256 sequences at 128 and 1024 tokens of context) and
    writes the fitted preset to $OUT/sim_preset_<device>.json, for
-   `python -m batchgen_data.sim --preset that.json` on any machine.
+   `python -m batchgen_lab.sim --preset that.json` on any machine.
 6. MoE (when the engine has Qwen3-MoE; skipped with a record saying so otherwise): a random
    bf16 model with Qwen3-30B-A3B's layer shape (`--moe-layers` of its 48 layers), the bf16
    top-5 check, then ours vs HF static and continuous batching on 256 requests of U[100, 1024]
@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few requests")
     ap.add_argument("--hf-time-limit", type=float, default=None, help="seconds per HF baseline")
-    ap.add_argument("--systems", default="ours,sim,hf_static,hf_cb,moe",
-                    help="sim: fit the cluster simulator's cost model on this device; "
+    ap.add_argument("--systems", default="ours,hf_static,hf_cb,moe",
+                    help="sim: fit the lab simulator's cost model on this device (needs "
+                         "PYTHONPATH=lab: the simulator is not part of the package); "
                          "moe: the Qwen3-MoE case (ours and the listed HF systems)")
     ap.add_argument("--moe-layers", type=int, default=8,
                     help="layers of the Qwen3-30B-A3B-shaped model (of 48)")
@@ -160,8 +161,8 @@ def run_engine(report: Report, p: Profile, model_dir: Path, requests: list[Reque
 
 
 def sim_calibration(p: Profile, model_dir: Path) -> dict[str, Any]:
-    """Fit the simulator's step-time model on this device (see batchgen_data/sim/calibrate.py)."""
-    from batchgen_data.sim.calibrate import calibrate
+    """Fit the simulator's step-time model on this device (see lab/batchgen_lab/sim/calibrate.py)."""
+    from batchgen_lab.sim.calibrate import calibrate
 
     cal = p.sim_calibration
     cm, diag = calibrate(str(model_dir), repeats=1, runs=cal["runs"], device=p.device,

@@ -124,3 +124,16 @@ def hf_model() -> Callable[[Path], object]:
         return cache[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """A local 2-CPU Ray with Ray Data's progress output off."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _temp_dir="/tmp/ray")
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    yield
+    ray.shutdown()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,6 @@ import torch
 
 from batchgen_data.config import EngineConfig, SchedulerConfig
 from batchgen_data.devices import pick_device, resolve_device
-from batchgen_data.engine import emulated_runner
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
@@ -61,9 +61,19 @@ def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
     return ids
 
 
+def injected_builder(spec: str) -> Any:
+    """The function a ``parts_builder="module:function"`` names (imported here, on first use:
+    the engine never imports such modules itself)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"parts_builder={spec!r}: cannot import it ({exc})") from exc
+
+
 def build_parts(config: EngineConfig) -> EngineParts:
-    if emulated_runner.is_emulated(config.model):  # sleeps modelled step times (benchmarks)
-        return emulated_runner.build_parts(config)
+    if config.parts_builder is not None:  # an injected runner (the lab's emulated one)
+        return injected_builder(config.parts_builder)(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(pick_device(config.device))

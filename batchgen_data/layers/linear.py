@@ -78,7 +78,7 @@ def rows_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  ) -> torch.Tensor:
     """`F.linear` on the plain layout: the AVX2 row kernel for a decode step's few rows, where
     it streams each weight row once against all of them (on the MoE benchmark's model it cut
-    the q|k|v and o matmuls below oneDNN's, `benchmarks/moe_tile_ab.py`), `F.linear` for
+    the q|k|v and o matmuls below oneDNN's, `lab/scripts/moe_tile_ab.py`), `F.linear` for
     prefill chunks, where MKL's cache-blocked GEMM wins."""
     from batchgen_data.kernels.cpu import linear as cpu_linear
 

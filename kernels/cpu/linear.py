@@ -4,7 +4,7 @@ exactly one of these layouts and routes every call to the kernels of that layout
 * oneDNN's blocked layout (`pack_onednn` / `onednn_linear`, fp32 or bf16). MKL's `F.linear` on
   the plain [out, in] layout reaches a fraction of the machine's peak at decode shapes; oneDNN's
   linear with a weight reordered once at load time was up to ~25% faster at 4-32 rows in our
-  runs (`benchmarks/cpu_floor.py` prints both). At 1-3 rows MKL's GEMV-like path was faster.
+  runs (`lab/scripts/cpu_floor.py` prints both). At 1-3 rows MKL's GEMV-like path was faster.
 * 48-column panels (`pack_panels`, fp32, AVX-512): `csrc/panel_gemm.c` multiplies them with an
   outer-product micro-kernel (`panel_linear`). At 4-64 rows it was 1.2-2x faster than MKL and
   the oneDNN kernel here, and tied with the small-row kernel at 8 rows. `panel_matmul` runs

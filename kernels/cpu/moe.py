@@ -2,7 +2,7 @@
 
 A decode step sends a few tokens to each expert. On torch that is a sort, a gather, two grouped
 matmuls, the activation and a scatter-add per layer: at 32 sequences the experts took about half
-of a step of the Qwen3-MoE benchmark model (`benchmarks/moe_step_profile.py`), at well under the
+of a step of the Qwen3-MoE benchmark model (`lab/scripts/moe_step_profile.py`), at well under the
 machine's memory bandwidth. The kernel buckets the (token, expert) pairs itself, streams each
 active expert's gate/up and down rows once with SiLU * up fused in between, and adds the
 weighted results into the output: no per-expert dispatch, no copies of the weights (it reads the

@@ -1,5 +1,5 @@
-"""Shared fixtures for integration tests: one local Spark session and one local Ray for the
-whole pytest run.
+"""Shared fixtures for integration tests: one local Spark session for the whole pytest run
+(the local Ray, `ray_local`, is in tests/conftest.py: tests/lab uses it too).
 
 Starting a JVM costs ~10 s, so every Spark test shares this session; tests change only
 per-query SQL confs (and restore them), never cluster settings. Ray likewise starts once
@@ -36,16 +36,3 @@ def spark() -> Iterator["pyspark.sql.SparkSession"]:  # noqa: F821
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
-
-
-@pytest.fixture(scope="session")
-def ray_local() -> Iterator[None]:
-    """A local 2-CPU Ray with Ray Data's progress output off."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir="/tmp/ray")
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    yield
-    ray.shutdown()

@@ -5,7 +5,7 @@ module calls, views and small allocations around the C kernels. `CpuDecodeStack`
 layer stack to `kernels/cpu/csrc/decode_stack.c`, which calls the same kernels (panel matmuls,
 RMSNorm, rotation, SiLU, paged decode attention) in the same order, so its hidden states and KV
 writes are bit for bit those of the per-layer path. At 1-5 sequences of SmolLM2-135M shape this
-took a decode step's forward from 28-46 ms to 17-27 ms here (`benchmarks/step_trace.py` shows the
+took a decode step's forward from 28-46 ms to 17-27 ms here (`lab/scripts/step_trace.py` shows the
 engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most

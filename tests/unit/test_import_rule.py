@@ -1,0 +1,99 @@
+"""docs/ARCHITECTURE.md's import rule holds: every import of every module of the package (lazy
+ones in functions too), parsed with `ast`, points at its own line of the rule or a line above."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = {"batchgen_data": "batchgen_data", "kernels": "batchgen_data.kernels",
+           "connectors": "batchgen_data.connectors"}
+
+
+def rule() -> dict[str, int]:
+    """unit -> its line in the rule (0 = innermost)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    (block,) = re.findall(r"```import-rule\n(.*?)```", text, re.S)
+    return {unit: depth for depth, line in enumerate(block.strip().splitlines())
+            for unit in line.split()}
+
+
+def unit_of(dotted: str) -> str | None:
+    """`batchgen_data.engine.scheduler` -> `engine`; `batchgen_data` itself -> None."""
+    parts = dotted.split(".")
+    return parts[1] if parts[0] == "batchgen_data" and len(parts) > 1 else None
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for folder, dotted in SOURCES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            out.append((".".join((dotted, *rel)).removesuffix(".__init__"), path))
+    return out
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file; `from batchgen_data import x`
+    counts as importing `batchgen_data.x`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "batchgen_data":
+                found += [(node.lineno, f"batchgen_data.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, node.module))
+    return found
+
+
+def violations() -> list[str]:
+    depth = rule()
+    bad = []
+    for name, path in modules():
+        src = unit_of(name)
+        if src is None:  # batchgen_data/__init__.py: the lazy public names
+            continue
+        assert src in depth, f"{name}: unit {src!r} is not in ARCHITECTURE.md's import rule"
+        for line, target in imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            top = target.split(".")[0]
+            if top in ("batchgen_lab", "benchmarks", "sim", "_common"):
+                bad.append(f"{where} (the lab or a benchmark)")
+            elif top in ("ray", "pyspark") and src not in ("connectors", "cli"):
+                bad.append(f"{where} (only connectors and cli import {top})")
+            dst = unit_of(target)
+            if dst is None or dst == src:
+                continue
+            if dst not in depth:
+                bad.append(f"{where} (unit {dst!r} is not in the rule)")
+            elif depth[dst] > depth[src]:
+                bad.append(f"{where} (outward: {src} is on line {depth[src]}, {dst} on "
+                           f"{depth[dst]})")
+    return bad
+
+
+def test_imports_point_inward_only() -> None:
+    assert violations() == []
+
+
+def test_the_rule_rejects_an_outward_import() -> None:
+    # the check can fail: the engine importing the connectors, and layers importing the lab
+    real = imports
+
+    def with_extra(path: Path) -> list[tuple[int, str]]:
+        extra = {"batchgen_data/engine/engine.py": "batchgen_data.connectors.ray_data",
+                 "batchgen_data/layers/attention.py": "batchgen_lab.sim"
+                 }.get(path.relative_to(ROOT).as_posix())
+        return real(path) + ([(1, extra)] if extra else [])
+
+    globals()["imports"] = with_extra
+    try:
+        bad = violations()
+    finally:
+        globals()["imports"] = real
+    assert any("engine/engine.py:1 imports batchgen_data.connectors" in b for b in bad)
+    assert any("layers/attention.py:1 imports batchgen_lab.sim" in b for b in bad)
+    assert len(bad) == 2

@@ -21,11 +21,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python examples/ray_data_batch.py
 
-# Two steps, both must pass: the fast suite, then the end-to-end tests on the default model and
-# the example/notebook smoke runs (marked `slow`). Each prints its 15 slowest tests.
+# Two steps, both must pass: the engine's fast suite, then the end-to-end tests on the default
+# model, the example/notebook smoke runs (marked `slow`) and the benchmark scripts' smoke runs
+# (marked `bench`). Each prints its 15 slowest tests and its wall time.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
-	$(BIN)/python -m pytest -q -m slow --durations=15 tests
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not slow and not bench" --durations=15 tests; \
+	rc=$$?; echo "make test, step 1 (fast): $$(( $$(date +%s) - start )) s"; exit $$rc
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "slow or bench" --durations=15 tests; \
+	rc=$$?; echo "make test, step 2 (slow, bench): $$(( $$(date +%s) - start )) s"; exit $$rc
 
 clean:
 	rm -rf $(VENV)

@@ -220,8 +220,13 @@ def main() -> None:
                     help="run only the program arm (e.g. to compare admission settings)")
     ap.add_argument("--shared-arm", action="store_true",
                     help="also run the passes on one engine that keeps its prefix cache")
+    ap.add_argument("--dump-rows", action="store_true",
+                    help="print the rows this run would use as one JSON line and exit")
     args = ap.parse_args()
     rows_n, max_tokens = (10, 16) if args.quick else (args.rows, args.max_tokens)
+    if args.dump_rows:
+        print(json.dumps(make_rows(rows_n, args.context_words, args.seed)))
+        return
 
     llm = LLM(args.model, **parse_key_values(args.engine))
     mod = load_revise()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,6 +20,7 @@ def test_engine_import_needs_no_ray_or_spark() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+@pytest.mark.bench
 def test_gpu_throughput_quick(tmp_path: Path) -> None:
     # the simulator's fit is opt-in (the lab, on PYTHONPATH)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT / "lab")}
@@ -68,6 +71,7 @@ def _check_moe_case(records: list[dict]) -> None:
         assert r["tokens_per_expert"]["mean"] > 0, r
 
 
+@pytest.mark.bench
 def test_moe_kernel_bench_quick() -> None:
     # the fused-MoE kernel benchmark on tiny shapes through the Triton interpreter
     import pytest

@@ -69,6 +69,7 @@ def test_anyscale_notebook_runs(tmp_path: Path) -> None:
     assert "empty           0 of 4 good rows" in stdout  # chat messages: real answers
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(560)
 def test_streaming_benchmark_fake_engine() -> None:
     stdout = _run(["benchmarks/ray_streaming.py", "--engine", "fake", "--rows", "32",

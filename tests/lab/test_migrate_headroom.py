@@ -24,6 +24,7 @@ def test_longest_first_is_the_same_rows_reordered() -> None:
     assert lpt.max_output == wl.max_output
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_tiny_headroom_run(capsys: pytest.CaptureFixture[str]) -> None:
     summary = migrate_headroom.main(["--actors", "4", "--rows", "192", "--seeds", "2",

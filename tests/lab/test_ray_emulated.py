@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 
 from batchgen_lab import ray_emulated  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.bench]
 
 
 def test_tiny_emulated_job_with_a_straggler(ray_local: None, tmp_path: Path,

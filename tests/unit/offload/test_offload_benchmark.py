@@ -25,6 +25,7 @@ def _bench(tmp_path: Path, *args: str, **env_kw: str) -> tuple[str, list[dict[st
                          if line.startswith("{")]
 
 
+@pytest.mark.bench
 def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     # a device KV of 3 blocks (3072 B a token, 16 a block): two sequences per step without
     # the host tier
@@ -47,6 +48,7 @@ def test_offload_benchmark_cpu_smoke(tmp_path: Path) -> None:
     assert summary["kv_tier_vs_device_bytes"] < 1
 
 
+@pytest.mark.bench
 def test_offload_benchmark_without_accelerate_reports_the_bound(tmp_path: Path) -> None:
     # the device machine's image has accelerate; where it lacks it the run still reports ours
     out = tmp_path / "out"
@@ -64,6 +66,7 @@ def test_offload_benchmark_without_accelerate_reports_the_bound(tmp_path: Path) 
     assert saved == lines  # the JSON lines the device call brings back
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_offload_benchmark_moe_reports_expert_and_layer_streaming(tmp_path: Path) -> None:
     stdout, lines = _bench(tmp_path, "--model", "tiny_moe")

@@ -3,22 +3,28 @@ program computes fewer prompt tokens, and the time split adds up to the wall tim
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _bench(model: Path, *args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/programs.py", "--model", str(model),
-                           "--engine", "max_model_len=512", *args], cwd=ROOT, env=env,
+pytestmark = pytest.mark.bench
+
+
+def _run(*args: str) -> Any:
+    proc = subprocess.run([sys.executable, "benchmarks/programs.py", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _bench(model: Path, *args: str) -> dict[str, Any]:
+    return _run("--model", str(model), "--engine", "max_model_len=512", *args)
 
 
 def test_programs_benchmark_document_workload(tiny_model_dir: Callable[..., Path]) -> None:
@@ -46,16 +52,15 @@ def test_programs_benchmark_program_only_with_admission_settings(
     assert prog["requests"] == 12 and prog["reuse"]["admission_paused"] == 0
 
 
+def _rows(n: int, words: int, seed: int) -> list[dict[str, Any]]:
+    return _run("--dump-rows", "--rows", str(n), "--context-words", str(words),
+                "--seed", str(seed))
+
+
 def test_every_row_gets_its_own_passage() -> None:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_programs", ROOT / "benchmarks" /
-                                                  "programs.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = bench.make_rows(400, context_words=400, seed=0)
+    rows = _rows(400, 400, 0)
     passages = [r["question"].split("\n\nUsing")[0] for r in rows]
     assert len(set(passages)) == 400
-    assert bench.make_rows(5, 400, seed=0) == rows[:5] != bench.make_rows(5, 400, seed=1)
+    assert _rows(5, 400, 0) == rows[:5] != _rows(5, 400, 1)
     lengths = [len(p.split()) for p in passages]
     assert 400 <= min(lengths) and max(lengths) < 420

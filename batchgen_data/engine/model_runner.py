@@ -150,7 +150,7 @@ class ModelRunner:
             starts = _cumsum([0] + [len(g) for g in groups])
             rows = [list(range(a, a + len(g))) for a, g in zip(starts, groups)]
             parts = self.kv_tier.parts(rows, tables, seq_lens, q_lens)
-            meta = parts[0][1]  # fast paths never take a micro-batched step
+            meta = parts[0].meta  # fast paths never take a micro-batched step
         else:
             meta = self._metadata(tables, slots, seq_lens, q_lens, num_decodes)
         return ModelInput(
@@ -207,7 +207,7 @@ class ModelRunner:
     def _run(self, inp: ModelInput) -> torch.Tensor:
         if inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
             hidden = module_batch.forward(self.model, inp.input_ids, inp.positions,
-                                          self.kv_caches, inp.parts)
+                                          self.kv_caches, inp.parts, self.kv_tier.caches)
         elif (path := next((p for p in self.fast_paths if p.applies(inp)), None)) is not None:
             hidden = path.run(inp)
         else:

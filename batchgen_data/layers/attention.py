@@ -9,7 +9,6 @@ prefill chunks) a torch reference that gathers each sequence's blocks and runs d
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +34,13 @@ class AttentionMetadata:
     # torch path only, built once per step and shared by every layer:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
-    # a micro-batch whose KV is not in this cache (host memory, offload/kv_tier.py): called as
-    # kv_route(attention_module, q, k, v) -> [T, H, D] instead of attending here
-    kv_route: Callable[..., torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
-    """Writes the new tokens' K/V into the paged cache and attends over it."""
+    """Writes the new tokens' K/V into the paged cache and attends over it, where the cache is:
+    a cache on another device than q (KV held in host memory, `offload/kv_tier.py`) is written
+    and attended on its own device by the torch path, with `meta` on that device, and the
+    output comes back to q's device."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -56,9 +55,13 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D].
         Returns [T, H, D]."""
-        if meta.kv_route is not None:
-            return meta.kv_route(self, q, k, v)
-        return self._forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.c_decode)
+        k_cache, v_cache = kv_cache
+        if k_cache.device != q.device:
+            there = k_cache.device
+            out = _attention_torch(q.to(there), k.to(there), v.to(there), k_cache, v_cache, meta,
+                                   self.scale, self.c_decode and there.type == "cpu")
+            return out.to(q.device)
+        return self._forward(q, k, v, k_cache, v_cache, meta, self.scale, self.c_decode)
 
 
 def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type: ignore[no-untyped-def]

@@ -8,14 +8,32 @@ consecutive sequences of the flattened step: decodes first, then prefill chunks,
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate
+from typing import NamedTuple
+
+import torch
 
 from batchgen_data.layers.attention import AttentionMetadata
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
 
-def split_by_sequences(meta: AttentionMetadata, max_seqs: int
-                       ) -> list[tuple[slice, AttentionMetadata]]:
-    """(token rows, metadata) of each group of at most `max_seqs` sequences, in order."""
+
+class AttentionPart(NamedTuple):
+    """One micro-batch of a step: its token rows, its attention metadata, and the KV caches its
+    sequences' KV is in, one per layer (None: the step's own caches). The model reads
+    ``caches[layer]`` when that layer attends this micro-batch and attends there (a cache on
+    another device than the step's tensors is attended on that device: `Attention`); what is
+    behind the sequence (the device cache, host blocks staged on demand) is not its business."""
+
+    rows: slice
+    meta: AttentionMetadata
+    caches: Sequence[KVCache] | None = None
+
+
+def split_by_sequences(meta: AttentionMetadata, max_seqs: int) -> list[AttentionPart]:
+    """The micro-batches of at most `max_seqs` consecutive sequences, in order (their KV in
+    the step's caches)."""
     assert max_seqs >= 1
     nd = meta.num_decodes
     q_lens = meta.query_lens_host
@@ -40,5 +58,5 @@ def split_by_sequences(meta: AttentionMetadata, max_seqs: int
         if decodes and nblk:  # the torch decode path's gather index, cut to these rows
             sub.decode_blocks = meta.decode_blocks[a * nblk:(a + decodes) * nblk]
             sub.decode_mask = meta.decode_mask[a:a + decodes]
-        parts.append((rows, sub))
+        parts.append(AttentionPart(rows, sub))
     return parts

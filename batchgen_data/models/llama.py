@@ -8,6 +8,7 @@ positions that are sampled. Which kernels the layers run is decided when they ar
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,8 +18,13 @@ from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.attention import Attention, AttentionMetadata
 from batchgen_data.layers.embedding import VocabEmbedding
 from batchgen_data.layers.linear import Linear, MergedLinear, QKVLinear
+from batchgen_data.layers.micro_batch import AttentionPart, KVCache
 from batchgen_data.layers.norm import RMSNorm
 from batchgen_data.layers.rotary import RotaryEmbedding
+
+# one micro-batch as one layer sees it: token rows, metadata, and the caches its KV is in
+# (one per layer) with this layer's index in them; None: the layer's own cache
+LayerPart = tuple[slice, AttentionMetadata, "Sequence[KVCache] | None", int]
 
 
 class DecoderShape:
@@ -91,18 +97,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                parts: list[tuple[slice, AttentionMetadata]] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                parts: list[LayerPart] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # attention per micro-batch of `parts` (when given), the MLP once over all of them
         x, residual = self.attend(x, residual, positions, kv_cache, meta, parts)
         return self.mlp(x), residual
 
     def attend(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-               parts: list[tuple[slice, AttentionMetadata]] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer up to its MLP's input: norm, attention (per micro-batch of `parts`, token
-        rows and their metadata, when given) and the post-attention norm."""
+               parts: list[LayerPart] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP's input: norm, attention (per micro-batch of `parts`: token
+        rows, metadata and this layer's cache of the micro-batch, when given) and the
+        post-attention norm."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -111,8 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         if parts is None:
             x = self.self_attn(x, positions, kv_cache, meta)
         else:
-            x = torch.cat([self.self_attn(x[rows], positions[rows], kv_cache, sub)
-                           for rows, sub in parts])
+            # each micro-batch's cache is read just before it attends: a host-tier one is
+            # staged then (offload/kv_tier.py), after the micro-batch before it has attended
+            x = torch.cat([self.self_attn(x[rows], positions[rows],
+                                          kv_cache if caches is None else caches[i], sub)
+                           for rows, sub, caches, i in parts])
         return self.post_attention_layernorm(x, residual)
 
 
@@ -142,14 +150,15 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                parts: list[tuple[slice, AttentionMetadata]] | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden]. With `parts` ((token rows, metadata) per micro-batch, in
-        row order) each layer attends per micro-batch, each with its own KV placement
-        (`offload/module_batch.py`), and runs its MLP once over the whole step."""
+                parts: list[AttentionPart] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden]. With `parts` (the micro-batches, in row order) each layer
+        attends per micro-batch, each in the caches its KV is in (`AttentionPart.caches`: the
+        host tier's, `offload/module_batch.py`), and runs its MLP once over the whole step."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta, parts)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            here = None if parts is None else [(p.rows, p.meta, p.caches, i) for p in parts]
+            x, residual = layer(x, residual, positions, kv_cache, meta, here)
         x, _ = self.norm(x, residual)
         return x
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from batchgen_data.layers.attention import AttentionMetadata
-from batchgen_data.layers.micro_batch import split_by_sequences
+from batchgen_data.layers.micro_batch import AttentionPart, split_by_sequences
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.models.llama import DecoderForCausalLM, DecoderShape, LlamaMLP
 
@@ -54,7 +54,7 @@ class MoeForCausalLM(DecoderForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                parts: list[tuple[slice, AttentionMetadata]] | None = None) -> torch.Tensor:
+                parts: list[AttentionPart] | None = None) -> torch.Tensor:
         limit = self.attention_micro_batch_seqs
         # (captured CUDA-graph steps leave the host lists empty: they run as one batch)
         if parts is None and limit is not None and len(meta.query_lens_host) > limit:

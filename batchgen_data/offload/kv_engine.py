@@ -16,12 +16,12 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
-from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.layers.micro_batch import AttentionPart
 from batchgen_data.offload.copy import host_buffer
-from batchgen_data.offload.kv_tier import (KVRates, KVTierAttention, MicroBatch, choose_mode,
+from batchgen_data.offload.kv_tier import (HostKVCaches, KVRates, MicroBatch, choose_mode,
                                            measure_kv_rates, staging_blocks_for, swap_exposed_s)
-from batchgen_data.offload.module_batch import Placed, TierRouter
+from batchgen_data.offload.module_batch import Placed, tier_parts
 from batchgen_data.offload.plan import micro_batch_seqs
 
 # the device staging cache holds one layer's KV of this many sequences at max_model_len: a
@@ -52,8 +52,8 @@ class EngineKVTier:
         caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.staging_blocks = min(num_host_blocks, staging_blocks_for(
             STAGING_SEQS, max_model_len, block_size))
-        self.attention = KVTierAttention(caches, self.staging_blocks, self.device, backend)
-        self.router = TierRouter(model, self.attention)
+        self.caches = HostKVCaches(caches, self.staging_blocks, self.device, backend,
+                                   s.num_heads)
         self.rates = rates or measure_kv_rates(self.device, backend.dtype)
         self.host_seqs_peak = 0  # most host-tier sequences in one step
         self.modes = {"swap": 0, "host": 0}  # host micro-batches served each way
@@ -62,7 +62,7 @@ class EngineKVTier:
     @property
     def bytes_moved(self) -> int:
         """KV-tier bytes over the host <-> device link so far (both directions)."""
-        return self.attention.bytes_to_device + self.attention.bytes_to_host
+        return self.caches.bytes_to_device + self.caches.bytes_to_host
 
     def on_host(self, block_ids: list[int]) -> bool:
         return bool(block_ids) and block_ids[0] >= self.first_host_block
@@ -112,7 +112,7 @@ class EngineKVTier:
         return micro_batch_seqs(n, swap_exposed_s(batch, *args), self.rates.call_s), True
 
     def parts(self, groups: list[list[int]], tables: Seq[list[int]], seq_lens: Seq[int],
-              query_lens: Seq[int]) -> list[tuple[slice, AttentionMetadata]]:
+              query_lens: Seq[int]) -> list[AttentionPart]:
         """(token rows, metadata) of each micro-batch of `groups`, the step's tokens being the
         groups' tokens one after another; each host group's mode is chosen here."""
         s = self.shape
@@ -129,5 +129,4 @@ class EngineKVTier:
                     mode = "host"  # a group sized for host attention cannot be staged
                 self.modes[mode] += 1
             placed.append(Placed(batch, mode))
-        self.attention.plan([p.batch for p in placed if p.mode == "swap"])
-        return self.router.parts(placed, self.block_size, self.device, self.torch_decode)
+        return tier_parts(placed, self.caches, self.block_size, self.device, self.torch_decode)

@@ -11,9 +11,12 @@ micro-batch by `choose_mode` from measured rates:
 * **host**: copy q and the new k/v to the host, run the torch attention on the host cache (the
   host's cores and memory bandwidth do the work), and copy the output back.
 
-Both compute exactly what the resident path computes (the same formula on the same values), so
-outputs match it (`tests/unit/offload/test_offload_kv_tier.py`). `KVTierAttention` counts the
-bytes each way moves. What the engine does not do yet (the block pool's host range and the
+The tier stays behind the KV cache's interface: a host micro-batch is an `AttentionPart` whose
+caches are `HostTierCaches` (per layer: the staging cache, or the host cache itself, which
+`Attention` attends on its own device) with the matching metadata; no layer or model takes a
+callback. Both compute exactly what the resident path computes (the same formula on the same
+values), so outputs match it (`tests/unit/offload/test_offload_kv_tier.py`). `HostKVCaches`
+counts the bytes each way moves. What the engine does not do yet (the block pool's host range and the
 runner's per-micro-batch dispatch) is listed in docs/offload.md, "Not done".
 """
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Literal
 
 import torch
 
-from batchgen_data.layers.attention import Attention, AttentionMetadata
-from batchgen_data.layers.backend import LayerBackend, building
+from batchgen_data.layers.attention import AttentionMetadata
+from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.offload.kv_staging import KVStaging
 from batchgen_data.offload.plan import _timed, measure_rates
 
@@ -172,22 +175,48 @@ def metadata(batch: MicroBatch, block_size: int, device: torch.device,
     return meta
 
 
-class KVTierAttention:
-    """Attention over host KV blocks for one engine: the host caches of every layer
-    ([num_host_blocks, block_size, Hkv, D] each), two device staging caches of
-    `staging_blocks` blocks (one swapped micro-batch of one layer each: `KVStaging`), and the
-    counters."""
+class HostTierCaches:
+    """The KV caches of a host-tier micro-batch, as the model reads them: one (k, v) per
+    layer. Reading layer ``i`` makes the tier ready for that layer's attention (`caches_at`):
+    swap mode stages the batch's blocks of layer ``i`` in a device staging cache, host mode
+    gives the host caches themselves (the attention layer attends where its cache is)."""
+
+    def __init__(self, tier: "HostKVCaches", batch: MicroBatch, mode: Mode) -> None:
+        self.tier, self.batch, self.mode = tier, batch, mode
+
+    def __len__(self) -> int:
+        return len(self.tier.host_caches)
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tier.caches_at(layer, self.batch, self.mode)
+
+
+class HostKVCaches:
+    """The host caches of the KV host tier of one engine ([num_host_blocks, block_size, Hkv, D]
+    per layer, k and v), two device staging caches of `staging_blocks` blocks (one swapped
+    micro-batch of one layer each: `KVStaging`), and the counters. It answers, for a host
+    micro-batch, the metadata its attention uses (`metadata_for`) and the caches it attends
+    in (`caches_for`); the model and its layers see only caches and metadata.
+
+    A swapped micro-batch's new K/V land in staging; they are copied to its host blocks when
+    the next micro-batch asks for its caches, or at `flush` (the runner calls it after each
+    forward), and only then is the staging slot released for the next copy."""
 
     def __init__(self, host_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 staging_blocks: int, device: torch.device, backend: LayerBackend) -> None:
+                 staging_blocks: int, device: torch.device, backend: LayerBackend,
+                 num_heads: int) -> None:
         k0 = host_caches[0][0]
         self.host_caches = host_caches
         self.block_size, self.num_kv_heads, self.head_dim = k0.shape[1:]
+        self.itemsize = k0.element_size()
+        self.num_heads = num_heads
         self.device, self.backend = device, backend
         self.staging = KVStaging(host_caches, staging_blocks, device)
-        self._host_attn: dict[tuple[int, float], Attention] = {}
         self._host_to_device = 0  # host mode's outputs (swap mode's blocks: `staging`)
         self.bytes_to_host = 0
+        # a swapped micro-batch that attended in staging, its new rows not yet on the host:
+        # (layer, slot, its staging slots, its host slots)
+        self._pending: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def bytes_to_device(self) -> int:
@@ -198,50 +227,55 @@ class KVTierAttention:
         next one's blocks copy while one attends (`KVStaging`)."""
         self.staging.plan([(id(b), b.tables) for b in swapped])
 
-    def attend(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, batch: MicroBatch, mode: Mode) -> torch.Tensor:
-        """Layer `layer`'s attention output [T, H, D] (on the device) for `batch`; its new
-        k/v [T, Hkv, D] land in the host blocks."""
-        if mode == "swap":
-            return self._swap(layer, attn, q, k, v, batch)
-        return self._on_host(layer, attn, q, k, v, batch)
+    @staticmethod
+    def staged_tables(batch: MicroBatch) -> list[list[int]]:
+        """`batch`'s tables in staging block ids: the batch's host blocks in sorted order are
+        staging blocks 0, 1, ... (as `KVStaging` lays them out)."""
+        local = {b: i for i, b in enumerate(sorted({b for t in batch.tables for b in t}))}
+        return [[local[b] for b in t] for t in batch.tables]
 
-    def _swap(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        host_k, host_v = self.host_caches[layer]
-        staging, used, slot = self.staging.acquire(layer, id(batch), batch.tables)
-        local = {b: i for i, b in enumerate(used)}
-        dev = MicroBatch([[local[b] for b in t] for t in batch.tables], batch.seq_lens,
-                         batch.query_lens)
-        meta = metadata(dev, self.block_size, self.device, self.backend.torch_decode_attention)
-        out = attn(q, k, v, staging, meta)
-        # the new tokens' K/V were written into staging: the host blocks must hold them too
-        host_slots = metadata(batch, self.block_size, torch.device("cpu"), False).slot_mapping
-        for dst, src in zip((host_k, host_v), staging):
-            rows = src.view(-1, *src.shape[2:]).index_select(0, meta.slot_mapping)
+    def metadata_for(self, batch: MicroBatch, mode: Mode) -> AttentionMetadata:
+        """The attention metadata of `batch` attending in `mode`: staging block ids on the
+        device (swap), or its host block ids on the host (host)."""
+        if mode == "swap":
+            dev = MicroBatch(self.staged_tables(batch), batch.seq_lens, batch.query_lens)
+            return metadata(dev, self.block_size, self.device, self.backend.torch_decode_attention)
+        return metadata(batch, self.block_size, torch.device("cpu"), torch_decode=True)
+
+    def caches_for(self, batch: MicroBatch, mode: Mode) -> HostTierCaches:
+        return HostTierCaches(self, batch, mode)
+
+    def caches_at(self, layer: int, batch: MicroBatch, mode: Mode
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s caches for `batch`'s attention (see the class)."""
+        self.flush()
+        tokens = sum(batch.query_lens)
+        kv_row = self.num_kv_heads * self.head_dim * self.itemsize
+        if mode == "host":  # q, k, v go to the host, the output comes back
+            self.bytes_to_host += tokens * (self.num_heads * self.head_dim * self.itemsize
+                                            + 2 * kv_row)
+            self._host_to_device += tokens * self.num_heads * self.head_dim * self.itemsize
+            return self.host_caches[layer]
+        staging, _, slot = self.staging.acquire(layer, id(batch), batch.tables)
+        local = MicroBatch(self.staged_tables(batch), batch.seq_lens, batch.query_lens)
+        cpu = torch.device("cpu")
+        self._pending = (layer, slot,
+                         metadata(local, self.block_size, cpu, False).slot_mapping.to(self.device),
+                         metadata(batch, self.block_size, cpu, False).slot_mapping)
+        self.bytes_to_host += 2 * tokens * kv_row
+        return staging[0], staging[1]
+
+    def flush(self) -> None:
+        """Copy the last swapped micro-batch's new K/V rows from staging to its host blocks
+        and release its staging slot."""
+        if self._pending is None:
+            return
+        layer, slot, staged, host_slots = self._pending
+        self._pending = None
+        for dst, src in zip(self.host_caches[layer], self.staging.slots[slot]):
+            rows = src.view(-1, *src.shape[2:]).index_select(0, staged)
             dst.view(-1, *dst.shape[2:])[host_slots] = rows.to("cpu")
         self.staging.release(slot)  # after the reads above: the slot may be refilled
-        self.bytes_to_host += 2 * k.numel() * k.element_size()
-        return out
-
-    def _on_host(self, layer: int, attn: Attention, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        cpu = torch.device("cpu")
-        qh, kh, vh = (t.to(cpu) for t in (q, k, v))
-        self.bytes_to_host += sum(t.numel() * t.element_size() for t in (q, k, v))
-        meta = metadata(batch, self.block_size, cpu, torch_decode=True)
-        out = self._host_attention(attn)(qh, kh, vh, self.host_caches[layer], meta)
-        self._host_to_device += out.numel() * out.element_size()
-        return out.to(self.device)
-
-    def _host_attention(self, attn: Attention) -> Attention:
-        """A torch-reference `Attention` on the host with `attn`'s heads and scale."""
-        key = (attn.num_heads, attn.scale)
-        if key not in self._host_attn:
-            with building(LayerBackend(torch.device("cpu"), self.host_caches[0][0].dtype)):
-                self._host_attn[key] = Attention(attn.num_heads, attn.num_kv_heads,
-                                                 attn.head_dim, attn.scale)
-        return self._host_attn[key]
 
 
 def staging_blocks_for(max_seqs: int, max_len: int, block_size: int) -> int:

@@ -220,7 +220,7 @@ def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.Monk
 
     def spy(meta, max_seqs):  # type: ignore[no-untyped-def]
         parts = split(meta, max_seqs)
-        groups.append([len(sub.query_lens_host) for _, sub in parts])
+        groups.append([len(p.meta.query_lens_host) for p in parts])
         return parts
 
     monkeypatch.setattr(moe, "split_by_sequences", spy)

@@ -97,3 +97,20 @@ def test_the_rule_rejects_an_outward_import() -> None:
     assert any("engine/engine.py:1 imports batchgen_data.connectors" in b for b in bad)
     assert any("layers/attention.py:1 imports batchgen_lab.sim" in b for b in bad)
     assert len(bad) == 2
+
+
+def test_layers_take_no_kv_routing_callback() -> None:
+    # where a micro-batch's KV lives is the KV cache's business (offload/kv_tier.py gives the
+    # caches): the attention metadata and the micro-batch parts hold tensors and plain data
+    import dataclasses
+    import typing
+
+    from batchgen_data.layers.attention import AttentionMetadata
+    from batchgen_data.layers.micro_batch import AttentionPart
+
+    fields = {f.name: str(f.type) for f in dataclasses.fields(AttentionMetadata)}
+    fields |= {n: str(t) for n, t in typing.get_type_hints(AttentionPart).items()}
+    assert not [n for n, t in fields.items() if "Callable" in t or "route" in n], fields
+    for folder in ("layers", "models"):
+        for path in (ROOT / "batchgen_data" / folder).glob("*.py"):
+            assert "kv_route" not in path.read_text(), path

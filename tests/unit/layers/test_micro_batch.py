@@ -25,8 +25,8 @@ def step_metadata() -> AttentionMetadata:
 def test_groups_of_two_sequences_keep_rows_and_metadata_aligned() -> None:
     meta = step_metadata()
     parts = split_by_sequences(meta, 2)
-    assert [rows for rows, _ in parts] == [slice(0, 2), slice(2, 7), slice(7, 10)]
-    (_, a), (_, b), (_, c) = parts
+    assert [p.rows for p in parts] == [slice(0, 2), slice(2, 7), slice(7, 10)]
+    a, b, c = (p.meta for p in parts)
     assert (a.num_decodes, b.num_decodes, c.num_decodes) == (2, 1, 0)
     assert a.decode_blocks.tolist() == list(range(6)) and a.max_decode_len == 9
     assert b.decode_blocks.tolist() == [6, 7, 8] and b.max_decode_len == 2
@@ -36,9 +36,9 @@ def test_groups_of_two_sequences_keep_rows_and_metadata_aligned() -> None:
     assert c.block_tables.tolist() == meta.block_tables[4:].tolist()
     assert c.slot_mapping.tolist() == list(range(107, 110))
     assert a.cu_seqlens_q.tolist() == [0]  # no prefill in the first group
-    assert sum(len(p.query_lens_host) for _, p in parts) == 5
+    assert sum(len(p.meta.query_lens_host) for p in parts) == 5
 
 
 def test_one_group_when_the_limit_holds_the_step() -> None:
-    (rows, sub), = split_by_sequences(step_metadata(), 8)
+    (rows, sub, _), = split_by_sequences(step_metadata(), 8)
     assert rows == slice(0, 10) and sub.num_decodes == 3 and sub.cu_seqlens_q.tolist() == [0, 4, 7]

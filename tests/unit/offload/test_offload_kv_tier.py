@@ -8,7 +8,7 @@ import torch
 
 from batchgen_data.layers.attention import Attention
 from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.offload.kv_tier import (KVRates, KVTierAttention, MicroBatch, choose_mode,
+from batchgen_data.offload.kv_tier import (HostKVCaches, KVRates, MicroBatch, choose_mode,
                                            costs, measure_kv_rates, metadata)
 
 BLOCK = 4
@@ -60,13 +60,14 @@ def test_tier_attention_matches_resident(name: str, mode: str, cpu_kernels: bool
     attn, backend, dev, host, resident, in_host, (q, k, v) = _setup(SHAPES[name], cpu_kernels)
     meta = metadata(resident, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
     want = attn(q, k, v, dev, meta)
-    tier = KVTierAttention([host], staging_blocks=16, device=torch.device("cpu"),
-                           backend=backend)
-    got = tier.attend(0, attn, q, k, v, in_host, mode)  # type: ignore[arg-type]
-    if mode == "swap" or not cpu_kernels:  # the same kernel on the same values
-        assert torch.equal(got, want)
-    else:  # the host runs the torch decode; the resident path ran the C kernel
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    tier = HostKVCaches([host], staging_blocks=16, device=torch.device("cpu"), backend=backend,
+                        num_heads=q.shape[1])
+    # the layer sees caches and metadata only: the tier's, for a host micro-batch
+    caches = tier.caches_for(in_host, mode)  # type: ignore[arg-type]
+    got = attn(q, k, v, caches[0], tier.metadata_for(in_host, mode))  # type: ignore[arg-type]
+    tier.flush()  # the swapped rows reach the host blocks
+    # on the CPU "device" the host caches are on q's device: the same kernel, the same values
+    assert torch.equal(got, want)
     # the new tokens' K/V are in the host blocks, where the resident path wrote them
     host_slots = metadata(in_host, BLOCK, torch.device("cpu"), False).slot_mapping
     for cache, res in zip(host, dev):

@@ -90,4 +90,4 @@ def test_several_swapped_micro_batches_match_resident(deep_llama: Path) -> None:
     assert tier.modes["swap"] > tier.modes["host"] == 0
     # steps with several swapped micro-batches of more than one sequence
     assert any(len(gs) > 1 and max(map(len, gs)) > 1 for gs in host_groups)
-    assert tier.attention.staging.prefetched > 0
+    assert tier.caches.staging.prefetched > 0

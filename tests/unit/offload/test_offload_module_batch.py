@@ -15,8 +15,8 @@ import torch
 
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
-from batchgen_data.offload.kv_tier import KVTierAttention, MicroBatch, metadata
-from batchgen_data.offload.module_batch import Placed, TierRouter, forward
+from batchgen_data.offload.kv_tier import HostKVCaches, MicroBatch, metadata
+from batchgen_data.offload.module_batch import Placed, forward, tier_parts
 
 BLOCK = 4
 PROMPT_LENS = [5, 9, 6, 11, 3]
@@ -82,7 +82,7 @@ def _run(model: torch.nn.Module, backend: LayerBackend, tiered: bool
     host_tables = _tables(1, PROMPT_LENS, reverse=True)
     nblocks = 2 + sum(map(len, dev_tables))
     dev, host = _caches(model, nblocks), _caches(model, nblocks)
-    router = TierRouter(model, KVTierAttention(host, 16, torch.device("cpu"), backend))
+    tier = HostKVCaches(host, 16, torch.device("cpu"), backend, model.shape.num_heads)
     outs: list[torch.Tensor] = []
     refs: list[torch.Tensor] = []
     done = [0] * len(tokens)
@@ -98,13 +98,13 @@ def _run(model: torch.nn.Module, backend: LayerBackend, tiered: bool
             for i in seqs:
                 ids += tokens[i][done[i]:]
                 pos += range(done[i], len(tokens[i]))
-        parts = router.parts(placed, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
+        parts = tier_parts(placed, tier, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
         if not tiered:  # the same step as one batch through the model's own forward
             whole = MicroBatch(dev_tables, [len(t) for t in tokens],
                                [len(t) - d for t, d in zip(tokens, done)])
             meta = metadata(whole, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
             refs.append(model(torch.tensor(ids), torch.tensor(pos), _copy(dev), meta))
-        x = forward(model, torch.tensor(ids), torch.tensor(pos), dev, parts)
+        x = forward(model, torch.tensor(ids), torch.tensor(pos), dev, parts, tier)
         outs.append(x)
         for i, t in enumerate(tokens):
             done[i] = len(t)

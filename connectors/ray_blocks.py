@@ -17,6 +17,16 @@ Data's physical optimizer (a DeveloperAPI ruleset) that lowers the target on the
 transform of operators that run a streaming `BatchGenPredictor`, and nowhere else. Ray then
 emits each yielded output as soon as it is yielded (split into one-row blocks). Without the rule
 (another Ray version) results stay correct; rows only arrive when their task ends.
+
+The rule is added when `connectors/ray_predictor.py` is imported, which a driver must do to
+pass `BatchGenPredictor` to `map_batches`: the one line streams as written. It stays out of
+other operators' way because it changes nothing but the last transform's output block target
+of a physical operator one of whose logical operators is a map over a class with
+`streams_rows = True` and a streaming `stream` (`is_streaming_udf`): every other operator's
+plan, the read's block size, and the operator-level `target_max_block_size_override` that Ray
+propagates upstream are left as they were (it runs after Ray's own rules, so nothing
+propagates it). An operator fused into the predictor's (a `map` before it) keeps its own
+transforms; only the fused operator's output is cut per row.
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ def is_streaming_udf(logical_op: Any) -> bool:
     if not isinstance(fn, type) or not getattr(fn, "streams_rows", False):
         return False
     kwargs = getattr(logical_op, "fn_constructor_kwargs", None) or {}
-    return bool(kwargs.get("stream", "ordered"))
+    return bool(kwargs.get("stream", getattr(fn, "default_stream", True)))
 
 
 def _make_rule_class() -> type:
@@ -62,11 +72,18 @@ def _make_rule_class() -> type:
     return StreamRowsRule
 
 
-def install() -> bool:
-    """Register the rule once in this (driver) process; False when Ray's internals differ."""
+def install(quiet_without_ray: bool = False) -> bool:
+    """Register the rule once in this (driver) process; False when Ray's internals differ
+    (or, silently with `quiet_without_ray`, when Ray Data is not installed)."""
     global _installed
     if _installed:
         return True
+    try:
+        import ray.data  # noqa: F401
+    except ImportError:
+        if not quiet_without_ray:
+            log.warning("batchgen: Ray Data is not installed; no row-streaming rule")
+        return False
     try:
         from ray.data._internal.logical.optimizers import get_physical_ruleset
 

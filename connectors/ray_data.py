@@ -3,10 +3,10 @@
     ds.map_batches(BatchGenPredictor, ...)          # by hand (connectors/ray_predictor.py)
     build_processor(BatchGenProcessorConfig(...))   # ray.data.llm's shape (ray_processor.py)
 
-Importing this module changes nothing in Ray. Rows stream out of the predictor as they finish
-only once Ray Data's optimizer has the row-streaming rule (`ray_blocks`): `build_processor`
-installs it; a job that calls `map_batches` by hand calls `enable_row_streaming()` first, in the
-driver. Without it results are the same, but each input batch's rows arrive together.
+Rows stream out of the predictor as they finish once Ray Data's optimizer has the row-streaming
+rule (`ray_blocks`). Importing the predictor (this module imports it) adds the rule, so
+`ds.map_batches(BatchGenPredictor, ...)` streams as written; the rule touches only operators
+that run a streaming `BatchGenPredictor` (docs/ray_data.md, "How rows stream").
 """
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ from batchgen_data.connectors.ray_processor import (
 
 
 def enable_row_streaming() -> bool:
-    """Let a hand-written `map_batches(BatchGenPredictor, ...)` job stream rows as they finish.
-
-    Adds the rule to Ray Data's optimizer in this (driver) process, once; False when this Ray
-    version's internals differ (rows then come back per input batch).
-    """
+    """Kept for jobs written before the rule came with the import: True when the rule is in
+    Ray Data's optimizer in this process (it adds it if not); False when this Ray version's
+    internals differ (rows then come back per input batch)."""
     return _install_rule()
 
 

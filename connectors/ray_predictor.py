@@ -10,19 +10,21 @@ actor must be threaded (`max_concurrency` > 1): Ray then runs several `__call__`
 all of their rows feed the one scheduler, so the engine's batch stays full while a batch waits
 for its slowest row. `__call__` is a plain generator on purpose: Ray Data 2.60 drains an
 `async def` generator UDF into a list before passing anything on (`_generate_transform_fn_for_
-async_map`), so only a sync generator can hand rows over as they finish; `ray_blocks` (installed
-by `build_processor`, or `enable_row_streaming()` when calling `map_batches` by hand) makes Ray
-ship each yield at once instead of buffering it to 128 MiB.
+async_map`), so only a sync generator can hand rows over as they finish; `ray_blocks` (its rule
+is added to Ray Data's optimizer when this module is imported) makes Ray ship each yield at once
+instead of buffering it to 128 MiB.
 
 Rows go through `rows.RowLifecycle`, shared with the Spark connector: a bad row becomes an error
 row, a dead engine ends the actor so that Ray restarts it and retries its tasks
 (docs/row-errors.md).
 
-With `stream="ordered"` (the default) rows leave one at a time in input order: the n-th output
-of a task is always its n-th row, so a retried task repeats exactly what the dead attempt had
-already sent. `stream=True` sends rows in completion order (lower latency per row), but a task
-retried after its actor died can then lose some rows and repeat others: CI saw it happen
-(docs/guarantees.md). With `stream=False` each input batch comes back whole, in input order, as
+With `stream=True` (the default) rows leave in completion order, and stay exactly once when an
+actor dies and Ray retries its tasks: before each yield the rows it carries are written to the
+job's record (`ray_emitted`, a small detached actor), and a retried call goes through that record
+first, yielding placeholders where Ray keeps the dead attempt's outputs (or the same rows again
+where it may not), then the rest as they finish (docs/guarantees.md). With `stream="ordered"`
+rows leave one at a time in input order (the n-th output of a task is its n-th row, no record
+needed); with `stream=False` each input batch comes back whole, in input order, as
 `ray.data.llm` does.
 
 With `late_binding=True` the actors of one job share a coordinator actor that moves queued rows
@@ -45,9 +47,11 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors.common import RequestBuilder, attach_outputs, to_arrow
+from batchgen_data.connectors import ray_blocks
+from batchgen_data.connectors.common import RequestBuilder, attach_outputs, error_row, to_arrow
 from batchgen_data.connectors.ray_metrics import start_stats_export
-from batchgen_data.connectors.programs import attach_program_outputs
+from batchgen_data.connectors.programs import attach_program_outputs, program_error_row
+from batchgen_data.connectors.ray_emitted import NO_RECORD, start_emitted
 from batchgen_data.connectors.migration_options import MigrationOptions
 from batchgen_data.connectors.ray_migration import start_migration
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
@@ -56,8 +60,14 @@ from batchgen_data import env
 from batchgen_data.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+# the driver imports this module to name BatchGenPredictor in `map_batches`: that is where Ray
+# Data plans the job, so the row-streaming rule goes in here (it touches only operators of a
+# streaming predictor, ray_blocks); a process without Ray Data skips it silently
+ray_blocks.install(quiet_without_ray=True)
 # True: completion order; False: each batch whole; "ordered": one row per output, input order
 STREAM_MODES = (True, False, "ordered")
+DEFAULT_STREAM = True
+PLACEHOLDER = "batchgen: placeholder for a row an earlier attempt of this task already emitted"
 
 
 def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -92,10 +102,15 @@ class BatchGenPredictor:
     """Callable class for `Dataset.map_batches`: input rows in, rows with outputs out."""
 
     streams_rows = True  # read by ray_blocks: this UDF's operator gets per-yield blocks
+    default_stream = DEFAULT_STREAM  # ... unless fn_constructor_kwargs say stream=False
+    # completion order keeps its record of emitted rows (ray_emitted); False only to show in a
+    # test what a retry does without it
+    record_emitted = True
+    emitted_settle_s = 1.0  # a yield this much older than its attempt's end is settled
 
     def __init__(self, model: str | None = None,
                  sampling_params: SamplingParams | dict[str, Any] | None = None,
-                 on_error: str = "row", stream: bool | str = "ordered",
+                 on_error: str = "row", stream: bool | str = DEFAULT_STREAM,
                  apply_chat_template: bool = True,
                  migration: bool = True, migration_options: dict[str, Any] | None = None,
                  late_binding: bool | None = None,
@@ -123,6 +138,13 @@ class BatchGenPredictor:
                             getattr(program, "name", None)))
         self.migration = (start_migration(self.driver, fingerprint, options)
                           if migration or late_binding else None)
+        # completion order: the job's record of which rows each task attempt already emitted
+        self.emitted = (start_emitted(fingerprint, options.job_id,
+                                      settle_s=self.emitted_settle_s)
+                        if stream is True and self.record_emitted else None)
+        # without a record completion order is not exactly once: rows then leave in input order
+        self.order = "ordered" if (stream is True and self.record_emitted
+                                   and self.emitted is None) else stream
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
         self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)
 
@@ -139,24 +161,68 @@ class BatchGenPredictor:
         if self.migration is not None:
             self.migration.enter_call()
         try:
+            stream = self.order
+            if stream is True:
+                yield from self._completion_order(table, pending)
+                return
             for i, row in enumerate(table.to_pylist()):
                 pending[self.rows.submit(row)] = i
-            if not self.stream:
+            if not stream:
                 wait(list(pending))
                 yield self._finished(table, pending, list(pending))
                 return
-            if self.stream == "ordered":
-                for fut in sorted(pending, key=pending.__getitem__):
-                    wait([fut])
-                    yield self._finished(table, pending, [fut])
-                return
-            while pending:
-                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                yield self._finished(table, pending, done)
+            for fut in sorted(pending, key=pending.__getitem__):
+                wait([fut])
+                yield self._finished(table, pending, [fut])
         finally:
             self.rows.abandon(pending)  # task failed or was cancelled: stop its rows
             if self.migration is not None:
                 self.migration.leave_call()
+
+    def _completion_order(self, table: pa.Table, pending: dict[Future, int]
+                          ) -> Iterator[pa.Table]:
+        """Rows as they finish, each yield written to the job's record first; a later attempt
+        of this call goes through the earlier attempts' yields first (`ray_emitted`)."""
+        rows = table.to_pylist()
+        record = self.emitted.call(rows) if self.emitted is not None else NO_RECORD
+        self._submit_rows(rows, set(), pending)  # generating while the record is read
+        replay = record.replay()
+        fut_of = {i: f for f, i in pending.items()}
+        settled = [fut_of.pop(i) for r in replay if r.placeholder for i in r.rows]
+        for f in settled:  # Ray has these rows from an earlier attempt: stop generating them
+            del pending[f]
+        self.rows.abandon(settled)
+        for r in replay:  # the earlier attempts' outputs, at the indices Ray has them
+            if r.placeholder:
+                yield self._placeholders(table, list(r.rows))
+                continue
+            futs = [fut_of[i] for i in r.rows]
+            wait(futs)
+            yield self._finished(table, pending, futs)
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            indices = sorted(pending[f] for f in done)
+            out = self._finished(table, pending, done)
+            record.add(indices, max(out.slice(k, 1).nbytes for k in range(out.num_rows)))
+            yield out
+        record.finish()
+
+    def _submit_rows(self, rows: list[dict[str, Any]], skip: set[int],
+                     pending: dict[Future, int]) -> None:
+        """Rows of the batch to the engine, in input order, but for `skip` (tests override
+        this seam to change what a retried attempt's engine sees)."""
+        for i, row in enumerate(rows):
+            if i not in skip:
+                pending[self.rows.submit(row)] = i
+
+    def _placeholders(self, table: pa.Table, indices: list[int]) -> pa.Table:
+        """Rows of the right shape for outputs Ray already holds from an earlier attempt (it
+        keeps those and drops these); flagged in `error` should one ever reach a consumer."""
+        if self.rows.programs is not None:
+            return attach_program_outputs(table, indices,
+                                          [program_error_row(PLACEHOLDER)] * len(indices),
+                                          self.rows.program_schema)
+        return attach_outputs(table, indices, [error_row(PLACEHOLDER)] * len(indices))
 
     def _finished(self, table: pa.Table, pending: dict[Future, int],
                   done: Any) -> pa.Table:
@@ -170,6 +236,8 @@ class BatchGenPredictor:
                               [self.rows.outcome(f) for _, f in finished])
 
     def __del__(self) -> None:
+        if getattr(self, "emitted", None) is not None:
+            self.emitted.stop()
         if getattr(self, "migration", None) is not None:
             self.migration.stop()
         if getattr(self, "stats_export", None) is not None:

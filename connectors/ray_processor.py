@@ -60,9 +60,10 @@ class BatchGenProcessorConfig:
     sampling_params: SamplingParams | Mapping[str, Any] | None = None  # defaults for every row
     num_cpus: float = 0.5  # below 1, so actors never starve read tasks on small machines
     num_gpus: float = 0.0
-    # rows leave as they finish; False: each input batch whole, in order; "ordered": one row
-    # at a time in input order (exactly once under task retries, docs/guarantees.md)
-    stream: bool | str = "ordered"  # exactly once under retries (docs/guarantees.md)
+    # True: rows leave as they finish (exactly once under task retries through the emitted-rows
+    # record, docs/guarantees.md); False: each input batch whole, in order; "ordered": one row
+    # at a time in input order
+    stream: bool | str = True
     # move work between engines (connectors/ray_migration.py); None: on when the pool can
     # hold more than one actor
     migration: bool | None = None

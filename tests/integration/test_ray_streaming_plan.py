@@ -33,13 +33,22 @@ def last_block_targets(ds: Any) -> dict[str, int | None]:
 def test_the_rule_is_installed_and_marks_only_streaming_predictors(ray_local: None) -> None:
     from ray.data._internal.logical.optimizers import get_physical_ruleset
 
-    assert ray_blocks.install() is True  # a silent failure would only cost streaming
+    # importing the predictor (above) installed it: no call needed
     assert "StreamRowsRule" in [r.__name__ for r in get_physical_ruleset()]
+    assert ray_blocks.install() is True  # and a second install is a no-op
+    assert [r.__name__ for r in get_physical_ruleset()].count("StreamRowsRule") == 1
     pool = ray.data.ActorPoolStrategy(size=1)
     base = ray.data.range(8)
-    streaming = last_block_targets(base.map_batches(BatchGenPredictor, compute=pool,
-                                                    fn_constructor_kwargs={"stream": True}))
-    assert list(streaming.values()) == [ray_blocks.STREAM_BLOCK_BYTES]
+    for kwargs in ({}, {"stream": True}, {"stream": "ordered"}):  # {}: the default streams
+        streaming = last_block_targets(base.map_batches(BatchGenPredictor, compute=pool,
+                                                        fn_constructor_kwargs=kwargs))
+        assert list(streaming.values()) == [ray_blocks.STREAM_BLOCK_BYTES], kwargs
+    # a map before the predictor is fused into its operator; the read stays as it was
+    fused = last_block_targets(base.map(lambda r: r).map_batches(
+        BatchGenPredictor, compute=pool, num_cpus=0.5))
+    assert ray_blocks.STREAM_BLOCK_BYTES in fused.values()
+    assert all(v != ray_blocks.STREAM_BLOCK_BYTES for k, v in fused.items()
+               if "BatchGenPredictor" not in k), fused
     whole = last_block_targets(base.map_batches(BatchGenPredictor, compute=pool,
                                                 fn_constructor_kwargs={"stream": False}))
     assert list(whole.values()) != [ray_blocks.STREAM_BLOCK_BYTES]

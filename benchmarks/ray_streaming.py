@@ -16,13 +16,25 @@ with one whose requests finish after `max_tokens * --seconds-per-token` (infinit
 capacity), which isolates what the connector and Ray add; `--engine default` runs the embedded
 default model on CPU.
 
+`--case long-first` is the issue-40 check of the one-line usage: one input batch of 24 rows whose
+first row is the long one (1,800 output tokens) among 23 short rows, a tiny random Llama, one
+actor, `ds.map_batches(BatchGenPredictor, fn_constructor_kwargs=..., concurrency=1,
+batch_size=24, num_cpus=0.5)` as written (no subclass, no extra call) then `iter_batches`. Arms,
+alternating within one run: `completion` (the defaults: completion order) and `ordered`
+(`stream="ordered"`). For each it reports when the first row and the median row reached the
+consumer as a fraction of the job (from `iter_batches` to the last row, engine start-up
+included), a table and one JSON line.
+
     python benchmarks/ray_streaming.py --engine fake
     python benchmarks/ray_streaming.py --engine default --rows 96 --long-tokens 96
+    python benchmarks/ray_streaming.py --case long-first --repeats 3
 """
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
+import tempfile
 import random
 import statistics
 import sys
@@ -38,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_report  # noqa: E402
 
 from batchgen_data.config import EngineConfig  # noqa: E402
-from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming  # noqa: E402
+from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 from batchgen_data.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 COLUMNS = ["mode", "engine", "rows", "first_rows_s", "first_batch_last_s", "median_row_s",
@@ -155,7 +167,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     rows = workload(args.rows, args.batch_size, args.long_per_batch, args.short_tokens,
                     args.long_tokens, args.seed)
-    enable_row_streaming()  # map_batches by hand: the rule is not installed by importing
     # this measures streaming alone: cross-actor migration stays off (benchmarks/ray_migration.py)
     kw: dict[str, Any] = dict(model=args.model, stream=(mode != "whole"), migration=False,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})
@@ -186,8 +197,72 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "gen_tok_s": round(sum(n for *_, n in arrivals) / total, 1)}
 
 
+LONG_FIRST_COLUMNS = ["repeat", "arm", "first_row_frac", "median_row_frac", "first_row_s",
+                      "median_row_s", "job_s"]
+
+
+def tiny_model(max_len: int) -> str:
+    """A tiny random Llama built like the test fixture's (no download), long enough a context."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import build_tiny_model, build_tokenizer
+
+    path = Path(tempfile.mkdtemp(prefix="bench-tiny-"))
+    tok = build_tokenizer(path)
+    build_tiny_model("llama", path, vocab_size=len(tok), max_position_embeddings=max_len)
+    return str(path)
+
+
+def run_long_first(arm: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One job of the one-line usage; arrival times relative to the start of `iter_batches`."""
+    import ray
+
+    rows = [{"id": j, "prompt": f"Row {j}: write about topic {j}.",
+             "sampling_params": {"max_tokens": args.long_tokens if j == 0 else args.short_tokens}}
+            for j in range(args.batch_size)]
+    kw: dict[str, Any] = dict(model=model, max_model_len=args.max_model_len,
+                              sampling_params={"temperature": 0.0, "ignore_eos": True})
+    if arm == "ordered":
+        kw["stream"] = "ordered"
+    ds = ray.data.from_items(rows).map_batches(BatchGenPredictor, fn_constructor_kwargs=kw,
+                                               concurrency=1, batch_size=args.batch_size,
+                                               num_cpus=0.5)
+    t0 = time.time()
+    arrivals: list[float] = []
+    for b in ds.iter_batches(batch_size=None):
+        arrivals += [time.time() - t0] * len(b["id"])
+    assert len(arrivals) == len(rows), (len(arrivals), len(rows))
+    job = max(arrivals)
+    first, median = min(arrivals), statistics.median(arrivals)
+    return {"arm": arm, "first_row_frac": round(first / job, 3),
+            "median_row_frac": round(median / job, 3), "first_row_s": round(first, 2),
+            "median_row_s": round(median, 2), "job_s": round(job, 2)}
+
+
+def main_long_first(args: argparse.Namespace) -> list[dict[str, Any]]:
+    model = tiny_model(args.max_model_len)
+    records = []
+    for rep in range(args.repeats):
+        arms = ["completion", "ordered"] if rep % 2 == 0 else ["ordered", "completion"]
+        for arm in arms:
+            records.append({"repeat": rep, **run_long_first(arm, model, args)})
+    print_report(records, LONG_FIRST_COLUMNS)
+    summary: dict[str, Any] = {"case": "long-first", "rows": args.batch_size,
+                               "long_tokens": args.long_tokens,
+                               "short_tokens": args.short_tokens, "repeats": args.repeats}
+    for arm in ("completion", "ordered"):
+        for col in ("first_row_frac", "median_row_frac", "job_s"):
+            vals = [r[col] for r in records if r["arm"] == arm]
+            summary[f"{arm}_{col}_median"] = statistics.median(vals)
+            summary[f"{arm}_{col}_range"] = [min(vals), max(vals)]
+    print(json.dumps(summary))
+    return records
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", choices=["long-tail", "long-first"], default="long-tail")
+    ap.add_argument("--repeats", type=int, default=3, help="--case long-first: runs per arm")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="--case long-first")
     ap.add_argument("--engine", choices=["fake", "default"], default="fake")
     ap.add_argument("--model", default=None, help="model dir for --engine default (None: embedded)")
     ap.add_argument("--rows", type=int, default=128)
@@ -208,6 +283,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from ray import cloudpickle
 
     args = parse_args(argv)
+    if args.case == "long-first":  # its own defaults, unless given: one batch of 24
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--batch-size" not in given:
+            args.batch_size = 24
+        if "--long-tokens" not in given:
+            args.long_tokens = 1800
+        if "--short-tokens" not in given:
+            args.short_tokens = 16
     if __name__ != "__main__":  # imported (tests): ship the classes by value to the actors
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -215,6 +298,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
+        if args.case == "long-first":
+            return main_long_first(args)
         records = [run_mode(mode, args) for mode in args.modes.split(",")]
     finally:
         ray.shutdown()

@@ -20,8 +20,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # exact override (tests use it to force preemption)
     gpu_memory_utilization: float = 0.85
-    # Host memory for held sequences' KV (swap tier); beyond it, held sequences are recomputed.
-    host_kv_cache_bytes: int = 4 << 30
+    # Host memory for the KV of held (and preempted) sequences, copied out of the cache (vLLM's
+    # swap space, `kvcache/held_kv.py`); beyond it, held sequences are recomputed on resume.
+    held_kv_bytes: int = 4 << 30
     # Host memory for running sequences' KV (the KV host tier of module-based batching,
     # docs/offload.md): steps grow past what the device KV holds. 0: off.
     host_kv_tier_bytes: int = 0
@@ -33,8 +34,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
-        if self.host_kv_cache_bytes < 0:
-            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes!r}: must be >= 0")
+        if self.held_kv_bytes < 0:
+            raise ValueError(f"held_kv_bytes={self.held_kv_bytes!r}: must be >= 0")
         if self.host_kv_tier_bytes < 0:
             raise ValueError(f"host_kv_tier_bytes={self.host_kv_tier_bytes!r}: must be >= 0")
 
@@ -129,6 +130,9 @@ def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Split flat user kwargs into the config sections; unknown names raise TypeError."""
     from batchgen_data.engine_args import translate_vllm_args, vllm_arg_names
 
+    if "host_kv_cache_bytes" in kwargs:
+        raise TypeError("host_kv_cache_bytes is now held_kv_bytes (host memory for held "
+                        "sequences' KV; host_kv_tier_bytes is the KV host tier of running ones)")
     kwargs = translate_vllm_args(kwargs, set(engine_kwarg_names()))
     unknown = sorted(set(kwargs) - set(engine_kwarg_names()))
     if unknown:

@@ -2,7 +2,7 @@
 
 `translate_vllm_args` runs before `make_engine_config` checks names. Each vLLM argument that is
 not already one of this engine's own is
-  * **mapped** onto the equivalent here (`swap_space` GiB → `host_kv_cache_bytes`,
+  * **mapped** onto the equivalent here (`swap_space` GiB → `held_kv_bytes`,
     `num_gpu_blocks_override` → `num_kv_blocks`);
   * **accepted** when its value describes what this engine always does (`enable_chunked_prefill=
     True`: prompts are always computed in chunks under `max_num_batched_tokens`;
@@ -45,7 +45,7 @@ def _positive_number(v: Any) -> bool:
 VLLM_ARGS: dict[str, _Arg] = {
     # mapped onto this engine's own arguments
     "swap_space": _Arg(_positive_number, "GiB of host memory for preempted sequences' KV",
-                       "host_kv_cache_bytes", lambda gib: int(gib * (1 << 30))),
+                       "held_kv_bytes", lambda gib: int(gib * (1 << 30))),
     "num_gpu_blocks_override": _Arg(lambda v: isinstance(v, int) and v >= 1,
                                     "must be an int >= 1", "num_kv_blocks"),
     # what this engine always does: accepted, no effect

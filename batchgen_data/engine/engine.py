@@ -44,9 +44,9 @@ class Engine:
         self.max_model_len = p.max_model_len
         self.vocab_size = p.model.shape.vocab
         self.pool = p.pool
-        self.host = p.host
+        self.held_kv = p.held_kv
         moe = getattr(p.model, "moe", None)  # MoE models: their routing sizes the step budget
-        self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.host,
+        self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.held_kv,
                                    (moe.num_experts, moe.top_k) if moe is not None else None)
         self.runner: ModelRunner = p.runner
         self.stopper = p.stopper
@@ -182,14 +182,14 @@ class Engine:
         # order matters: read the KV of sequences just held before new owners of their blocks
         # write them
         for seq, blocks in out.swap_out:
-            if decide_held_kv(seq, self.host, keep=True):
-                self.host.put(seq, self.runner.read_kv(blocks, seq.num_computed_tokens))
+            if decide_held_kv(seq, self.held_kv, keep=True):
+                self.held_kv.put(seq, self.runner.read_kv(blocks, seq.num_computed_tokens))
         for seq in out.swap_in:
-            self.runner.write_kv(seq.block_ids, self.host.take(seq))
+            self.runner.write_kv(seq.block_ids, self.held_kv.take(seq))
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        self.host.drop(seq)
+        self.held_kv.drop(seq)
         del self._coros[seq.seq_id]
 
     def _collect_finished(self, done: list[Sequence]) -> list[RequestOutput]:
@@ -214,7 +214,7 @@ class Engine:
             if seq.seq_id in self._coros:
                 self._retire(seq)
             else:
-                self.host.drop(seq)
+                self.held_kv.drop(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._pending_out.append(req.output(self.stopper))
         return True
@@ -266,9 +266,9 @@ class Engine:
         self.held[request_id] = req
 
     def _hold_seq(self, seq: Sequence, keep_kv: bool) -> None:
-        on_device = seq.host_kv is None and bool(seq.block_ids)
-        if decide_held_kv(seq, self.host, keep_kv) and on_device:
-            self.host.put(seq, self.runner.read_kv(seq.block_ids, seq.num_computed_tokens))
+        on_device = seq.held_kv is None and bool(seq.block_ids)
+        if decide_held_kv(seq, self.held_kv, keep_kv) and on_device:
+            self.held_kv.put(seq, self.runner.read_kv(seq.block_ids, seq.num_computed_tokens))
         self.scheduler.remove(seq)
         self._coros.pop(seq.seq_id, None)
         seq.status = SequenceStatus.HELD
@@ -291,9 +291,9 @@ class Engine:
             state = seq.to_state()
             state["finish"] = int(seq.status) if seq.status.finished else None
             state["stop_reason"] = seq.stop_reason
-            if include_kv and seq.host_kv is not None:
-                state["kv"] = [(k.clone(), v.clone()) for k, v in seq.host_kv]
-            self.host.drop(seq)
+            if include_kv and seq.held_kv is not None:
+                state["kv"] = [(k.clone(), v.clone()) for k, v in seq.held_kv]
+            self.held_kv.drop(seq)
             seqs.append(state)
         return {"request_id": req.request_id, "prompt": req.prompt,
                 "prompt_token_ids": list(req.prompt_token_ids), "params": req.params.to_dict(),
@@ -319,8 +319,8 @@ class Engine:
             elif st.get("kv") is not None:
                 kv = st["kv"]
                 seq.num_computed_tokens = kv[0][0].shape[0]
-                if decide_held_kv(seq, self.host, keep=True):
-                    self.host.put(seq, kv)
+                if decide_held_kv(seq, self.held_kv, keep=True):
+                    self.held_kv.put(seq, kv)
             req.seqs.append(seq)
         self._add(req, front=front)
         return rid
@@ -340,7 +340,7 @@ class Engine:
             base, held=base.held + len(self.held),
             remaining_tokens_est=sum(s.remaining_tokens_estimate()
                                      for r in self.requests.values() for s in r.unfinished()),
-            kv_bytes_per_token=self.host.bytes_per_token,
+            kv_bytes_per_token=self.held_kv.bytes_per_token,
             prefill_tokens_per_s=int(1.0 / spt) if spt else 0,
             decode_step_s=self.stats.decode_step_s())
 

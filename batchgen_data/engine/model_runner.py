@@ -21,11 +21,11 @@ from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
-from batchgen_data.kvcache.host_tier import HostKV
+from batchgen_data.kvcache.held_kv import KVCopy
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.offload import module_batch
-from batchgen_data.offload.kv_engine import EngineKVTier
+from batchgen_data.offload.kv_engine import HostKVTier
 from batchgen_data.offload.store import WeightStore
 
 
@@ -47,7 +47,7 @@ class ModelInput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: LayerBackend, weight_store: WeightStore | None = None,
-                 kv_tier: EngineKVTier | None = None) -> None:
+                 kv_tier: HostKVTier | None = None) -> None:
         self.model = model
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
@@ -234,7 +234,7 @@ class ModelRunner:
             return tier.kv, tier.local(block_ids)
         return self.kv, block_ids
 
-    def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> KVCopy:
         """Copy the first `num_tokens` tokens' KV of these blocks to host memory."""
         cache, rows = self._cache_of(block_ids)
         idx = torch.tensor(rows, dtype=torch.long, device=cache.device)
@@ -243,7 +243,7 @@ class ModelRunner:
         data = data[:, :, :num_tokens].to("cpu", copy=True)
         return [(data[i, 0], data[i, 1]) for i in range(s.num_layers)]
 
-    def write_kv(self, block_ids: list[int], kv: HostKV) -> None:
+    def write_kv(self, block_ids: list[int], kv: KVCopy) -> None:
         cache, rows = self._cache_of(block_ids)
         n = kv[0][0].shape[0]
         bs = self.block_size

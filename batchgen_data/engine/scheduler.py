@@ -27,11 +27,11 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.prompt_logprobs import cacheable_tokens
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
 
 
-def decide_held_kv(seq: Sequence, host: HostKVTier, keep: bool) -> bool:
+def decide_held_kv(seq: Sequence, host: HeldKVStore, keep: bool) -> bool:
     """The one keep-or-drop-KV rule for a sequence being held (for memory, by the user, for an
     export) or arriving with shipped KV. Its KV stays, in the host tier, when `keep` is asked for,
     there is KV at all and the tier has room for it; otherwise it is dropped here
@@ -41,7 +41,7 @@ def decide_held_kv(seq: Sequence, host: HostKVTier, keep: bool) -> bool:
     there stays (or is dropped when `keep` is False). The scheduler asks when it preempts and the
     engine asks again when it copies: earlier copies of the same step may have filled the tier.
     """
-    if seq.host_kv is not None:
+    if seq.held_kv is not None:
         if keep:
             return False
         host.drop(seq)
@@ -83,11 +83,11 @@ def step_token_budget(config: SchedulerConfig, moe_routing: tuple[int, int] | No
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, host: HostKVTier,
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, host: HeldKVStore,
                  moe_routing: tuple[int, int] | None = None) -> None:
         self.config = config
         self.pool = pool
-        self.host = host
+        self.held_kv = host
         # tokens per step; `moe_routing` is (num_experts, top_k) of an MoE model, else None
         self.token_budget = step_token_budget(config, moe_routing)
         self.waiting: deque[Sequence] = deque()
@@ -153,11 +153,11 @@ class Scheduler:
     def _admit(self, queue: deque[Sequence], out: SchedulerOutput, budget: int) -> int:
         while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
-            if seq.host_kv is None and seq.num_computed_tokens == 0:
+            if seq.held_kv is None and seq.num_computed_tokens == 0:
                 self._match_prefix(seq)
             n = min(seq.num_pending_tokens, budget)
             fits = self._make_room(seq, n, keep_free=self.watermark, asking=seq)
-            if not fits and seq.host_kv is None:
+            if not fits and seq.held_kv is None:
                 self.release(seq)  # give back prefix hits; matched again next step
                 seq.num_computed_tokens = 0
                 seq.block_hashes = []
@@ -170,7 +170,7 @@ class Scheduler:
                 break
             queue.popleft()
             self.grow(seq, n, keep_free=self.watermark)
-            if seq.host_kv is not None:
+            if seq.held_kv is not None:
                 out.swap_in.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -246,7 +246,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        if decide_held_kv(seq, self.host, keep=self.config.preemption_mode != "recompute"):
+        if decide_held_kv(seq, self.held_kv, keep=self.config.preemption_mode != "recompute"):
             out.swap_out.append((seq, list(seq.block_ids)))
         self.release(seq)
         seq.status = SequenceStatus.HELD

@@ -52,7 +52,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
     # KV kept in host memory while held: (k, v) per layer, each [num_computed_tokens, Hkv, D]
-    host_kv: Any = None
+    held_kv: Any = None
     # prefix-cache chain: hashes of this sequence's full, registered blocks
     block_hashes: list[int] = field(default_factory=list)
 

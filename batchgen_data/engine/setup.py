@@ -15,7 +15,7 @@ from batchgen_data.devices import pick_device, resolve_device
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
 
@@ -33,7 +33,7 @@ class EngineParts:
     device: torch.device
     max_model_len: int
     pool: BlockPool
-    host: HostKVTier
+    held_kv: HeldKVStore  # the KV of held sequences, copied out (swap space)
     runner: ModelRunner
     stopper: StopChecker
     # the scheduler caps the engine runs with (offload raises the default ones: module batching)
@@ -122,11 +122,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
     host_blocks = cc.host_kv_tier_bytes // (per_token * cc.block_size)
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching, host_blocks)
-    host = HostKVTier(cc.host_kv_cache_bytes, per_token)
+    host = HeldKVStore(cc.held_kv_bytes, per_token)
     tier = None
     if host_blocks:
-        from batchgen_data.offload.kv_engine import EngineKVTier
-        tier = EngineKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
+        from batchgen_data.offload.kv_engine import HostKVTier
+        tier = HostKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
     runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
     if store is None:  # the fast paths bake weight addresses in; streamed ones move
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)

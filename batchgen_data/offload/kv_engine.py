@@ -29,7 +29,7 @@ from batchgen_data.offload.plan import micro_batch_seqs
 STAGING_SEQS = 16
 
 
-class EngineKVTier:
+class HostKVTier:
     """Host caches, staging, placement and counters of one engine's KV host tier."""
 
     def __init__(self, model: nn.Module, num_device_blocks: int, num_host_blocks: int,

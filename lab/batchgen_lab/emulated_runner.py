@@ -36,7 +36,7 @@ import torch
 
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
-from batchgen_data.kvcache.host_tier import HostKV
+from batchgen_data.kvcache.held_kv import KVCopy
 
 if TYPE_CHECKING:
     from batchgen_data.config import EngineConfig
@@ -235,12 +235,12 @@ class EmulatedRunner:
     def kv_tier_counters(self) -> tuple[int, int]:
         return (0, 0)
 
-    def read_kv(self, block_ids: list[int], num_tokens: int) -> HostKV:
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> KVCopy:
         """No KV is stored: an empty [num_tokens, 0] pair, after the time its bytes would take."""
         self._sleep(num_tokens * self.cost.bytes_per_token / self.cost.pcie_bytes_per_s)
         return [(torch.empty(num_tokens, 0), torch.empty(num_tokens, 0))]
 
-    def write_kv(self, block_ids: list[int], kv: HostKV) -> None:
+    def write_kv(self, block_ids: list[int], kv: KVCopy) -> None:
         self._sleep(kv[0][0].shape[0] * self.cost.bytes_per_token / self.cost.pcie_bytes_per_s)
 
 
@@ -262,7 +262,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     from batchgen_data.engine.setup import EngineParts
     from batchgen_data.engine.stop import StopChecker
     from batchgen_data.kvcache.block_pool import BlockPool
-    from batchgen_data.kvcache.host_tier import HostKVTier
+    from batchgen_data.kvcache.held_kv import HeldKVStore
     spec = EmulatedSpec.parse(config.model or "")
     cost = spec.cost_model()
     cc = config.cache
@@ -272,6 +272,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
     model: Any = EmulatedModel()  # stands where the torch module would
     return EngineParts(model, tokenizer, torch.device("cpu"), max_len,
                        BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching),
-                       HostKVTier(cc.host_kv_cache_bytes, cost.bytes_per_token),
+                       HeldKVStore(cc.held_kv_bytes, cost.bytes_per_token),
                        EmulatedRunner(cost, spec),  # type: ignore[arg-type]
                        StopChecker(tokenizer, {EOS}), config.scheduler)

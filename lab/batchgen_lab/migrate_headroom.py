@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -38,7 +38,7 @@ def test_hold_and_resume_keep_tokens(llm: LLM, keep_kv: bool) -> None:
     free_before = e.pool.num_free
     e.hold(rid, keep_kv=keep_kv)
     assert e.pool.num_free > free_before  # its GPU blocks were released
-    assert (e.held[rid].seqs[0].host_kv is not None) == keep_kv
+    assert (e.held[rid].seqs[0].held_kv is not None) == keep_kv
     done = drain(e)
     assert other in done and rid not in done  # a held request does not run
     e.resume(rid)
@@ -97,7 +97,7 @@ def test_shipped_kv_that_does_not_fit_is_recomputed(tiny_model_dir) -> None:  # 
     state = src.engine.export(rid, include_kv=True)
     context = len(state["prompt_token_ids"]) + len(state["seqs"][0]["output_token_ids"])
     for host_bytes, kept in [(1 << 30, context - 1), (0, 0)]:  # 0: no room in the host tier
-        dst = LLM(path, max_model_len=256, host_kv_cache_bytes=host_bytes).engine
+        dst = LLM(path, max_model_len=256, held_kv_bytes=host_bytes).engine
         dst.import_(copy.deepcopy(state))
         [summary] = dst.movable()
         assert (summary.kind, summary.num_computed_tokens) == ("waiting", kept)

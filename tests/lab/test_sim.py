@@ -74,7 +74,7 @@ def test_every_row_finishes_exactly_once_and_nothing_leaks() -> None:
         assert c.next_batch == c.num_batches and not any(c.exports) and not any(c.inbound)
         for a in c.actors:
             assert not a.has_work() and not a.live
-            assert a.pool.num_free == a.pool.num_blocks and a.host.used_bytes == 0
+            assert a.pool.num_free == a.pool.num_blocks and a.held_kv.used_bytes == 0
         assert res.bct_s == pytest.approx(float(np.max(c.finish)))
         assert res.idle_gpu_s >= 0 and res.bct_s >= res.tail_floor_s
         if name == "static":  # never more rows at once than batches x batch size

@@ -14,9 +14,9 @@ def test_ray_quickstart_engine_kwargs_work() -> None:
 
 def test_mapped_arguments() -> None:
     cfg = make_engine_config(None, swap_space=2, num_gpu_blocks_override=64)
-    assert cfg.cache.host_kv_cache_bytes == 2 << 30 and cfg.cache.num_kv_blocks == 64
+    assert cfg.cache.held_kv_bytes == 2 << 30 and cfg.cache.num_kv_blocks == 64
     with pytest.raises(TypeError, match="same setting"):
-        make_engine_config(None, swap_space=1, host_kv_cache_bytes=5)
+        make_engine_config(None, swap_space=1, held_kv_bytes=5)
 
 
 def test_no_ops_are_accepted() -> None:

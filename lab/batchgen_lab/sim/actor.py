@@ -32,7 +32,7 @@ from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_he
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.stats import DecodeSpeed
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.placement import EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_lab.sim.costmodel import CostModel
@@ -44,14 +44,14 @@ from batchgen_lab.sim.decode_run import ZEROS, DecodeRun
 MAX_FINISHES_CAP = 8
 
 
-class SimHostTier(HostKVTier):
+class SimHostTier(HeldKVStore):
     """The real host tier's accounting; a sequence's "KV" is just its size in bytes."""
 
     def put(self, seq: Sequence, kv: int) -> None:  # type: ignore[override]
         assert seq.seq_id not in self._owners
         self._owners[seq.seq_id] = kv
         self.used_bytes += kv
-        seq.host_kv = kv
+        seq.held_kv = kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +127,9 @@ class SimActor:
     def __post_init__(self) -> None:
         bs = self.shape.block_size
         self.pool = BlockPool(self.cost.kv_capacity_tokens // bs, bs, enable_prefix_caching=False)
-        self.host = SimHostTier(self.shape.host_kv_bytes, self.cost.bytes_per_token)
+        self.held_kv = SimHostTier(self.shape.host_kv_bytes, self.cost.bytes_per_token)
         cfg = SchedulerConfig(self.shape.max_num_seqs, self.shape.max_num_batched_tokens)
-        self.sched = Scheduler(cfg, self.pool, self.host)
+        self.sched = Scheduler(cfg, self.pool, self.held_kv)
         self.live: dict[int, Sequence] = {}  # seq_id (= row id) -> sequence on this actor
         self.target: dict[int, int] = {}  # seq_id -> output length at which the row stops
 
@@ -143,9 +143,9 @@ class SimActor:
                 front: bool = True) -> None:
         """Take a new or imported sequence; with `kv_bytes` its KV arrives through the host tier."""
         seq.status = SequenceStatus.WAITING
-        if decide_held_kv(seq, self.host, keep=kv_bytes is not None):
+        if decide_held_kv(seq, self.held_kv, keep=kv_bytes is not None):
             assert kv_bytes is not None
-            self.host.put(seq, kv_bytes)
+            self.held_kv.put(seq, kv_bytes)
         self.live[seq.seq_id] = seq
         self.target[seq.seq_id] = output_len
         self.sched.add(seq, front=front)
@@ -156,7 +156,7 @@ class SimActor:
         if seq is None:
             return None
         self.sched.remove(seq)
-        self.host.drop(seq)
+        self.held_kv.drop(seq)
         kv = seq.num_computed_tokens * self.cost.bytes_per_token if ship_kv else None
         if not kv:
             kv = None
@@ -166,7 +166,7 @@ class SimActor:
     def retire(self, seq: Sequence) -> None:
         """A sequence produced its last token: it leaves the actor."""
         self.sched.remove(seq)
-        self.host.drop(seq)
+        self.held_kv.drop(seq)
         seq.status = SequenceStatus.FINISHED_LENGTH
         del self.live[seq.seq_id]
         del self.target[seq.seq_id]
@@ -291,10 +291,10 @@ class SimActor:
         """What `Engine._move_kv` does, with byte counts for KV: returns bytes over PCIe."""
         moved = 0
         for seq, _blocks in out.swap_out:
-            if decide_held_kv(seq, self.host, keep=True):
+            if decide_held_kv(seq, self.held_kv, keep=True):
                 nbytes = seq.num_computed_tokens * self.cost.bytes_per_token
-                self.host.put(seq, nbytes)
+                self.held_kv.put(seq, nbytes)
                 moved += nbytes
         for seq in out.swap_in:
-            moved += self.host.take(seq)
+            moved += self.held_kv.take(seq)
         return moved

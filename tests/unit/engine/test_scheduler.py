@@ -7,7 +7,7 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import Scheduler
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -23,7 +23,7 @@ def seq(prompt_len: int, max_tokens: int = 8, prompt: list[int] | None = None) -
 def make(blocks: int = 64, bs: int = 4, tokens: int = 16, seqs: int = 8, host: int = 1 << 30,
          mode: str = "auto") -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, preemption_mode=mode)
-    return Scheduler(cfg, BlockPool(blocks, bs), HostKVTier(host, 8))
+    return Scheduler(cfg, BlockPool(blocks, bs), HeldKVStore(host, 8))
 
 
 def advance(sch: Scheduler, out) -> None:  # type: ignore[no-untyped-def]

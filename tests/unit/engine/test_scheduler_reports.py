@@ -10,7 +10,7 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import Scheduler, decide_held_kv
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -24,7 +24,7 @@ def seq(prompt_len: int, rid: str | None = None) -> Sequence:
 
 def make(blocks: int = 64, tokens: int = 64, seqs: int = 4, host_tokens: int = 1000) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    return Scheduler(cfg, BlockPool(blocks, 4), HostKVTier(host_tokens * 8, 8))
+    return Scheduler(cfg, BlockPool(blocks, 4), HeldKVStore(host_tokens * 8, 8))
 
 
 def run_step(sch: Scheduler) -> None:
@@ -48,7 +48,7 @@ class _FakeKV:
 ])
 def test_keep_or_drop_rule_for_kv_on_the_device(keep: bool, computed: int, room: int,
                                                 copy_now: bool, left: int) -> None:
-    host = HostKVTier(room * 8, 8)
+    host = HeldKVStore(room * 8, 8)
     s = seq(20)
     s.num_computed_tokens = computed
     assert decide_held_kv(s, host, keep) is copy_now
@@ -56,16 +56,16 @@ def test_keep_or_drop_rule_for_kv_on_the_device(keep: bool, computed: int, room:
 
 
 def test_keep_or_drop_rule_for_kv_already_on_the_host() -> None:
-    host = HostKVTier(1000, 8)
+    host = HeldKVStore(1000, 8)
     s = seq(20)
     s.num_computed_tokens = 10
     host._owners[s.seq_id] = 80  # what put() records, without real tensors
     host.used_bytes = 80
-    s.host_kv = _FakeKV()
+    s.held_kv = _FakeKV()
     assert not decide_held_kv(s, host, keep=True)  # stays where it is: nothing to copy
-    assert s.host_kv is not None and s.num_computed_tokens == 10
+    assert s.held_kv is not None and s.num_computed_tokens == 10
     assert not decide_held_kv(s, host, keep=False)  # asked to drop it
-    assert s.host_kv is None and s.num_computed_tokens == 0 and host.used_bytes == 0
+    assert s.held_kv is None and s.num_computed_tokens == 0 and host.used_bytes == 0
 
 
 def test_load_counts_queues_and_blocks() -> None:

@@ -14,7 +14,7 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.scheduler import Scheduler
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.host_tier import HostKVTier
+from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.placement import PlacementConfig, has_free_seat
 from batchgen_data.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ def seq(prompt_len: int, prompt: list[int] | None = None) -> Sequence:
 
 def make(device: int, host: int, bs: int = 4, mode: str = "swap") -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, preemption_mode=mode)
-    return Scheduler(cfg, BlockPool(device, bs, num_host_blocks=host), HostKVTier(1 << 30, 8))
+    return Scheduler(cfg, BlockPool(device, bs, num_host_blocks=host), HeldKVStore(1 << 30, 8))
 
 
 def advance(sch: Scheduler, out) -> None:  # type: ignore[no-untyped-def]

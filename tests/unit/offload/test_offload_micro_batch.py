@@ -1,4 +1,4 @@
-"""The host tier's micro-batch size comes from the cost model (issue 16): `EngineKVTier.groups`
+"""The host tier's micro-batch size comes from the cost model (issue 16): `HostKVTier.groups`
 cuts a step's host-tier sequences into micro-batches whose size follows the measured rates (one
 micro-batch when the host attends cheaper; else the square-root optimum, within staging)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.offload.kv_engine import EngineKVTier
+from batchgen_data.offload.kv_engine import HostKVTier
 from batchgen_data.offload.kv_tier import KVRates
 
 NUM_SEQS = 32
@@ -24,14 +24,14 @@ HOST_WINS = dataclasses.replace(SWAP_WINS, host_flops_per_s=1e15, host_read_byte
 
 
 @pytest.fixture(scope="module")
-def tier(deep_llama: Path) -> EngineKVTier:
+def tier(deep_llama: Path) -> HostKVTier:
     llm = LLM(str(deep_llama), block_size=4, num_kv_blocks=12, host_kv_tier_bytes=4 << 20)
     tier = llm.engine.runner.kv_tier
     assert tier is not None
     return tier
 
 
-def _groups(tier: EngineKVTier, rates: KVRates, num_seqs: int = NUM_SEQS) -> list[list[int]]:
+def _groups(tier: HostKVTier, rates: KVRates, num_seqs: int = NUM_SEQS) -> list[list[int]]:
     tier.rates = rates
     first = tier.first_host_block
     tables = [[first + BLOCKS_PER_SEQ * i + j for j in range(BLOCKS_PER_SEQ)]
@@ -43,11 +43,11 @@ def _groups(tier: EngineKVTier, rates: KVRates, num_seqs: int = NUM_SEQS) -> lis
     return groups
 
 
-def test_host_attention_takes_every_host_sequence_at_once(tier: EngineKVTier) -> None:
+def test_host_attention_takes_every_host_sequence_at_once(tier: HostKVTier) -> None:
     assert _groups(tier, HOST_WINS) == [list(range(NUM_SEQS))]
 
 
-def test_swapped_micro_batches_follow_the_rates(tier: EngineKVTier) -> None:
+def test_swapped_micro_batches_follow_the_rates(tier: HostKVTier) -> None:
     small = len(_groups(tier, SWAP_WINS)[0])
     assert small == tier.micro_batch_seqs_last < NUM_SEQS
     # a dearer fixed cost per micro-batch: larger micro-batches

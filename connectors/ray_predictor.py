@@ -70,6 +70,15 @@ DEFAULT_STREAM = True
 PLACEHOLDER = "batchgen: placeholder for a row an earlier attempt of this task already emitted"
 
 
+def _in_ray_job() -> bool:
+    """Whether this process is connected to Ray (a worker, or a driver after `ray.init`)."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
 def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The GPU Ray gave this actor, else CPU with as many threads as CPUs it was given."""
     kw = dict(engine_kwargs)
@@ -139,11 +148,13 @@ class BatchGenPredictor:
         self.migration = (start_migration(self.driver, fingerprint, options)
                           if migration or late_binding else None)
         # completion order: the job's record of which rows each task attempt already emitted
+        # (outside a Ray job no task is retried: completion order needs no record there)
+        in_ray = _in_ray_job()
         self.emitted = (start_emitted(fingerprint, options.job_id,
                                       settle_s=self.emitted_settle_s)
-                        if stream is True and self.record_emitted else None)
+                        if stream is True and self.record_emitted and in_ray else None)
         # without a record completion order is not exactly once: rows then leave in input order
-        self.order = "ordered" if (stream is True and self.record_emitted
+        self.order = "ordered" if (stream is True and self.record_emitted and in_ray
                                    and self.emitted is None) else stream
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
         self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)

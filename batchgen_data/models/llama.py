@@ -24,7 +24,7 @@ from batchgen_data.layers.rotary import RotaryEmbedding
 
 # one micro-batch as one layer sees it: token rows, metadata, and the caches its KV is in
 # (one per layer) with this layer's index in them; None: the layer's own cache
-LayerPart = tuple[slice, AttentionMetadata, "Sequence[KVCache] | None", int]
+LayerPart = tuple[slice, AttentionMetadata, Sequence[KVCache] | None, int]
 
 
 class DecoderShape:

@@ -11,8 +11,10 @@ No per-sequence Python loop touches the logits. Random sampling uses the exponen
 (sequence seed, output index, token id). That makes a seeded sequence's tokens independent of
 whatever else shares its batch, of the batch size, and of the engine it runs on — which is what
 lets a coroutine be exported mid-generation and continue elsewhere with identical tokens. The
-draw itself (`token_draw.py`) races over the top candidates, or over vocabulary chunks, so no
-step holds a [N, vocab] integer tensor or sorts the whole vocabulary.
+draw itself (`token_draw.py`) races only over the tokens that could win (the top-k candidates,
+or a band below each row's best logit), so no step holds a [N, vocab] integer tensor or sorts
+the whole vocabulary. On CUDA the per-row work on those candidates is one Triton kernel
+(`kernels/sampling.py`), chosen once per device. Logprobs are computed for the rows that ask.
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ from batchgen_data.engine.bad_words import BadWords
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.token_draw import (
-    NUCLEUS_GUESS,
-    full_race,
+    RaceFn,
+    Rows,
     hash_uniform_at,
-    truncated_race,
+    race_over_candidates,
+    threshold_race,
+    top_k_race,
 )
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured.logits import StructuredLogits
@@ -49,6 +53,21 @@ class Sampler:
         self.eos_ids = sorted(stop_ids_for_min_tokens)
         self.bad_words = BadWords(tokenizer)
         self.structured = StructuredLogits(tokenizer, self.eos_ids)
+        self._races: dict[torch.device, RaceFn] = {}
+
+    def _race(self, device: torch.device) -> RaceFn:
+        """The per-row candidate work for a device, chosen once: the Triton kernel on CUDA,
+        the torch path elsewhere."""
+        race = self._races.get(device)
+        if race is None:
+            race = race_over_candidates
+            if device.type == "cuda":
+                from batchgen_data.kernels import triton_available
+                if triton_available():
+                    from batchgen_data.kernels.sampling import race_candidates
+                    race = race_candidates
+            self._races[device] = race
+        return race
 
     def check(self, params: SamplingParams, vocab_size: int) -> None:
         """The request-time checks that need the model: token ids in the vocabulary, bad words
@@ -63,7 +82,7 @@ class Sampler:
         vocab = logits.shape[1]
         b = SamplingBatch.build(seqs, vocab, self.eos_ids, logits.device, self.bad_words)
         want_lp = b.want_logprobs
-        raw_logprobs = torch.log_softmax(logits, -1) if any(w is not None for w in want_lp) else None
+        raw_logprobs = self._raw_logprobs(logits, want_lp)
 
         # edits go to a copy (the caller's logits stay raw); most steps edit nothing
         constrained = any(s.params.structured_outputs is not None for s in seqs)
@@ -76,33 +95,51 @@ class Sampler:
             self.structured.apply(logits, seqs)  # grammar masks of structured_outputs rows
             self._penalties(logits, b)
 
-        chosen = logits.argmax(-1)
-        if not b.all_greedy:
-            chosen = torch.where(b.greedy, chosen, self._draw(logits, b, seqs))
+        if b.all_greedy:
+            chosen = logits.argmax(-1)
+        else:
+            chosen = self._draw(logits, b, seqs)
+            if b.any_greedy:
+                chosen = torch.where(b.greedy, logits.argmax(-1), chosen)
         return SamplerOutput(chosen.tolist(), self._logprobs(raw_logprobs, chosen, want_lp))
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, b: SamplingBatch, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, b: SamplingBatch, seqs: list[Sequence]
+              ) -> torch.Tensor:
         """Sampled ids [N] (rows that are greedy get a value that the caller discards)."""
         vocab = logits.shape[1]
-        ps = [s.params for s in seqs if not s.params.greedy]
-        cuts = [p for p in ps if 0 < p.top_k < vocab or p.top_p < 1]
-        min_p = b.min_p if b.use_min_p else None
-        sampled = None
-        if cuts:
-            without_k = any(not 0 < p.top_k < vocab for p in cuts)
-            k = max((p.top_k if 0 < p.top_k < vocab else NUCLEUS_GUESS) for p in cuts)
-            top_p = b.top_p if any(p.top_p < 1 for p in cuts) else None
-            sampled = truncated_race(logits, b.seed, b.step, b.temperature, b.top_k, top_p,
-                                     min_p, k, without_k)
-        if len(cuts) < len(ps):  # some rows sample from the whole vocabulary
-            whole = full_race(logits, b.seed, b.step, b.temperature, min_p)
-            if sampled is None:
-                return whole
-            cut = ((b.top_k < vocab) | (b.top_p < 1)).squeeze(1)
-            sampled = torch.where(cut, sampled, whole)
-        assert sampled is not None
-        return sampled
+        ps = [s.params for s in seqs]
+        sampled = [not p.greedy for p in ps]
+        k_rows = [i for i, p in enumerate(ps) if sampled[i] and 0 < p.top_k < vocab]
+        rows = Rows(b.seed, b.step, b.temperature, b.top_k,
+                    b.top_p if any(s and p.top_p < 1 for s, p in zip(sampled, ps)) else None,
+                    b.min_p if b.use_min_p else None)
+        race = self._race(logits.device)
+        drawn = None
+        if len(k_rows) < sum(sampled):  # rows without top_k: the band and the floor
+            active = ~b.greedy & (b.top_k >= vocab).squeeze(1)
+            drawn = threshold_race(logits, rows, active, race)
+        if k_rows:
+            k = max(ps[i].top_k for i in k_rows)
+            if len(k_rows) == len(ps):
+                return top_k_race(logits, rows, k, race)
+            idx = torch.tensor(k_rows, device=logits.device)
+            tok = top_k_race(logits[idx], rows.take(idx), k, race)
+            drawn = (torch.zeros_like(b.seed) if drawn is None else drawn).index_copy(0, idx, tok)
+        assert drawn is not None
+        return drawn
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, want: list[int | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows ``[R]``, their log-softmax ``[R, V]``) for the rows that ask for logprobs;
+        None when none does."""
+        rows = [i for i, w in enumerate(want) if w is not None]
+        if not rows:
+            return None
+        if len(rows) == len(want):
+            return torch.arange(len(want), device=logits.device), torch.log_softmax(logits, -1)
+        idx = torch.tensor(rows, device=logits.device)
+        return idx, torch.log_softmax(logits[idx], -1)
 
     @staticmethod
     def _edit(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -143,22 +180,23 @@ class Sampler:
         logits.scatter_(1, tok, torch.where(empty, val, new))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, chosen: torch.Tensor, want: list[int | None]
-                  ) -> list[dict[int, float] | None]:
+    def _logprobs(raw: tuple[torch.Tensor, torch.Tensor] | None, chosen: torch.Tensor,
+                  want: list[int | None]) -> list[dict[int, float] | None]:
         out: list[dict[int, float] | None] = [None] * len(want)
         if raw is None:
             return out
+        idx, lp = raw  # [R], [R, V]
         k = max(w for w in want if w is not None)
-        picked = raw.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        tokens = chosen.tolist()
-        tv, ti = raw.topk(k, -1) if k > 0 else (None, None)
+        picked_ids = chosen[idx]
+        picked = lp.gather(1, picked_ids.unsqueeze(1)).squeeze(1).tolist()
+        tokens = picked_ids.tolist()
+        tv, ti = lp.topk(k, -1) if k > 0 else (None, None)
         tv, ti = (tv.tolist(), ti.tolist()) if tv is not None else (None, None)
-        for i, w in enumerate(want):
-            if w is None:
-                continue
-            d = {tokens[i]: picked[i]}
+        for j, i in enumerate(idx.tolist()):
+            w = want[i]
+            d = {tokens[j]: picked[j]}
             if w and tv is not None:
-                for j in range(w):
-                    d.setdefault(ti[i][j], tv[i][j])
+                for c in range(w):
+                    d.setdefault(ti[j][c], tv[j][c])
             out[i] = d
         return out

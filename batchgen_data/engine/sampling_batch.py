@@ -62,6 +62,7 @@ def pad_rows(rows: list[list[int]], pad: int) -> torch.Tensor:
 class SamplingBatch:
     # host-side flags: which stages run this step
     all_greedy: bool
+    any_greedy: bool
     truncate_top: bool  # some row has top_k or top_p
     use_min_p: bool
     use_repetition: bool
@@ -118,7 +119,7 @@ class SamplingBatch:
         floats_d, greedy_d = moved[-2:]
         f = floats_d.unbind(1)
         return cls(
-            all_greedy=all(p.greedy for p in ps),
+            all_greedy=all(p.greedy for p in ps), any_greedy=any(p.greedy for p in ps),
             truncate_top=any(0 < p.top_k < vocab for p in ps) or any(p.top_p < 1 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),
             use_repetition=use_rep, use_freq_presence=use_fp,

@@ -1,37 +1,55 @@
-"""The random draw of the sampler: top-k / top-p / min-p truncation and the exponential race,
-in memory that grows with the rows times the candidates, not with the rows times the vocabulary.
+"""The random draw of the sampler: temperature, top-k / top-p / min-p truncation and the
+exponential race, touching each logit a few times and hashing only the tokens that could win.
 
-The race picks ``argmax(logit / T - log(-log u))`` with ``u`` a counter-based hash of
-(sequence seed, output index, token id): (seed, output index) mixed into one key first, then
-the token id (so consecutive steps draw independent noise; tests/unit/engine/
-test_sampling_statistics.py checks it). Because ``u`` depends on the token id alone, the race
-can run over any subset of tokens that holds every token the truncation keeps, and it picks the
-same token as a race over the whole vocabulary. So:
-  * rows that truncate (top-k, top-p) race over ``K`` candidates from one ``topk`` call, with
-    ``K`` the largest top_k of the batch; a top-p row without top_k starts from
-    ``NUCLEUS_GUESS`` candidates and widens (x4) only while its nucleus is not inside them;
-  * rows that do not truncate race over the vocabulary in column chunks of at most
-    ``_CHUNK_ELEMS / rows`` columns, keeping a running best.
-At 256 rows and a 128k vocabulary the old path held several ``[rows, vocab]`` int64
-temporaries (268 MB each) and a full sort; this one holds ``[rows, K]`` tensors and chunks of
-``_CHUNK_ELEMS`` elements.
+The rule. A row draws ``argmax_v (logit_v / T + g_v)`` over the tokens its truncation keeps,
+with ``g_v = -log(-log u_v)`` (a Gumbel variate) and ``u_v`` a counter-based hash of
+(sequence seed, output index, token id): (seed, output index) mixed into one key first, then the
+token id (so consecutive steps draw independent noise; tests/unit/engine/
+test_sampling_statistics.py checks it). A tie goes to the lower token id. ``u`` is a 24-bit
+uniform, ``(z + 0.5) / 2**24`` in float32, at most ``1 - 2**-24``: float32 rounds the top value
+``z = 2**24 - 1`` to exactly 1.0, which made ``g = +inf`` (and NaN on a masked token), so one
+draw in ~110 at a 151,936 vocabulary picked a token whatever its logit; that one value is
+clamped to the largest float below 1. Every other uniform is unchanged.
+Truncation, in vLLM's order: top-k keeps the ``top_k`` best logits; top-p then keeps a token
+while the probability mass of the tokens ranked before it (softmax over the top-k set, or the
+whole vocabulary without top-k; ties ranked by token id) is below ``top_p``; min-p drops a
+token with ``exp(s_v - s_max) < min_p``, ``s = logit / T``.
 
-Same tokens as the full-vocabulary path: the race values of the candidates are computed by the
-same float operations. The probabilities that top-p and min-p compare are a softmax over the
-candidates (for a top-p row without top_k: over the vocabulary, summed in chunks), so a token
-whose cumulative mass lies within float rounding (~1e-7) of top_p, or whose probability lies
-that close to the min-p floor, may fall on the other side of it than before.
+Because ``u`` depends on the token id alone, the race can run over any subset of tokens that
+holds every kept token that could win, and it picks the same token as a race over the whole
+vocabulary. ``g`` is bounded, ``G_MIN <= g <= G_MAX`` (-2.85 and 16.6), so once some kept
+token's race value ``L`` is known, a token with ``s < L - G_MAX`` cannot win. So:
+  * rows with top_k race over ``K`` candidates from one ``topk`` call (``K`` the largest top_k
+    of the batch);
+  * the other rows take the tokens within ``BAND`` of their best logit (``BAND_TOP_P`` for
+    top-p rows) in one compare over the logits; their race gives ``L``. A top-p row whose band
+    holds ``top_p`` of the mass is done (its nucleus is inside). The others take, in a second
+    compare, the tokens with ``s >= max(L - G_MAX, the min-p floor, the nucleus floor)``: the
+    nucleus floor is ``p >= (1 - top_p) / (2 V)``, below which a token's better-ranked mass
+    exceeds ``top_p``. Only those candidates are hashed: at 256 rows x 151,936 vocabulary,
+    logits of std 5 and T = 0.8, about 2% of the logits instead of all of them.
+Same tokens as the full-vocabulary race: candidates get the same float operations. The floors
+are lowered by a margin far above float rounding, so they only ever take more candidates.
+The probabilities that top-p and min-p compare are computed from ``exp(s - s_max)``, so a
+token whose cumulative mass lies within float rounding (~1e-7) of top_p, or whose probability
+lies that close to the min-p floor, may fall on the other side of it than in another sum order.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 _M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
 _M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
 _SEED_MIX = 0x2545F4914F6CDD1D
-NUCLEUS_GUESS = 1024  # first candidate count for top-p rows without top_k
-_CHUNK_ELEMS = 1 << 21  # rows x columns per pass of the full-vocabulary race
+_CHUNK_ELEMS = 1 << 21  # rows x columns per pass of the vocabulary-wide sum
+_U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
+BAND_TOP_P = 10.0  # top-p rows: first candidates within this of the best scaled logit
 
 
 def _shr_xor_(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -59,21 +77,35 @@ def stream_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return _mix64(key + steps.long() * _GOLDEN)
 
 
-def hash_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor
-                    ) -> torch.Tensor:
-    """Float32 uniforms in (0, 1) from a hash of (seed, step, token): seeds and steps
-    ``[N]``, tokens int64 broadcastable to ``[N, C]`` (e.g. ``[1, C]`` or ``[N, C]``).
-    Token ``t`` of a row takes output ``t`` of the splitmix64 stream that starts at the row's
-    mixed (seed, step) key. In-place steps: two ``[N, C]`` int64 tensors live at a time."""
-    base = stream_keys(seeds, steps)  # [N]
-    z = tokens * _GOLDEN + base.unsqueeze(1)  # int64 multiply and add wrap, as in splitmix64
+def keyed_uniform(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Float32 uniforms in (0, 1): output ``tokens`` of the splitmix64 streams that start at
+    ``keys`` (int64, broadcastable with tokens). In-place steps: two int64 tensors of the
+    output's size live at a time."""
+    z = tokens * _GOLDEN + keys  # int64 multiply and add wrap, as in splitmix64
     _shr_xor_(z, 30).mul_(_M1)
     _shr_xor_(z, 27).mul_(_M2)
     _shr_xor_(z, 31)
     z >>= 40  # top 24 bits, non-negative after the mask
     z &= (1 << 24) - 1
-    return (z.float() + 0.5) * (1.0 / (1 << 24))
+    return ((z.float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=_U_MAX)
 
+
+def hash_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor
+                    ) -> torch.Tensor:
+    """Float32 uniforms in (0, 1) from a hash of (seed, step, token): seeds and steps
+    ``[N]``, tokens int64 broadcastable to ``[N, C]`` (e.g. ``[1, C]`` or ``[N, C]``).
+    Token ``t`` of a row takes output ``t`` of the splitmix64 stream that starts at the row's
+    mixed (seed, step) key."""
+    return keyed_uniform(stream_keys(seeds, steps).unsqueeze(1), tokens)
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+# the bounds of the noise, from the same float operations as the race
+G_MAX = float(_gumbel(torch.tensor(_U_MAX)))
+G_MIN = float(_gumbel(torch.tensor(0.5 / (1 << 24))))
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,87 +123,224 @@ def sample_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 62) - 1)
 
 
-def _race(scaled: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return scaled - torch.log(-torch.log(u))
-
-
 def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
     width = max(1024, _CHUNK_ELEMS // max(rows, 1))
     return [(c, min(c + width, vocab)) for c in range(0, vocab, width)]
 
 
-def _scaled_sumexp(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor
-                   ) -> torch.Tensor:
-    """``sum_v exp(logits[:, v] / T - top)`` over the whole vocabulary, chunk by chunk."""
+def scaled_sumexp(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor
+                  ) -> torch.Tensor:
+    """``sum_v exp(logits[:, v] / T - top)`` ``[N, 1]`` over the whole vocabulary, chunk by
+    chunk into one reused buffer (no ``[N, V]`` temporary)."""
     total = torch.zeros_like(top)
+    buf = torch.empty(logits.shape[0], _chunks(*logits.shape)[0][1], device=logits.device)
     for lo, hi in _chunks(*logits.shape):
-        total += torch.exp(logits[:, lo:hi] / temperature - top).sum(-1, keepdim=True)
+        b = torch.div(logits[:, lo:hi], temperature, out=buf[:, :hi - lo])
+        total += b.sub_(top).exp_().sum(-1, keepdim=True)
     return total
 
 
-def full_race(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-              temperature: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Token ids ``[N]`` drawn from the whole vocabulary of ``logits [N, V]`` at
-    ``temperature [N, 1]``, tokens below ``min_p [N, 1]`` times the top probability dropped."""
-    n, vocab = logits.shape
-    best = torch.full((n,), float("-inf"), device=logits.device)
-    best_id = torch.zeros(n, dtype=torch.long, device=logits.device)
-    if min_p is not None:
-        top = logits.amax(-1, keepdim=True) / temperature  # [N, 1]: the max of the scaled row
-        total = _scaled_sumexp(logits, temperature, top)
-        floor = min_p / total  # the top probability, exp(0) / total, times min_p
-    for lo, hi in _chunks(n, vocab):
-        scaled = logits[:, lo:hi] / temperature  # [N, C]
-        if min_p is not None:
-            scaled = scaled.masked_fill(torch.exp(scaled - top) / total < floor, float("-inf"))
-        cols = torch.arange(lo, hi, device=logits.device).unsqueeze(0)
-        race = _race(scaled, hash_uniform_at(seeds, steps, cols))
-        idx = race.argmax(-1, keepdim=True)
-        val = race.gather(1, idx).squeeze(1)
-        better = val > best  # strict: a tie keeps the earlier column, as one argmax would
-        best = torch.where(better, val, best)
-        best_id = torch.where(better, idx.squeeze(1) + lo, best_id)
-    return best_id
+@dataclass(frozen=True)
+class Rows:
+    """The per-row parameters of the rows one draw covers (``[N]`` or ``[N, 1]``)."""
+    seeds: torch.Tensor  # [N] int64
+    steps: torch.Tensor  # [N] int64: the output index being drawn
+    temperature: torch.Tensor  # [N, 1] float32, > 0
+    top_k: torch.Tensor  # [N, 1] int64, >= V when off
+    top_p: torch.Tensor | None  # [N, 1] float32, None when no row has top_p < 1
+    min_p: torch.Tensor | None  # [N, 1] float32, None when no row has min_p > 0
+
+    def take(self, idx: torch.Tensor) -> "Rows":
+        """The rows ``idx [M]`` of these."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+        return Rows(*(pick(t) for t in (self.seeds, self.steps, self.temperature, self.top_k,
+                                        self.top_p, self.min_p)))
 
 
-def truncated_race(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                   temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
-                   min_p: torch.Tensor | None, num_candidates: int,
-                   nucleus_without_k: bool) -> torch.Tensor:
-    """Token ids ``[N]`` drawn after top-k (``top_k [N, 1]``, ``>= V`` when off), top-p
-    (``top_p [N, 1]``, None when no row uses it) and min-p, from the ``num_candidates`` best
-    tokens of each row, or more where a top-p row without top_k needs them
-    (``nucleus_without_k``: some row has top_p < 1 and no top_k)."""
-    vocab = logits.shape[1]
-    k = min(num_candidates, vocab)
-    while True:
-        vals, ids = logits.topk(k, -1)  # [N, K] best first
-        scaled = vals / temperature
-        drop = torch.arange(k, device=logits.device).unsqueeze(0) >= top_k  # [N, K]
-        if top_p is None:
-            break
-        masked = scaled.masked_fill(drop, float("-inf"))
-        # rows whose top_k lies inside the candidates have all their mass there; the others
-        # (top_k off) normalise over the whole vocabulary
-        inside = top_k <= k  # [N, 1]
-        top = scaled[:, :1]
-        total = torch.exp(masked - top).sum(-1, keepdim=True)
-        if nucleus_without_k and k < vocab:
-            total = torch.where(inside, total, _scaled_sumexp(logits, temperature, top))
-        probs = torch.exp(masked - top) / total
+def race_over_candidates(vals: torch.Tensor, ids: torch.Tensor, rows: Rows,
+                         total: torch.Tensor | None, ranked: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-row work on candidates: truncation and the race.
+
+    vals ``[N, C]`` the candidates' logits (``-inf`` padding), ids ``[N, C]`` their token ids
+    (padding ``>= V``); every row holds its best logit. ``ranked``: each row sorted best
+    first, ties by id (needed for top-k and top-p). total ``[N, 1]``: the mass
+    ``sum exp(s - s_max)`` that top-p divides by; None: the mass of the row's top-k candidates.
+    Returns the token ``[N]`` int64, its race value ``[N]`` and ``settled [N]`` bool: the
+    candidates hold top_p of the mass (so the nucleus lies inside them)."""
+    n, c = vals.shape
+    s = vals / rows.temperature  # [N, C]: the same division as a race over the vocabulary
+    keep = s > float("-inf")
+    if rows.min_p is not None or (ranked and rows.top_p is not None):
+        top = s[:, :1] if ranked else s.amax(-1, keepdim=True)  # [N, 1]
+        e = torch.exp(s - top)  # [N, C]: probability relative to the row's best
+    settled = torch.ones(n, dtype=torch.bool, device=vals.device)
+    if ranked:
+        keep &= torch.arange(c, device=vals.device).unsqueeze(0) < rows.top_k
+    if ranked and rows.top_p is not None:
+        e_k = e.masked_fill(~keep, 0.0)
+        mass = e_k.sum(-1, keepdim=True) if total is None else total
+        probs = e_k / mass
         cum = probs.cumsum(-1)
-        # a top-p row without top_k is settled when its candidates hold top_p of the mass:
-        # every token past them then has at least that much better mass before it
-        settled = inside | (cum[:, -1:] >= top_p) | (top_p >= 1)
-        if k == vocab or not nucleus_without_k or bool(settled.all()):
-            drop |= (cum - probs) >= top_p  # mass of strictly better tokens
-            drop[:, 0] = False
-            break
-        k = min(vocab, 4 * k)
-    scaled = scaled.masked_fill(drop, float("-inf"))
-    if min_p is not None:
-        probs = torch.softmax(scaled, -1)
-        scaled = scaled.masked_fill(probs < probs.max(-1, keepdim=True).values * min_p,
-                                    float("-inf"))
-    race = _race(scaled, hash_uniform_at(seeds, steps, ids))
-    return ids.gather(1, race.argmax(-1, keepdim=True)).squeeze(1)
+        settled = (cum[:, -1:] >= rows.top_p).squeeze(1) | (rows.top_p >= 1).squeeze(1)
+        nucleus = (cum - probs) < rows.top_p  # mass of the better-ranked tokens
+        nucleus[:, 0] = True
+        keep &= nucleus | (rows.top_p >= 1)  # no cut where the rounded sum passes 1
+    if rows.min_p is not None:
+        keep &= ~(e < rows.min_p)
+    u = hash_uniform_at(rows.seeds, rows.steps, ids)
+    race = (s - torch.log(-torch.log(u))).masked_fill_(~keep, float("-inf"))
+    best = race.amax(-1, keepdim=True)  # [N, 1]
+    big = torch.iinfo(torch.long).max
+    token = torch.where(race == best, ids, big).amin(-1)  # a tie: the lower id
+    return token, best.squeeze(1), settled
+
+
+def flat_race(at_row: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, rows: Rows,
+              top: torch.Tensor) -> torch.Tensor:
+    """The race over candidates listed flat, for rows without top-k and top-p: ``at_row``,
+    ``cols``, ``vals [M]`` the candidates' rows, ids and logits, ``top [N, 1]`` each row's best
+    scaled logit. Tokens ``[N]`` (a row without candidates gets ``V``-or-more)."""
+    n = top.shape[0]
+    s = vals / rows.temperature.squeeze(1)[at_row]  # [M]: the division of the full race
+    u = keyed_uniform(stream_keys(rows.seeds, rows.steps)[at_row], cols)
+    race = s - torch.log(-torch.log(u))
+    if rows.min_p is not None:
+        drop = torch.exp(s - top.squeeze(1)[at_row]) < rows.min_p.squeeze(1)[at_row]
+        race.masked_fill_(drop, float("-inf"))
+    best = torch.full((n,), float("-inf"), device=vals.device).scatter_reduce_(
+        0, at_row, race, "amax")
+    big = torch.iinfo(torch.long).max
+    win = torch.where(race == best[at_row], cols, big)  # a tie: the lower id
+    return torch.full((n,), big, dtype=torch.long, device=vals.device).scatter_reduce_(
+        0, at_row, win, "amin")
+
+
+RaceFn = Callable[[torch.Tensor, torch.Tensor, Rows, "torch.Tensor | None", bool],
+                  "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+
+
+def band_candidates(logits: torch.Tensor, floor: torch.Tensor, ranked: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens with ``logits >= floor [N, 1]`` (``+inf``: none), as padded
+    ``vals, ids [N, C]`` with ``C`` the largest count of a row: in id order, or best first
+    (ties by id) when ``ranked``. Padding: ``-inf`` and id ``V``."""
+    rows, cols, _ = listed(logits, floor)
+    return padded(logits, rows, cols, ranked)
+
+
+def listed(logits: torch.Tensor, floor: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens with ``logits >= floor [N, 1]``, row-major (ids ascending in a row): their
+    rows, ids and logits ``[M]``. On the CPU numpy's flatnonzero lists them (twice as fast as
+    torch's nonzero there)."""
+    vocab = logits.shape[1]
+    mask = (logits >= floor).view(-1)
+    if mask.device.type == "cpu":
+        flat = torch.from_numpy(np.flatnonzero(mask.numpy()))
+    else:
+        flat = mask.nonzero().squeeze(1)
+    rows = flat // vocab
+    return rows, flat - rows * vocab, logits.view(-1).index_select(0, flat)
+
+
+def padded(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ranked: bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates ``(rows, cols) [M]`` (row-major) as ``vals, ids [N, C]``
+    (`band_candidates`)."""
+    n, vocab = logits.shape
+    counts = torch.bincount(rows, minlength=n)
+    width = max(1, int(counts.max())) if rows.numel() else 1
+    pos = torch.arange(rows.numel(), device=logits.device) - (counts.cumsum(0) - counts)[rows]
+    vals = torch.full((n, width), float("-inf"), device=logits.device)
+    ids = torch.full((n, width), vocab, dtype=torch.long, device=logits.device)
+    vals[rows, pos] = logits.view(-1).index_select(0, rows * vocab + cols)
+    ids[rows, pos] = cols
+    if ranked:
+        vals, order = vals.sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+    return vals, ids
+
+
+def row_argmax(logits: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first index of each row's largest logit ``[N]``, that logit ``[N, 1]``): the max
+    of blocks of ``block`` columns, then the argmax inside the best block. torch's CPU argmax
+    is several times slower than its max, and this is one max pass plus small work."""
+    n, vocab = logits.shape
+    main = vocab - vocab % block
+    if main == 0:
+        top, at = logits.max(-1, keepdim=True)
+        return at.squeeze(1), top
+    blocks = logits[:, :main].view(n, main // block, block)  # [N, B, block]
+    best_block = blocks.amax(-1).argmax(-1)  # [N]: the first block holding the max
+    inner = blocks[torch.arange(n, device=logits.device), best_block]  # [N, block]
+    at = best_block * block + inner.argmax(-1)
+    top = inner.amax(-1, keepdim=True)
+    if main < vocab:  # the last columns, when the vocabulary is no multiple of the block
+        tail = logits[:, main:]
+        t_top, t_at = tail.max(-1, keepdim=True)
+        later = t_top > top  # strictly: a tie keeps the earlier index
+        at = torch.where(later.squeeze(1), t_at.squeeze(1) + main, at)
+        top = torch.maximum(top, t_top)
+    return at, top
+
+
+def _margin(top: torch.Tensor) -> torch.Tensor:
+    """How far below a floor candidates are taken: far above the float rounding of the race
+    values (~1e-7 of their size), far below any logit gap that matters."""
+    return 1e-4 * (1.0 + top.abs() + G_MAX)
+
+
+def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
+                   race: RaceFn = race_over_candidates, flat: bool = True) -> torch.Tensor:
+    """Tokens ``[N]`` for the ``active [N]`` rows of ``logits [N, V]`` whose top_k is off
+    (the others get a value the caller discards): the floor from the best logit's race value,
+    the band for top-p rows, and a second pass where a nucleus is wider (module doc). Rows
+    without top-p race over their candidates listed flat (``flat``), or padded through
+    ``race``."""
+    n, vocab = logits.shape
+    logits = logits.contiguous()  # listed views it flat
+    temp = rows.temperature
+    at, l_top = row_argmax(logits)
+    top = l_top / temp  # [N, 1]: the best scaled logit
+    # the race value of the best logit's token: the winner's is at least this
+    known = top - torch.log(-torch.log(hash_uniform_at(rows.seeds, rows.steps, at.unsqueeze(1))))
+    margin = _margin(top)
+    inf = torch.full_like(top, float("inf"))
+    uses_p = rows.top_p is not None
+    total = scaled_sumexp(logits, temp, top) if uses_p else None
+    floor = known - G_MAX
+    if rows.min_p is not None:
+        floor = torch.maximum(floor, top + torch.log(rows.min_p))
+    if uses_p:
+        floor = torch.where(rows.top_p < 1, torch.maximum(floor, top - BAND_TOP_P), floor)
+    lowest = torch.where(active.unsqueeze(1), (floor - margin) * temp, inf)
+    if not uses_p:
+        at_row, cols, vals = listed(logits, lowest)
+        if flat:
+            return flat_race(at_row, cols, vals, rows, top)
+        return race(*padded(logits, at_row, cols, False), rows, None, False)[0]
+    vals, ids = band_candidates(logits, lowest, True)
+    token, best, settled = race(vals, ids, rows, total, True)
+    # a top-p row whose band holds less than top_p of the mass: its nucleus floor, in one
+    # more pass (every token below it has more than top_p of better-ranked mass)
+    wide = best.unsqueeze(1) - G_MAX
+    if rows.min_p is not None:
+        wide = torch.maximum(wide, top + torch.log(rows.min_p))
+    wide = torch.maximum(wide, top + torch.log(total) + torch.log((1 - rows.top_p) / (2 * vocab)))
+    again = active & (rows.top_p < 1).squeeze(1) & ~settled & (wide < floor).squeeze(1)
+    if not bool(again.any()):
+        return token
+    vals, ids = band_candidates(
+        logits, torch.where(again.unsqueeze(1), (wide - margin) * temp, inf), True)
+    wider, _, _ = race(vals, ids, rows, total, True)
+    return torch.where(again, wider, token)
+
+
+def top_k_race(logits: torch.Tensor, rows: Rows, k: int,
+               race: RaceFn = race_over_candidates) -> torch.Tensor:
+    """Tokens ``[N]`` of rows that all have top_k (``<= k``): ``k`` candidates from one
+    ``topk``, every truncation exact inside them."""
+    vals, ids = logits.topk(min(k, logits.shape[1]), -1)  # [N, K] best first
+    return race(vals, ids, rows, None, True)[0]

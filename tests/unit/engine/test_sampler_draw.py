@@ -64,9 +64,9 @@ MIXES = {
 @pytest.mark.parametrize("vocab", [97, 5000])
 def test_same_tokens_as_the_full_vocabulary_draw(mix: str, vocab: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # small chunks and a small first guess: the chunked race and the widening loop both run
+    # small chunks and narrow bands: the chunked sum and the second (floor) pass both run
     monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
-    monkeypatch.setattr("batchgen_data.engine.sampler.NUCLEUS_GUESS", 16)
+    monkeypatch.setattr(token_draw, "BAND_TOP_P", 0.5)
     gen = torch.Generator().manual_seed(vocab)
     for step in range(12):
         seqs = _seqs(MIXES[mix])
@@ -80,21 +80,57 @@ def test_same_tokens_as_the_full_vocabulary_draw(mix: str, vocab: int,
         assert Sampler(set())(logits, seqs).token_ids == want
 
 
-def test_nucleus_widens_past_the_guess(monkeypatch: pytest.MonkeyPatch) -> None:
-    # uniform logits: the 0.9 nucleus holds 90% of the vocabulary, far past 16 candidates
-    monkeypatch.setattr("batchgen_data.engine.sampler.NUCLEUS_GUESS", 16)
-    calls: list[int] = []
-    topk = torch.Tensor.topk
+def test_a_flat_nucleus_takes_two_compares_and_no_sort_of_the_vocabulary(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # one token on top, 60k nearly flat ones more than BAND_TOP_P below it holding most of
+    # the mass: the 0.9 nucleus lies far past the band; the floor pass takes it in one more
+    # compare (no widening rounds, no topk)
+    calls: list[str] = []
+    band = token_draw.band_candidates
 
-    def counting_topk(self: torch.Tensor, k: int, *a: object, **kw: object) -> object:
-        calls.append(k)
-        return topk(self, k, *a, **kw)
+    def counting_band(*a: object, **kw: object) -> object:
+        calls.append("band")
+        return band(*a, **kw)
 
-    monkeypatch.setattr(torch.Tensor, "topk", counting_topk)
-    seqs = _seqs([SamplingParams(top_p=0.9)])
-    logits = torch.zeros(1, 3000)
+    def no_topk(self: torch.Tensor, *a: object, **kw: object) -> object:
+        raise AssertionError("topk on a row without top_k")
+
+    monkeypatch.setattr(token_draw, "band_candidates", counting_band)
+    monkeypatch.setattr(torch.Tensor, "topk", no_topk)
+    seqs = _seqs([SamplingParams(top_p=0.9), SamplingParams(top_p=0.9, temperature=2.0)])
+    logits = torch.rand(2, 60000, generator=torch.Generator().manual_seed(3)) * 0.01 - 10.5
+    logits[:, 7] = 0.0
     assert Sampler(set())(logits, seqs).token_ids == _old_draw(logits, seqs)
-    assert calls == [16, 64, 256, 1024, 3000]
+    assert calls == ["band", "band"]
+
+
+def test_a_uniform_of_one_no_longer_wins_whatever_its_logit() -> None:
+    # float32 rounds the hash's top value (z = 2**24 - 1) to u = 1.0, g = +inf: that token
+    # won every race it entered. Find a (seed, token) that hits it and give it no chance.
+    vocab = 1 << 16
+    cols = torch.arange(vocab).unsqueeze(0)
+    for seed in range(2000):
+        z = token_draw.stream_keys(torch.tensor([seed]), torch.tensor([0]))
+        z = cols * token_draw._GOLDEN + z.unsqueeze(1)
+        token_draw._shr_xor_(z, 30).mul_(token_draw._M1)
+        token_draw._shr_xor_(z, 27).mul_(token_draw._M2)
+        token_draw._shr_xor_(z, 31)
+        top = ((z >> 40) & ((1 << 24) - 1)) == (1 << 24) - 1
+        if bool(top.any()):
+            token = int(top.nonzero()[0, 1])
+            break
+    else:
+        pytest.fail("no seed reached the top uniform")
+    u = token_draw.hash_uniform_at(torch.tensor([seed]), torch.tensor([0]), cols)
+    assert float(u.max()) < 1.0 and int(u.argmax()) == token
+    logits = torch.zeros(1, vocab)
+    logits[0, token] = -60.0  # probability ~e-60: never drawn by a correct sampler
+    seqs = [Sequence(0, "r0", 0, [1], SamplingParams(temperature=1.0), seed=seed,
+                     max_tokens=4)]
+    assert Sampler(set())(logits, seqs).token_ids[0] != token
+    logits[0, token] = float("-inf")  # masked (allowed_token_ids, a bad word): not NaN either
+    seqs[0].params = SamplingParams(temperature=1.0, top_p=0.99)
+    assert Sampler(set())(logits, seqs).token_ids[0] != token
 
 
 _MEMORY_SCRIPT = textwrap.dedent(

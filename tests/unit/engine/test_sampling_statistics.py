@@ -181,9 +181,20 @@ def _old_hash(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) ->
     return (z.float() + 0.5) * (1.0 / (1 << 24))
 
 
+def _old_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The old hash's stream keys: with them, ``keyed_uniform`` is `_old_hash`."""
+    return seeds.long() * token_draw._SEED_MIX + steps.long() * token_draw._GOLDEN
+
+
 def test_the_tests_fail_on_a_shifted_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     # the oracle can fail: with the old hash patched in, both statistics reject it
-    monkeypatch.setattr(token_draw, "hash_uniform_at", _old_hash)
+    seeds, steps = torch.tensor([3, 4]), torch.tensor([7, 8])
+    tokens = torch.arange(50).unsqueeze(0)
+    want = _old_hash(seeds, steps, tokens)
+    monkeypatch.setattr(token_draw, "stream_keys", _old_keys)
+    # (equal but where float32 rounded the top uniform to 1.0, now clamped below 1)
+    assert torch.equal(token_draw.hash_uniform_at(seeds, steps, tokens),
+                       want.clamp(max=token_draw._U_MAX))
     share, expect, _ = _neighbour_share(PATHS["full"])
     assert share > 0.5 > 10 * expect
     assert _frequencies_p(PATHS["full"])[1] < P_FLOOR

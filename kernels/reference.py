@@ -178,3 +178,101 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         down = act.float() @ w2[e].float().t()  # [pairs, H]
         out.index_add_(0, tokens, down * topk_weights.reshape(-1)[pairs, None].float())
     return out.to(hidden.dtype)
+
+
+_U64 = (1 << 64) - 1
+
+
+def _splitmix(z: int) -> int:
+    """splitmix64's finaliser on a Python int (exact uint64 arithmetic)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def race_candidates(
+    vals: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+    top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor,
+    steps: torch.Tensor, total: torch.Tensor | None, ranked: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row by row: scaled logits ``s = vals / T``; top-k by position; top-p keeps a
+    candidate while the mass before it (``exp(s - s_max)`` over ``total``, or over the
+    top-k candidates) is below top_p; min-p drops ``exp(s - s_max) < min_p``; the race
+    ``s - log(-log u)`` with ``u`` the splitmix64 hash of (seed, step, token), Python ints;
+    the best, ties to the lower id. Returns (token, best, settled) like the launcher."""
+    golden = 0x9E3779B97F4A7C15
+    n, c = vals.shape
+    tokens, bests, settled = [], [], []
+    for r in range(n):
+        t = float(temperature.reshape(-1)[r])
+        s = vals[r].float() / t
+        keep = s > float("-inf")
+        if ranked:
+            keep &= torch.arange(c, device=vals.device) < int(top_k.reshape(-1)[r])
+        top = s[0] if ranked else s.max()
+        e = torch.exp(s - top)
+        done = True
+        if top_p is not None:
+            p_cut = float(top_p.reshape(-1)[r])
+            mass = e[keep].sum() if total is None else total.reshape(-1)[r]
+            probs = torch.where(keep, e, torch.zeros_like(e)) / mass
+            cum = probs.cumsum(0)
+            done = bool(cum[-1] >= p_cut) or p_cut >= 1
+            nucleus = (cum - probs < p_cut) | (p_cut >= 1)
+            nucleus[0] = True
+            keep &= nucleus
+        if min_p is not None:
+            keep &= ~(e < float(min_p.reshape(-1)[r]))
+        key = (int(seeds[r]) * 0x2545F4914F6CDD1D + golden) & _U64
+        key = _splitmix((_splitmix(key) + int(steps[r]) * golden) & _U64)
+        u = torch.tensor([(_splitmix((int(i) * golden + key) & _U64) >> 40)
+                          for i in ids[r].tolist()], dtype=torch.float32, device=vals.device)
+        u = ((u + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
+        race = torch.where(keep, s - torch.log(-torch.log(u)),
+                           torch.full_like(s, float("-inf")))
+        best = race.max()
+        tokens.append(int(ids[r][race == best].min()))
+        bests.append(float(best))
+        settled.append(done)
+    dev = vals.device
+    return (torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.tensor(bests, dtype=torch.float32, device=dev),
+            torch.tensor(settled, dtype=torch.bool, device=dev))
+
+
+# ---- weight-only quantized matmuls (kernels/cpu/csrc/quant_gemm.c, layers/quant.py) ------------
+QUANT_KINDS = ("int8", "int4", "fp8")
+DEFAULT_ZERO = {"int8": 0.0, "int4": 8.0, "fp8": 0.0}
+
+
+def quant_codes(codes: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+    """The stored codes of a quantized weight as float32 [N, k]: int8 as they are, int4 from
+    two per byte (even column in the low nibble), fp8 from its float8_e4m3fn bit patterns."""
+    if kind == "int8":
+        return codes.view(torch.int8).float()
+    if kind == "int4":
+        b = codes.view(torch.uint8)
+        both = torch.stack((b & 15, b >> 4), dim=-1).reshape(b.shape[0], -1)  # [N, 2*ceil(k/2)]
+        return both[:, :k].float()
+    if kind == "fp8":
+        return codes.view(torch.float8_e4m3fn).float()
+    raise ValueError(f"kind={kind!r}: use one of {QUANT_KINDS}")
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               kind: str, group: int, k: int) -> torch.Tensor:
+    """w [N, k] float32 = (code - zero) * scale, with one scale (and zero) [N, G] per `group`
+    columns, G = ceil(k / group); the last group may be short. `zeros` None: the kind's
+    `DEFAULT_ZERO`."""
+    q = quant_codes(codes, kind, k)
+    index = torch.arange(k, device=q.device) // group  # [k] the group of each column
+    s = scales.float()[:, index]
+    z = DEFAULT_ZERO[kind] if zeros is None else zeros.float()[:, index]
+    return (q - z) * s
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, kind: str, group: int) -> torch.Tensor:
+    """x [..., k] @ dequantize(...)^T in float32, cast back to x's dtype."""
+    w = dequantize(codes, scales, zeros, kind, group, x.shape[-1])
+    return F.linear(x.float(), w).to(x.dtype)

@@ -109,6 +109,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_moe_experts_workspace.restype = i64
     lib.bg_moe_experts_f32.argtypes = [ptr] * 7 + [i64] * 5 + [c_int]
     lib.bg_moe_experts_f32.restype = c_int
+    lib.bg_quant_gemm_supported.argtypes = []
+    lib.bg_quant_gemm_supported.restype = c_int
+    lib.bg_quant_gemm_f32.argtypes = [ptr] * 4 + [ctypes.c_float, ptr] + [i64] * 4 + [c_int] * 2
+    lib.bg_quant_gemm_f32.restype = c_int
+    lib.bg_quant_dequant_f32.argtypes = [ptr] * 3 + [ctypes.c_float, ptr] + [i64] * 3 + [c_int] * 2
+    lib.bg_quant_dequant_f32.restype = c_int
 
 
 @functools.lru_cache(maxsize=None)

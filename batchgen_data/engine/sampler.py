@@ -37,6 +37,15 @@ from batchgen_data.engine.token_draw import (
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured.logits import StructuredLogits
 
+
+def kernel_race(vals: torch.Tensor, ids: torch.Tensor, rows: Rows, total: torch.Tensor | None,
+                ranked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`race_over_candidates` as the Triton kernel (kernels/sampling.py)."""
+    from batchgen_data.kernels.sampling import race_candidates
+    return race_candidates(vals, ids, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                           rows.seeds, rows.steps, total, ranked)
+
+
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 uniforms in (0, 1) from splitmix64 of (seed, step, token)."""
     return hash_uniform_at(seeds, steps, torch.arange(vocab, device=seeds.device).unsqueeze(0))
@@ -64,8 +73,7 @@ class Sampler:
             if device.type == "cuda":
                 from batchgen_data.kernels import triton_available
                 if triton_available():
-                    from batchgen_data.kernels.sampling import race_candidates
-                    race = race_candidates
+                    race = kernel_race
             self._races[device] = race
         return race
 
@@ -117,7 +125,8 @@ class Sampler:
         drawn = None
         if len(k_rows) < sum(sampled):  # rows without top_k: the band and the floor
             active = ~b.greedy & (b.top_k >= vocab).squeeze(1)
-            drawn = threshold_race(logits, rows, active, race)
+            drawn = threshold_race(logits, rows, active, race,
+                                   flat=race is race_over_candidates)
         if k_rows:
             k = max(ps[i].top_k for i in k_rows)
             if len(k_rows) == len(ps):

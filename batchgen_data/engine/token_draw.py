@@ -36,7 +36,6 @@ lies that close to the min-p floor, may fall on the other side of it than in ano
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -224,3 +224,25 @@ def test_penalties_touch_only_seen_tokens_as_before(params: list[SamplingParams]
         mp.setattr(torch.Tensor, "argmax", spy)
         Sampler(set())(logits, seqs)
     assert torch.equal(seen_logits[0], _old_penalties(logits, seqs))
+
+
+def test_logprobs_only_for_the_rows_that_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes: list[tuple[int, ...]] = []
+    real = torch.log_softmax
+
+    def spy(x: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        shapes.append(tuple(x.shape))
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
+    seqs = _seqs([SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+                  SamplingParams(top_k=5)])
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    out = Sampler(set())(logits, seqs)
+    assert shapes == [(1, 40)]  # one row asked: one row's log-softmax
+    assert out.logprobs[0] is None and out.logprobs[2] is None
+    lp = real(logits[1], -1)
+    top2 = lp.topk(2).indices.tolist()
+    assert set(out.logprobs[1]) == {out.token_ids[1], *top2}
+    assert out.logprobs[1][out.token_ids[1]] == pytest.approx(float(lp[out.token_ids[1]]))
+    assert Sampler(set())(logits, seqs[:1]).logprobs == [None] and shapes == [(1, 40)]

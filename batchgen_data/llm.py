@@ -7,8 +7,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen_data.chat import render_chat
+from batchgen_data import pooling_api
 from batchgen_data.engine.engine import Engine
+from batchgen_data.engine.pooling import PoolingEngine
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
 from batchgen_data.programs.api import Program
 from batchgen_data.programs.offline import ProgramRunner
 from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
@@ -18,9 +21,58 @@ PromptType = str | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.engine = Engine.from_kwargs(model, **engine_kwargs)
+    def __init__(self, model: str | None = None, runner: str = "auto",
+                 **engine_kwargs: Any) -> None:
+        """`runner` (vLLM's): "generate", "pooling" (embed / classify / score,
+        docs/pooling.md), or "auto": pooling for encoders, classifiers, headless bases and
+        sentence-transformers directories."""
+        trust = bool(engine_kwargs.get("trust_remote_code", False))
+        self.engine: Any
+        if pooling_api.uses_pooling(model, runner, trust):
+            self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
+        else:
+            self.engine = Engine.from_kwargs(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
+
+    # ---- pooling tasks (vLLM's names and outputs) ------------------------------------------
+    def _pooling_engine(self, task: str) -> PoolingEngine:
+        if not isinstance(self.engine, PoolingEngine):
+            raise ValueError(f"{task}: this LLM generates; start it with runner=\"pooling\" "
+                             "for embed / classify / score")
+        return self.engine
+
+    def _pool(self, prompts: Any, params: Any, task: str, use_tqdm: bool,
+              truncate_prompt_tokens: int | None) -> list[PoolingRequestOutput]:
+        engine = self._pooling_engine(task)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        items = pooling_api.encode_all(lambda p: pooling_api.encode_text(self.tokenizer, p),
+                                       prompts, "prompts")
+        plist = pooling_api.params_list(params, len(items), truncate_prompt_tokens)
+        return pooling_api.run_requests(engine, items, plist, task, use_tqdm)
+
+    def embed(self, prompts: PromptType | Seq[PromptType],
+              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), in input order."""
+        return self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)
+
+    def classify(self, prompts: PromptType | Seq[PromptType],
+                 pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+                 ) -> list[PoolingRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`), in input order."""
+        return self._pool(prompts, pooling_params, "classify", use_tqdm,
+                          truncate_prompt_tokens)
+
+    def score(self, text_1: Any, text_2: Any, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[PoolingRequestOutput]:
+        """vLLM's `score`: one text_1 against each text_2, or pair by pair
+        (`.outputs.score`)."""
+        params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        return pooling_api.score_pairs(self._pooling_engine("score"), text_1, text_2, params,
+                                       use_tqdm)
 
     def _tokenize(self, prompt: PromptType, where: str) -> tuple[list[int], str | None]:
         """Bad prompts raise with the connectors' row-error message (docs/row-errors.md)."""
@@ -43,6 +95,9 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts reach the model as written, as in vLLM: no chat template (see `chat`)."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("this model runs as a pooling model (runner=\"pooling\"): use "
+                             "embed, classify or score")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -49,3 +49,44 @@ def resolve_architecture(config: Any) -> type[nn.Module]:
             return _REGISTRY[name]
     raise ValueError(f"unsupported architecture {names or model_type!r}; "
                      f"supported: {supported_architectures()}")
+
+
+# ---- pooling models (embed / classify / score: docs/pooling.md) ---------------------------
+def pooling_architectures() -> dict[str, type[nn.Module]]:
+    """HF architecture names served by the pooling runner. A generative architecture run
+    with runner="pooling" embeds with its LM head dropped."""
+    from batchgen_data.models import bert, decoder_pooling as dp
+
+    return {
+        "BertModel": bert.BertModel, "BertForMaskedLM": bert.BertModel,
+        "XLMRobertaModel": bert.XLMRobertaModel, "XLMRobertaForMaskedLM": bert.XLMRobertaModel,
+        "RobertaModel": bert.XLMRobertaModel,
+        "BertForSequenceClassification": bert.BertForSequenceClassification,
+        "XLMRobertaForSequenceClassification": bert.XLMRobertaForSequenceClassification,
+        "RobertaForSequenceClassification": bert.XLMRobertaForSequenceClassification,
+        "LlamaModel": dp.LlamaForEmbedding, "LlamaForCausalLM": dp.LlamaForEmbedding,
+        "MistralModel": dp.LlamaForEmbedding, "MistralForCausalLM": dp.LlamaForEmbedding,
+        "Qwen2Model": dp.Qwen2ForEmbedding, "Qwen2ForCausalLM": dp.Qwen2ForEmbedding,
+        "Qwen3Model": dp.Qwen3ForEmbedding, "Qwen3ForCausalLM": dp.Qwen3ForEmbedding,
+        "LlamaForSequenceClassification": dp.LlamaForSequenceClassification,
+        "Qwen2ForSequenceClassification": dp.Qwen2ForSequenceClassification,
+        "Qwen3ForSequenceClassification": dp.Qwen3ForSequenceClassification,
+    }
+
+
+def resolve_pooling_architecture(config: Any) -> type[nn.Module]:
+    table = pooling_architectures()
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        if name in table:
+            if "Mistral" in name and getattr(config, "sliding_window", None):
+                raise ValueError(f"sliding-window attention ({name}) is not supported")
+            return table[name]
+    raise ValueError(f"no pooling model for architectures {names!r}; supported: "
+                     f"{sorted(table)}")
+
+
+def is_pooling_only(config: Any) -> bool:
+    """Whether the checkpoint can only pool (encoders, classifiers, headless bases)."""
+    names = set(getattr(config, "architectures", None) or [])
+    return bool(names) and not names & set(_REGISTRY) and bool(names & set(pooling_architectures()))

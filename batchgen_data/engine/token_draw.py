@@ -262,27 +262,34 @@ def padded(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ranked:
     return vals, ids
 
 
-def row_argmax(logits: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the first index of each row's largest logit ``[N]``, that logit ``[N, 1]``): the max
-    of blocks of ``block`` columns, then the argmax inside the best block. torch's CPU argmax
-    is several times slower than its max, and this is one max pass plus small work."""
+def row_argmax(logits: torch.Tensor, block: int = 128, others: int = 8
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the first index of each row's largest logit ``[N]``, that logit ``[N, 1]``, the
+    largest logit's index in each of the ``others`` best blocks ``[N, B]``): the max of blocks
+    of ``block`` columns, then argmaxes inside the best blocks. torch's CPU argmax is several
+    times slower than its max, and this is one max pass plus small work."""
     n, vocab = logits.shape
     main = vocab - vocab % block
     if main == 0:
         top, at = logits.max(-1, keepdim=True)
-        return at.squeeze(1), top
+        return at.squeeze(1), top, at
     blocks = logits[:, :main].view(n, main // block, block)  # [N, B, block]
-    best_block = blocks.amax(-1).argmax(-1)  # [N]: the first block holding the max
-    inner = blocks[torch.arange(n, device=logits.device), best_block]  # [N, block]
-    at = best_block * block + inner.argmax(-1)
+    block_max = blocks.amax(-1)  # [N, B]
+    first = block_max.argmax(-1)  # [N]: the first block holding the max
+    rows = torch.arange(n, device=logits.device)
+    inner = blocks[rows, first]  # [N, block]
+    at = first * block + inner.argmax(-1)
     top = inner.amax(-1, keepdim=True)
+    best = block_max.topk(min(others, block_max.shape[1]), -1).indices  # [N, B]
+    near = best * block + blocks[rows.unsqueeze(1), best].argmax(-1)
     if main < vocab:  # the last columns, when the vocabulary is no multiple of the block
         tail = logits[:, main:]
         t_top, t_at = tail.max(-1, keepdim=True)
         later = t_top > top  # strictly: a tie keeps the earlier index
         at = torch.where(later.squeeze(1), t_at.squeeze(1) + main, at)
         top = torch.maximum(top, t_top)
-    return at, top
+        near = torch.cat([near, t_at + main], 1)
+    return at, top, near
 
 
 def _margin(top: torch.Tensor) -> torch.Tensor:
@@ -301,10 +308,21 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     n, vocab = logits.shape
     logits = logits.contiguous()  # listed views it flat
     temp = rows.temperature
-    at, l_top = row_argmax(logits)
+    at, l_top, near = row_argmax(logits)
     top = l_top / temp  # [N, 1]: the best scaled logit
-    # the race value of the best logit's token: the winner's is at least this
-    known = top - torch.log(-torch.log(hash_uniform_at(rows.seeds, rows.steps, at.unsqueeze(1))))
+    # the best race value of some kept tokens: the winner's is at least this. The best
+    # logit is always kept; the best of other blocks too, without top-p (and above min-p)
+    s_near = logits.gather(1, near) / temp  # [N, B]
+    race_near = s_near - torch.log(-torch.log(hash_uniform_at(rows.seeds, rows.steps, near)))
+    lost = torch.zeros_like(race_near, dtype=torch.bool)
+    if rows.min_p is not None:
+        lost |= torch.exp(s_near - top) < rows.min_p
+    if rows.top_p is not None:
+        lost |= rows.top_p < 1
+    race_at = top - torch.log(-torch.log(hash_uniform_at(rows.seeds, rows.steps,
+                                                         at.unsqueeze(1))))
+    known = torch.maximum(race_at, race_near.masked_fill(lost, float("-inf")).amax(
+        -1, keepdim=True))
     margin = _margin(top)
     inf = torch.full_like(top, float("inf"))
     uses_p = rows.top_p is not None

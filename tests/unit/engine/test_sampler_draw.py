@@ -92,8 +92,11 @@ def test_a_flat_nucleus_takes_two_compares_and_no_sort_of_the_vocabulary(
         calls.append("band")
         return band(*a, **kw)
 
+    real_topk = torch.Tensor.topk
+
     def no_topk(self: torch.Tensor, *a: object, **kw: object) -> object:
-        raise AssertionError("topk on a row without top_k")
+        assert self.shape[-1] < 60000, "topk over the vocabulary of a row without top_k"
+        return real_topk(self, *a, **kw)
 
     monkeypatch.setattr(token_draw, "band_candidates", counting_band)
     monkeypatch.setattr(torch.Tensor, "topk", no_topk)

@@ -40,11 +40,6 @@ class MigrationOptions:
     pcie_bytes_per_s: float = 16e9  # PCIe 4.0 x16 in practice
     # PlacementConfig fields, over DEFAULT_PLACEMENT
     placement: dict[str, Any] = field(default_factory=dict)
-    # test hook, off (-1) by default: after this many engine steps, the engine runs no further
-    # step until it has exported or imported a row (or `timeout_s` has passed), so a test can
-    # force a move without depending on wall-clock speed. 0 holds before the first step
-    # (waiting rows move); a few steps in, running rows move (with their KV when shipped).
-    hold_for_move_after: int = -1
     # what may move: queued rows (never scheduled, no KV: late binding) and started sequences
     # (running, held: migration proper). The predictor sets both from `late_binding`/`migration`
     move_queued: bool = True

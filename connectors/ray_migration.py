@@ -102,26 +102,9 @@ class MigrationClient:
         self._guests_done = threading.Condition()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # outbox: engine-thread callbacks append, we drain
-        if options.hold_for_move_after >= 0:
-            self._hold_for_move(options.hold_for_move_after)
         self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
         self._thread.start()
         _CLIENTS.add(self)
-
-    def _hold_for_move(self, after_steps: int) -> None:
-        """Install the `hold_for_move_after` test hook on the driver."""
-        steps = [0]
-        deadline = time.monotonic() + self.options.timeout_s
-
-        def count(_engine: Engine) -> None:
-            steps[0] += 1
-
-        def gate() -> bool:
-            moved = self.counts["exported"] or self.counts["imported"]
-            return bool(moved) or steps[0] < after_steps or time.monotonic() > deadline
-
-        self.driver.step_hooks.append(count)
-        self.driver.step_gate = gate
 
     def stop(self) -> None:
         self._stop.set()

@@ -33,9 +33,6 @@ class EngineDriver:
         self._stop = False
         self._dead: BaseException | None = None
         self.step_hooks: list[Callable[[Engine], None]] = []
-        # test seam (migration's `hold_for_move_after`): while it returns False the loop serves
-        # `call`s but runs no step; None (the default) never blocks
-        self.step_gate: Callable[[], bool] | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -98,13 +95,13 @@ class EngineDriver:
         try:
             while not self._stop:
                 self._drain_inbox()
-                if self.engine.has_unfinished() and (self.step_gate is None or self.step_gate()):
+                if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._resolve(out)
                     for hook in self.step_hooks:
                         hook(self.engine)
                 else:
-                    self._wake.wait(0.5 if self.step_gate is None else 0.02)
+                    self._wake.wait(0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             self._dead = e

@@ -1,7 +1,8 @@
 """Row-level late binding and KV through the object store, on local Ray with a tiny Llama.
 
 Two engine hosts share a coordinator; only the owner gets rows. The owner holds its first step
-until it has exported a row (`hold_for_move_after`), so the moves are forced, not raced:
+until it has exported a row (`gated_engine.HoldingPredictor`, a fake at the predictor's
+`start_driver` seam), so the moves are forced, not raced:
 
 * late binding alone (`late_binding=True, migration=False`): only queued rows (never scheduled,
   no KV) may move; each comes back once, through its owner, with the offline tokens;
@@ -22,45 +23,18 @@ ray = pytest.importorskip("ray")
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
-from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
+import gated_engine  # noqa: E402
+from gated_engine import PredictorHost  # noqa: E402
+
 pytestmark = pytest.mark.timeout(600)
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import us
+# workers cannot import this test module or the fake: ship them by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(gated_engine)
 
 ENGINE = {"max_model_len": 512, "max_num_seqs": 4, "apply_chat_template": False}
 PLACEMENT = {"min_running_age": 8, "min_kv_gain_tokens": 16}
-
-
-class Host:
-    """A threaded actor around one predictor, so a test can keep a call open on it (only
-    engines with a task in flight take work) and read its counters."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        import threading
-
-        self.predictor = BatchGenPredictor(**kwargs)
-        self.released = threading.Event()
-
-    def busy(self) -> bool:
-        self.predictor.migration.enter_call()
-        self.released.wait(120)
-        self.predictor.migration.leave_call()  # returns once its guests are finished
-        return True
-
-    def active_calls(self) -> int:
-        return self.predictor.migration.active_calls
-
-    def release(self) -> None:
-        self.released.set()
-
-    def run(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        import pyarrow as pa
-
-        return [r for t in self.predictor(pa.Table.from_pylist(rows)) for r in t.to_pylist()]
-
-    def counts(self) -> dict[str, Any]:
-        return dict(self.predictor.migration.counts)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +57,13 @@ def run_pair(model: str, job: str, rows: list[dict[str, Any]], owner: dict[str, 
     """Rows through the owner while the other host keeps a call open; (outputs, owner counts,
     importer counts, coordinator stats)."""
     opts = {"job_id": job, "interval_s": 0.1, "placement": PLACEMENT}
-    remote = ray.remote(Host).options(max_concurrency=4, num_cpus=0.25)
+    remote = ray.remote(PredictorHost).options(max_concurrency=4, num_cpus=0.25)
     kw = {k: v for k, v in both.items() if k != "placement"}
     opts["placement"] = {**PLACEMENT, **both.get("placement", {})}
-    src = remote.remote(model=model, migration_options={**opts, **owner}, **kw, **ENGINE)
+    owner = dict(owner)
+    hold = owner.pop("hold_for_move_after", -1)
+    src = remote.remote(model=model, migration_options={**opts, **owner},
+                        hold_for_move_after=hold, **kw, **ENGINE)
     dst = remote.remote(model=model, migration_options=opts, **kw, **ENGINE)
     ray.get([src.counts.remote(), dst.counts.remote()])
     side = dst.busy.remote()

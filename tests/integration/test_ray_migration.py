@@ -4,9 +4,10 @@ Two engine hosts share a coordinator; only one gets rows, so the other is short 
 imports some. Every row must come back through its owner exactly once with the tokens an
 offline run gives, also when the importer or the coordinator is killed mid-flight.
 
-Moves are forced, not raced: the owner runs with the `hold_for_move_after` test hook (it stops
-stepping until it has exported a row), and an importer that must not finish its guests before
-it is killed never steps at all (`Host(frozen=True)`).
+Moves are forced, not raced: the owner's engine is gated (`gated_engine.HoldingPredictor`, a
+fake at the predictor's `start_driver` seam: it stops stepping until it has exported a row), and
+an importer that must not finish its guests before it is killed never steps at all
+(`PredictorHost(frozen=True)`).
 """
 from __future__ import annotations
 
@@ -26,50 +27,18 @@ from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
+import gated_engine  # noqa: E402
+from gated_engine import GatedEngine, PredictorHost  # noqa: E402
+
 pytestmark = pytest.mark.timeout(600)
-# workers cannot import this test module: ship `Host` by value
+# workers cannot import this test module or the fake: ship them by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(gated_engine)
 
 # raw prompts, as `LLM.generate` (the oracle below) sends them: this file tests migration
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "apply_chat_template": False}
 PLACEMENT = {"min_running_age": 8, "min_kv_gain_tokens": 16}
 N_ROWS, MAX_TOKENS = 12, 48
-
-
-class Host:
-    """A plain threaded actor around one predictor, so a test can pick and kill the importer.
-    `frozen`: the engine takes imports but never steps, so its guests stay unfinished."""
-
-    def __init__(self, frozen: bool = False, **kwargs: Any) -> None:
-        import threading
-
-        self.predictor = BatchGenPredictor(**kwargs)
-        if frozen:
-            self.predictor.driver.step_gate = lambda: False
-        self.released = threading.Event()
-
-    def busy(self) -> bool:
-        """Stand in for a task in flight (only such engines take work) until `release`."""
-        self.predictor.migration.enter_call()
-        self.released.wait(120)
-        self.predictor.migration.leave_call()  # returns once the guests are finished
-        return True
-
-    def active_calls(self) -> int:
-        return self.predictor.migration.active_calls
-
-    def release(self) -> None:
-        self.released.set()
-
-    def run(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        import pyarrow as pa
-
-        return [r for t in self.predictor(pa.Table.from_pylist(rows)) for r in t.to_pylist()]
-
-    def counts(self) -> dict[str, Any]:
-        m = self.predictor.migration
-        return {**m.counts, "disabled": m.disabled,
-                "computed_tokens": self.predictor.driver.engine.stats.computed_tokens}
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +104,12 @@ def start_pair(model: str, job: str, owner: dict[str, Any] | None = None,
     """(owner, importer); `owner`/`other`: extra MigrationOptions for each. The owner holds
     before its first step unless told otherwise."""
     opts = {"job_id": job, "interval_s": 0.1, "placement": PLACEMENT}
-    remote = ray.remote(Host).options(max_concurrency=4, num_cpus=0.25)
-    hosts = [remote.remote(model=model, migration_options={**opts, **extra}, frozen=f, **ENGINE)
-             for extra, f in (({"hold_for_move_after": 0, **(owner or {})}, False),
-                              (other or {}, frozen))]
+    remote = ray.remote(PredictorHost).options(max_concurrency=4, num_cpus=0.25)
+    extras = [{"hold_for_move_after": 0, **(owner or {})}, dict(other or {})]
+    hold = [e.pop("hold_for_move_after", -1) for e in extras]
+    hosts = [remote.remote(model=model, migration_options={**opts, **extra}, frozen=f,
+                           hold_for_move_after=h, **ENGINE)
+             for extra, f, h in zip(extras, (False, frozen), hold)]
     ray.get([h.counts.remote() for h in hosts])
     return hosts[0], hosts[1]
 
@@ -243,17 +214,20 @@ class HoldTail(BatchGenPredictor):
     a row, so the tail is still there when the other engine runs dry."""
 
     def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
-        driver = super().start_driver(model, engine_kwargs)
+        from batchgen_data.connectors.ray_predictor import default_device_kwargs
+        from batchgen_data.engine.driver import EngineDriver
+        from batchgen_data.engine.engine import Engine
+
+        engine = Engine.from_kwargs(model, **default_device_kwargs(engine_kwargs))
         deadline = time.monotonic() + 40.0  # a move comes within seconds when it comes
 
         def gate() -> bool:
             m = getattr(self, "migration", None)
             moved = m is not None and (m.counts["exported"] or m.counts["imported"])
-            tail = any(r.num_output_tokens >= 10 for r in driver.engine.movable())
+            tail = any(r.num_output_tokens >= 10 for r in engine.movable())
             return bool(moved) or not tail or time.monotonic() > deadline
 
-        driver.step_gate = gate
-        return driver
+        return EngineDriver(GatedEngine(engine, gate))  # type: ignore[arg-type]
 
 
 def test_ray_data_job_matches_offline_and_moves_rows(job: str, model: str, llm: LLM) -> None:

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from batchgen_data.connectors.common import to_python
-from batchgen_data.connectors.ray_data import BatchGenPredictor, enable_row_streaming
+from batchgen_data.connectors.ray_data import BatchGenPredictor
 from batchgen_data.report import summarize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> None:
     # a live progress bar on a terminal; piped into a log, Ray Data would print a 14-line
     # progress report every 10 s instead, so it is off there
     ray.data.DataContext.get_current().enable_progress_bars = sys.stdout.isatty()
-    enable_row_streaming()  # finished rows leave the engines one by one
     try:
         summary = run(args)
     finally:

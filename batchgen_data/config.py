@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's names of the checkpoint methods that load (models/quant_config.py)
+_QUANTIZATION = ("compressed-tensors", "compressed_tensors", "fp8", "fbgemm_fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,10 @@ class EngineConfig:
     # of loading a model: the seam for runners outside the package, e.g. the lab's emulated
     # runner (``batchgen_lab.emulated_runner:build_parts``, lab/). None: the model's runner.
     parts_builder: str | None = None
+    # vLLM's name: the quantization method the user expects; the checkpoint's own
+    # quantization_config decides the format and this is checked against it when the model
+    # loads (None: whatever the checkpoint says; docs/quantization.md)
+    quantization: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -112,6 +118,10 @@ class EngineConfig:
         if self.parts_builder is not None and (not isinstance(self.parts_builder, str)
                                                or self.parts_builder.count(":") != 1):
             raise ValueError(f"parts_builder={self.parts_builder!r}: use 'module:function'")
+        if self.quantization is not None and self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization={self.quantization!r}: quantized checkpoints of "
+                             f"this method are not supported; supported: {_QUANTIZATION} (the "
+                             "checkpoint's quantization_config decides; docs/quantization.md)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 

@@ -8,7 +8,7 @@ not already one of this engine's own is
     True`: prompts are always computed in chunks under `max_num_batched_tokens`;
     `tensor_parallel_size=1`; `disable_log_stats`: there is no periodic stats log), with no effect;
   * **refused** with a ValueError that says why and what to do instead, when this engine cannot
-    honour the value (`tensor_parallel_size=2`, `quantization="awq"`, a LoRA, ...).
+    honour the value (`tensor_parallel_size=2`, `kv_cache_dtype="fp8"`, a LoRA, ...).
 So Ray's quickstart shape, `engine_kwargs={"enable_chunked_prefill": True,
 "max_num_batched_tokens": 4096, "max_model_len": 16384}`, works as it is.
 """
@@ -68,9 +68,8 @@ VLLM_ARGS: dict[str, _Arg] = {
     "tokenizer_mode": _Arg(_is("auto", None), "the model's fast tokenizer is always used"),
     "load_format": _Arg(_is("auto", "safetensors", None),
                         "weights load from *.safetensors (or the embedded GGUF model)"),
-    "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype"),
-    "quantization": _Arg(_is(None), "quantized checkpoints are not supported; use an "
-                                    "unquantized one (dtype chooses float16/bfloat16/float32)"),
+    "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype (an FP8 KV "
+                                              "cache is not implemented: docs/quantization.md)"),
     "enable_lora": _Arg(_is(False, None), "LoRA adapters are not supported"),
     "max_loras": _Arg(_any, "LoRA adapters are not supported (the value is unused)"),
     "max_lora_rank": _Arg(_any, "LoRA adapters are not supported (the value is unused)"),

@@ -18,6 +18,7 @@ from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
+from batchgen_data.models.quant_formats import QuantPlan
 
 # Default cap on the KV cache in host RAM on the CPU (below it, the cache holds every sequence
 # at full length). 512 MiB holds ~11.6k tokens of SmolLM2-135M (46 KB a token in fp32), which
@@ -82,6 +83,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = pick_dtype(config.dtype, device, hf_config)
+    plan = quantization_plan(path, hf_config, config.quantization)  # checked before building
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
     offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
     if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
@@ -89,8 +91,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     # streamed weights must never all sit on the device: build and load on the host, then the
     # weight store moves what stays resident (batchgen_data/offload)
     model = loader.build_model(hf_config, dtype, torch.device("cpu") if offload else device,
-                               backend)
-    loader.load_weights(model, path)  # each weight lands in its kernels' layout, once
+                               backend, plan)
+    loader.load_weights(model, path, plan)  # each weight lands in its kernels' layout, once
     if config.attention_micro_batch_seqs is not None:
         if not hasattr(model, "attention_micro_batch_seqs"):
             raise ValueError("attention_micro_batch_seqs applies to MoE models only")
@@ -132,6 +134,16 @@ def build_parts(config: EngineConfig) -> EngineParts:
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)
+
+
+def quantization_plan(path: Path, hf_config: Any, requested: str | None
+                      ) -> QuantPlan | None:
+    """The checkpoint's quantized modules, from its quantization_config and its tensors'
+    headers (ValueError naming the field or tensor when something does not fit), or None."""
+    from batchgen_data.models import quant_config, quant_formats
+
+    cq = quant_config.parse(hf_config, requested)
+    return None if cq is None else quant_formats.scan(path, cq)
 
 
 def _head_dim(hf_config: Any) -> int:

@@ -59,7 +59,8 @@ class LayerBackend:
     layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
     a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
     CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "rows",
-    "onednn" or "panels" (see layers/linear.py).
+    "onednn" or "panels" (see layers/linear.py). `c_quant`: quantized weights multiplied by the
+    C kernel that widens them inside the product (fp32 CPU, AVX2; layers/quant.py).
     """
 
     device: torch.device
@@ -70,6 +71,7 @@ class LayerBackend:
     c_moe: bool = False
     c_rows: bool = False
     linear: str = "plain"
+    c_quant: bool = False
 
     @property
     def torch_decode_attention(self) -> bool:
@@ -86,7 +88,7 @@ class LayerBackend:
             return cls(device, dtype, triton=True)
         if device.type != "cpu" or not cpu_kernels:
             return cls(device, dtype)
-        from batchgen_data.kernels.cpu import attention, linear, moe, ops
+        from batchgen_data.kernels.cpu import attention, linear, moe, ops, quant
 
         fp32 = dtype == torch.float32
         if fp32 and linear.panel_gemm_available():
@@ -102,7 +104,7 @@ class LayerBackend:
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
                    c_moe=fp32 and moe.available(),
                    c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),
-                   linear=layout)
+                   linear=layout, c_quant=fp32 and quant.available())
 
 
 _current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)

@@ -19,23 +19,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen_data.layers import quant
 from batchgen_data.layers.backend import current
 
 
 class Linear(nn.Module):
-    """y = x W^T + b for x [..., in_features]."""
+    """y = x W^T + b for x [..., in_features]; W dense in `layout`, or quantized (`scheme`:
+    `qweight`, `weight_scale`, `weight_zero`, see layers/quant.py) when the loader says so."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight: nn.Parameter | None = nn.Parameter(
+            torch.empty(out_features, in_features, device=quant.weight_device()))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.layout = current().linear
+        self.scheme: quant.QuantScheme | None = None
+        self._c_quant = current().c_quant
+        self._home, self._dtype = torch.empty(0).device, torch.get_default_dtype()
         # the weight in `layout` ("onednn", "panels") once loaded
         self.register_buffer("packed", None, persistent=False)
 
+    def use_quant(self, scheme: quant.QuantScheme | None) -> None:
+        """Allocates the weight deferred at build: stored as `scheme`, or dense (None)."""
+        if scheme is None:
+            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features,
+                                                   device=self._home, dtype=self._dtype))
+            return
+        self.weight, self.scheme = None, scheme
+        stored = scheme.empty((self.out_features,), self.in_features, self._home)
+        for name, t in zip(("qweight", "weight_scale", "weight_zero"), stored):
+            setattr(self, name, None if t is None else nn.Parameter(t, requires_grad=False))
+
+    def load_quant_rows(self, start: int, src: quant.QuantWeight, name: str) -> None:
+        """Copies a quantized checkpoint matrix into rows [start, start + src.rows)."""
+        if self.scheme is None:
+            raise ValueError(f"checkpoint weight {name!r} is quantized but its layer is not")
+        src.check(name, self.scheme, self.in_features)
+        quant.fill_rows((self.qweight.data, self.weight_scale.data,
+                         None if self.weight_zero is None else self.weight_zero.data), start, src)
+
     def process_weights_after_loading(self) -> None:
         """Moves the loaded weight into the layout's form and drops the plain copy."""
+        if self.scheme is not None:
+            return  # quantized: the stored form is the kernels' layout
         if self.layout in ("plain", "rows") or self.weight is None:
             if self.layout == "rows" and self.weight is not None \
                     and not self.weight.is_contiguous():  # the C kernel reads rows in place
@@ -51,6 +78,10 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme is not None:
+            out = quant.quant_matmul(x, self.qweight, self.weight_scale, self.weight_zero,
+                                     self.scheme, self._c_quant)
+            return out if self.bias is None else out.add_(self.bias)
         if self.layout == "rows":
             return rows_forward(x, self.weight, self.bias)
         if self.packed is None:
@@ -59,7 +90,8 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, layout={self.layout}")
+                f"bias={self.bias is not None}, layout={self.layout}"
+                + (f", quant={self.scheme}" if self.scheme is not None else ""))
 
 
 def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

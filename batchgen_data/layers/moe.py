@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from batchgen_data.kernels.cpu import moe as cpu_moe
+from batchgen_data.layers import quant
 from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import Linear
@@ -164,8 +165,14 @@ class FusedMoE(nn.Module):
         # grouped sigmoid routing, `models/deepseek_v3_router.py`)
         self.gate = router if router is not None else Linear(hidden, num_experts)
         self.custom_router = router is not None
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        deferred = quant.weight_device()  # the meta device while the loader decides (quant.py)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden,
+                                            device=deferred))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=deferred))
+        # quantized experts: `w13`/`w2` hold the codes, `*_scale`/`*_zero` the rest (quant.py)
+        self.scheme: quant.QuantScheme | None = None
+        self._c_quant = current().c_quant
+        self._home, self._dtype = torch.empty(0).device, torch.get_default_dtype()
         self.shared_expert = shared_expert
         # Qwen2-MoE scales its shared expert by a sigmoid gate; DeepSeek-V3 adds it as is
         gated = shared_expert is not None and shared_expert_gated
@@ -182,6 +189,54 @@ class FusedMoE(nn.Module):
         # set by the weight store when this layer's experts stream from host memory
         self.expert_stream: ExpertStream | None = None
 
+    def use_quant(self, scheme: quant.QuantScheme | None) -> None:
+        """Allocates the expert weights deferred at build: stored as `scheme`, or dense."""
+        e, i, h = self.num_experts, self.intermediate, self.hidden
+        if scheme is None:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, device=self._home, dtype=self._dtype))
+            self.w2 = nn.Parameter(torch.empty(e, h, i, device=self._home, dtype=self._dtype))
+            return
+        self.scheme = scheme
+        for leaf, rows, k in (("w13", 2 * i, h), ("w2", h, i)):
+            stored = scheme.empty((e, rows), k, self._home)
+            for suffix, t in zip(("", "_scale", "_zero"), stored):
+                setattr(self, leaf + suffix,
+                        None if t is None else nn.Parameter(t, requires_grad=False))
+
+    def load_quant_expert(self, leaf: str, expert: int, start: int, src: quant.QuantWeight,
+                          name: str) -> None:
+        """Copies one expert's quantized matrix into rows [start, ...) of `leaf` (w13/w2)."""
+        if self.scheme is None:
+            raise ValueError(f"checkpoint weight {name!r} is quantized but its experts are not")
+        src.check(name, self.scheme, self.hidden if leaf == "w13" else self.intermediate)
+        zero = getattr(self, leaf + "_zero")
+        quant.fill_rows((getattr(self, leaf).data[expert],
+                         getattr(self, leaf + "_scale").data[expert],
+                         None if zero is None else zero.data[expert]), start, src)
+
+    def _quant_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts on quantized weights: per expert that received tokens, its two
+        base matmuls on the stored codes (`quant.quant_matmul`), as `cpu_fused_experts`."""
+        assert self.expert_stream is None, "quantized experts do not stream (offload)"
+        order, token_of, counts = _sort_pairs(ids, self.num_experts, counts)
+        xs = x.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            gate_up = quant.quant_matmul(xs[rows], self.w13[e], self.w13_scale[e],
+                                         None if self.w13_zero is None else self.w13_zero[e],
+                                         self.scheme, self._c_quant)  # [n, 2I]
+            inter = self.act(gate_up)  # [n, I]
+            out[rows] = quant.quant_matmul(inter, self.w2[e], self.w2_scale[e],
+                                           None if self.w2_zero is None else self.w2_zero[e],
+                                           self.scheme, self._c_quant)  # [n, H]
+            start += n
+        return _combine(x, out, weights, order, token_of)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, H] holds this step's tokens of every scheduled sequence (each one a coroutine
         # suspended at its model call): here they meet as one batch per expert
@@ -189,7 +244,11 @@ class FusedMoE(nn.Module):
             weights, ids = self.gate(x)  # [T, k] each
         else:
             weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        if self._gpu_experts is not None:
+        if self.scheme is not None:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            self.expert_tokens += counts
+            out = self._quant_experts(x, weights, ids, counts)
+        elif self._gpu_experts is not None:
             # graph-capturable count: a fixed-size scatter, no host sync
             flat = ids.reshape(-1)
             self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers import quant
 from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.models import moe_weights
+from batchgen_data.models.quant_formats import Collector, QuantPlan
 from batchgen_data.models.registry import resolve_architecture
 
 def resolve_model_path(model: str | None) -> Path:
@@ -47,18 +49,41 @@ def load_tokenizer(path: Path, trust_remote_code: bool) -> Any:
 
 
 def build_model(config: Any, dtype: torch.dtype, device: torch.device,
-                backend: LayerBackend | None = None) -> nn.Module:
+                backend: LayerBackend | None = None, plan: QuantPlan | None = None
+                ) -> nn.Module:
     """The model for `config`, its layers built for `backend` (default: the torch layers on
-    `device`). Its weights are uninitialised until `load_weights`."""
+    `device`). Its weights are uninitialised until `load_weights`. With a quantized checkpoint's
+    `plan`, each linear layer and MoE block stores its weight as the checkpoint does (those the
+    checkpoint keeps in floating point stay dense); no dense copy of a quantized weight is ever
+    allocated."""
     cls = resolve_architecture(config)
     with torch.device(device), building(backend or LayerBackend(device, dtype)):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(config)
+            if plan is None:
+                model = cls(config)
+            else:
+                with quant.deferring():
+                    model = cls(config)
+                quantized = _our_modules(plan)
+                for name, module in model.named_modules():
+                    if hasattr(module, "use_quant"):
+                        module.use_quant(plan.quant.scheme if name in quantized else None)
         finally:
             torch.set_default_dtype(prev)
     return model.eval().requires_grad_(False)
+
+
+# the stored form's other tensors, filled with the codes (`qweight`, or `w13`/`w2` of experts)
+_QUANT_AUX = ("weight_scale", "weight_zero", "w13_scale", "w13_zero", "w2_scale", "w2_zero")
+
+
+def our_name(key: str) -> str:
+    """A checkpoint tensor's name as our modules name it (before fusing q|k|v, gate|up)."""
+    name = moe_weights.rename(key[len("model."):] if key.startswith("model.") else key)
+    # DeepSeek-V3's ungated shared experts sit in FusedMoE's one `shared_expert` slot
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.", 1)
 
 
 # HF parameter name -> (our name, which shard of a fused weight, number of shards)
@@ -67,7 +92,7 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _NAME = re.compile(r"^(?:model\.)?(.*?)\.(\w+)\.(weight|bias)$")
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, plan: QuantPlan | None = None) -> None:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -76,12 +101,27 @@ def load_weights(model: nn.Module, path: Path) -> None:
                          f"loaded){_pickle_hint(path)}")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    pieces = Collector(plan) if plan is not None else None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                loaded |= _load_one(model, params, key, f.get_tensor(key))
+                tensor: torch.Tensor | quant.QuantWeight = f.get_tensor(key)
+                if pieces is not None and plan.is_piece(key):
+                    done = pieces.add(key, tensor)
+                    if done is None:
+                        continue
+                    key, tensor = done
+                loaded |= _load_one(model, params, key, tensor)
+    if pieces is not None and pieces.unfinished():
+        raise ValueError(f"checkpoint at {path}: quantized module(s) {pieces.unfinished()[:5]} "
+                         "lack some of their tensors")
     expected = set()
     for name in params:
+        owner, _, leaf = name.rpartition(".")
+        if leaf in _QUANT_AUX:
+            continue  # loaded with its codes
+        if leaf == "qweight":
+            name = f"{owner}.weight"
         experts = moe_weights.expected_marks(model, name)
         if experts is not None:
             expected |= experts
@@ -133,35 +173,82 @@ def _release_free_memory() -> None:
         pass
 
 
-def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str, tensor: torch.Tensor
-              ) -> set[str]:
+def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
+              tensor: torch.Tensor | quant.QuantWeight) -> set[str]:
     """Copy one checkpoint tensor into the model; returns what it filled (see `load_weights`)."""
     if "rotary_emb" in key:
         return set()
     skips = getattr(model, "skips_checkpoint_weight", None)
     if skips is not None and skips(key):  # e.g. DeepSeek-V3's multi-token-prediction layers
         return set()
-    name = moe_weights.rename(key[len("model."):] if key.startswith("model.") else key)
-    # DeepSeek-V3's ungated shared experts sit in FusedMoE's one `shared_expert` slot
-    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.", 1)
+    name = our_name(key)
     if name == "lm_head.weight" and model.lm_head is None:
         return set()  # tied to the embedding
-    experts = moe_weights.load_expert_weight(params, name, tensor)
+    experts = moe_weights.load_expert_weight(model, params, name, tensor)
     if experts is not None:
         return experts
     m = _NAME.match(name)
     fused, shard = _FUSED.get(m.group(2), (None, 0)) if m else (None, 0)
     target = f"{m.group(1)}.{fused}.{m.group(3)}" if m and fused else ""
-    if target in params:  # (MLA's own q_proj is not fused: it stays under its name)
-        param = params[target]
+    if _holds(model, params, target):  # (MLA's own q_proj is not fused: it stays under its name)
         sizes = _shard_sizes(model, target)
         start = sum(sizes[:shard])
-        param.data[start:start + sizes[shard]].copy_(tensor)
+        _copy_rows(model, params, target, slice(start, start + sizes[shard]), tensor, key)
         return {f"{target}#{shard}"}
-    if name not in params:
+    if not _holds(model, params, name):
         raise ValueError(f"unexpected weight {key!r} in checkpoint")
-    params[name].data.copy_(tensor)
+    _copy_rows(model, params, name, None, tensor, key)
     return {name}
+
+
+def _quantized_owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The layer owning `name` (".weight") when it stores its weight quantized."""
+    owner, _, leaf = name.rpartition(".")
+    if leaf != "weight" or not owner:
+        return None
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return None
+    return module if getattr(module, "scheme", None) is not None else None
+
+
+def _holds(model: nn.Module, params: dict[str, nn.Parameter], name: str) -> bool:
+    return bool(name) and (name in params or _quantized_owner(model, name) is not None)
+
+
+def _copy_rows(model: nn.Module, params: dict[str, nn.Parameter], name: str,
+               rows: slice | None, tensor: torch.Tensor | quant.QuantWeight, key: str) -> None:
+    """Checkpoint matrix `key` into `rows` (None: all) of parameter `name`: a quantized layer
+    takes the stored form, a dense one the tensor (a quantized one dequantized, e.g. a
+    layer with no quantized form of its own)."""
+    owner = _quantized_owner(model, name)
+    if owner is not None:
+        if not isinstance(tensor, quant.QuantWeight):
+            raise ValueError(f"checkpoint weight {key!r} is not quantized but its layer "
+                             f"{name.rpartition('.')[0]!r} is (one scheme per layer)")
+        owner.load_quant_rows(0 if rows is None else rows.start, tensor, key)
+        return
+    if isinstance(tensor, quant.QuantWeight):
+        tensor = tensor.dequantize()
+    dst = params[name].data
+    (dst if rows is None else dst[rows]).copy_(tensor)
+
+
+def _our_modules(plan: QuantPlan) -> set[str]:
+    """Our modules that hold a quantized checkpoint module: the fused layer of a q/k/v or
+    gate/up projection, the MoE block of an expert's projection, else the module itself."""
+    out = set()
+    for prefix in plan.modules:
+        name = our_name(f"{prefix}.weight")
+        block = moe_weights.expert_block(name)
+        if block is not None:
+            out.add(block)
+            continue
+        m = _NAME.match(name)
+        fused = _FUSED.get(m.group(2), (None, 0))[0] if m else None
+        out.add(f"{m.group(1)}.{fused}" if m and fused else name.rpartition(".")[0])
+    return out
 
 
 def _shard_sizes(model: nn.Module, param_name: str) -> list[int]:

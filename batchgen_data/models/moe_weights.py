@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from batchgen_data.layers.moe import FusedMoE
+from batchgen_data.layers.quant import QuantWeight
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
                          r"\.weight$")
@@ -41,19 +42,38 @@ def expected_marks(model: nn.Module, param_name: str) -> set[str] | None:
     return {f"{param_name}#{e}.{s}" for e in range(num_experts) for s in shards}
 
 
-def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
-                       ) -> set[str] | None:
-    """Copy an expert tensor into its stacked parameter; None when `name` is not one."""
+def expert_block(name: str) -> str | None:
+    """The MoE block (`layers.3.mlp`) of a per-expert checkpoint name, else None."""
+    m = _PER_EXPERT.match(name)
+    return m.group(1) if m else None
+
+
+def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: str,
+                       tensor: torch.Tensor | QuantWeight) -> set[str] | None:
+    """Copy an expert tensor into its stacked parameter (a quantized one into the block's
+    stored form, `FusedMoE.load_quant_expert`); None when `name` is not one."""
     m = _PER_EXPERT.match(name)
     if m:
         block, e, proj = m.group(1), int(m.group(2)), m.group(3)
         leaf, shard = _PROJ[proj]
         param = _param(params, f"{block}.{leaf}", name)
         rows = param.shape[1] // 2 if leaf == "w13" else param.shape[1]
-        _copy(param.data[e, shard * rows:(shard + 1) * rows], tensor, name)
+        moe = model.get_submodule(block)
+        if isinstance(tensor, QuantWeight) and moe.scheme is not None:
+            moe.load_quant_expert(leaf, e, shard * rows, tensor, name)
+        elif moe.scheme is not None:
+            raise ValueError(f"checkpoint weight {name!r} is not quantized but its MoE block "
+                             f"{block!r} is")
+        else:
+            if isinstance(tensor, QuantWeight):
+                tensor = tensor.dequantize()
+            _copy(param.data[e, shard * rows:(shard + 1) * rows], tensor, name)
         return {f"{block}.{leaf}#{e}.{shard}"}
     m = _STACKED.match(name)
     if m:
+        if isinstance(tensor, QuantWeight):
+            raise ValueError(f"checkpoint weight {name!r}: quantized experts are read per "
+                             "expert (mlp.experts.<e>.<proj>), not stacked")
         leaf = "w13" if m.group(2) == "gate_up_proj" else "w2"
         target = f"{m.group(1)}.{leaf}"
         param = _param(params, target, name)

@@ -31,6 +31,7 @@ def test_no_ops_are_accepted() -> None:
     ({"pipeline_parallel_size": 4}, "one device"),
     ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
     ({"quantization": "awq"}, "quantized"),
+    ({"kv_cache_dtype": "fp8"}, "FP8 KV"),
     ({"enable_lora": True}, "LoRA"),
     ({"revision": "main"}, "nothing is downloaded"),
 ])

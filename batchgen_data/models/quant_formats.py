@@ -1,0 +1,227 @@
+"""Quantized checkpoint tensors -> the stored form of layers/quant.py, one format at a time.
+
+Each quantized module of a checkpoint (HF name `prefix`, e.g. `model.layers.0.self_attn.q_proj`)
+holds a few tensors named `prefix.<piece>`; the format says which:
+  * compressed-tensors pack-quantized: `weight_packed` int32 [n, ceil(k * bits / 32)] (code i
+    at bits [i * bits, (i + 1) * bits) of the row, little-endian, stored as code + 2^(bits-1)),
+    `weight_scale` [n, G], `weight_shape` [2] = (n, k), and for asymmetric schemes
+    `weight_zero_point`, packed the same way along the rows: int32 [ceil(n * bits / 32), G];
+  * compressed-tensors int-quantized: `weight` int8 [n, k], `weight_scale`, `weight_zero_point`;
+  * compressed-tensors float-quantized: `weight` float8_e4m3fn [n, k], `weight_scale` [1] or []
+    (tensor), [n, 1] (channel) or [ceil(n / b0), ceil(k / b1)] (block);
+  * fp8 (DeepSeek-V3 / Qwen3 FP8): `weight` float8_e4m3fn [n, k], `weight_scale_inv`
+    [ceil(n / b0), ceil(k / b1)] for `weight_block_size` [b0, b1] (w = fp8 * scale_inv), or a
+    per-tensor `weight_scale`.
+`input_scale` (static activation scales) is read past: activations stay unquantized here.
+
+`scan` reads only the safetensors headers, so every missing or mis-shaped piece is a ValueError
+naming the tensor before the model is built; `Collector` gathers a module's pieces while the
+loader streams the files and converts them once the module is complete.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from batchgen_data.layers.quant import QuantWeight
+from batchgen_data.models.quant_config import CheckpointQuant
+
+# a tensor of a quantized module: name suffix after "<prefix>."
+_PIECES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point",
+           "weight_shape", "weight", "input_scale")
+_MARKERS = ("weight_packed", "weight_scale", "weight_scale_inv")  # a module with one is quantized
+_IGNORED = ("input_scale",)
+Shapes = dict[str, tuple[tuple[int, ...], str]]  # piece -> (shape, safetensors dtype)
+
+
+def _split(key: str) -> tuple[str, str] | None:
+    prefix, _, piece = key.rpartition(".")
+    return (prefix, piece) if prefix and piece in _PIECES else None
+
+
+def _required(cq: CheckpointQuant) -> tuple[str, ...]:
+    if cq.format == "pack-quantized":
+        need = ("weight_packed", "weight_scale", "weight_shape")
+    elif cq.method == "fp8":
+        need = ("weight", "weight_scale_inv" if cq.block else "weight_scale")
+    else:
+        need = ("weight", "weight_scale")
+    return need + (() if cq.scheme.symmetric else ("weight_zero_point",))
+
+
+@dataclass
+class QuantPlan:
+    """The quantized modules of a checkpoint: HF prefix -> (n, k)."""
+
+    quant: CheckpointQuant
+    modules: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def is_piece(self, key: str) -> bool:
+        split = _split(key)
+        return split is not None and split[0] in self.modules
+
+
+def scan(path: Path, cq: CheckpointQuant) -> QuantPlan:
+    """Reads the checkpoint's headers; ValueError naming the tensor for a missing or
+    mis-shaped piece of a quantized module, or when no module is quantized."""
+    from safetensors import safe_open
+
+    found: dict[str, Shapes] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                split = _split(key)
+                if split is not None:
+                    sl = f.get_slice(key)
+                    found.setdefault(split[0], {})[split[1]] = (tuple(sl.get_shape()),
+                                                                sl.get_dtype())
+    plan = QuantPlan(cq)
+    for prefix, shapes in found.items():
+        if any(m in shapes for m in _MARKERS):
+            plan.modules[prefix] = check_shapes(cq, prefix, shapes)
+    if not plan.modules:
+        raise ValueError(f"checkpoint at {path} says quant_method={cq.method!r} but no tensor "
+                         f"has a quantization scale ({', '.join(_MARKERS)})")
+    return plan
+
+
+def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes) -> tuple[int, int]:
+    """(n, k) of a quantized module from its pieces' shapes; ValueError naming the piece."""
+    for piece in _required(cq):
+        if piece not in shapes:
+            raise ValueError(f"checkpoint lacks {prefix}.{piece} ({cq.method} {cq.format}, "
+                             f"{cq.scheme})")
+    scheme = cq.scheme
+    bits = {"int4": 4, "int8": 8, "fp8": 8}[scheme.kind]
+    if cq.format == "pack-quantized":
+        shape_of = shapes["weight_shape"][0]
+        if shape_of != (2,):
+            raise ValueError(f"{prefix}.weight_shape has shape {shape_of}, want (2,)")
+        packed, dtype = shapes["weight_packed"]
+        if dtype != "I32" or len(packed) != 2:
+            raise ValueError(f"{prefix}.weight_packed is {dtype} {packed}; want int32 [n, words]")
+        n, words = packed
+        k = words * 32 // bits  # an upper bound; the exact k comes with weight_shape's data
+    else:
+        weight, dtype = shapes["weight"]
+        want = "F8_E4M3" if scheme.kind == "fp8" else "I8"
+        if dtype != want or len(weight) != 2:
+            raise ValueError(f"{prefix}.weight is {dtype} {weight}; want {want} [n, k]")
+        n, k = weight
+    _check_scale(cq, prefix, shapes, n, k, exact_k=cq.format != "pack-quantized")
+    if not scheme.symmetric:
+        zp = shapes["weight_zero_point"][0]
+        groups = scheme.groups(k)
+        rows = -(-n * bits // 32) if cq.format == "pack-quantized" else n
+        if cq.format == "pack-quantized":
+            ok = len(zp) == 2 and zp[0] == rows and (zp[1] == groups or scheme.group_size)
+        else:
+            ok = zp == (n, groups)
+        if not ok:
+            raise ValueError(f"{prefix}.weight_zero_point has shape {zp}; want "
+                             f"({rows}, {groups})")
+    return n, k
+
+
+def _check_scale(cq: CheckpointQuant, prefix: str, shapes: Shapes, n: int, k: int,
+                 exact_k: bool) -> None:
+    piece = "weight_scale_inv" if "weight_scale_inv" in _required(cq) else "weight_scale"
+    got = shapes[piece][0]
+    if cq.block is not None:
+        want = (-(-n // cq.block[0]), -(-k // cq.block[1]))
+        ok = got == want
+    elif cq.scheme.kind == "fp8":
+        want = "(), (1,), (n,) or (n, 1)"
+        ok = got in ((), (1,), (n,), (n, 1))
+    elif cq.scheme.group_size is None:
+        want, ok = (n, 1), got == (n, 1)
+    else:
+        want = (n, cq.scheme.groups(k))
+        ok = got == want if exact_k else (len(got) == 2 and got[0] == n
+                                          and got[1] <= cq.scheme.groups(k))
+    if not ok:
+        raise ValueError(f"{prefix}.{piece} has shape {got}; want {want} for a weight of "
+                         f"[{n}, {k}] ({cq.scheme}{', block ' + str(cq.block) if cq.block else ''})")
+
+
+def _unpack_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """The bytes of int32 words [r, w] in memory order -> uint8 [r, 4w] (little-endian)."""
+    assert sys.byteorder == "little", "packed checkpoints are read on little-endian hosts"
+    return packed.contiguous().view(torch.uint8)
+
+
+def _expand_rows(scale: torch.Tensor, n: int, k: int, cq: CheckpointQuant) -> torch.Tensor:
+    """A checkpoint's scale tensor -> fp32 [n, G] per row (block and tensor scales repeated)."""
+    s = scale.float()
+    if cq.block is not None:
+        return s.repeat_interleave(cq.block[0], dim=0)[:n].contiguous()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(n, 1).contiguous()
+    return s.reshape(n, -1).contiguous()
+
+
+def convert(cq: CheckpointQuant, prefix: str, pieces: dict[str, torch.Tensor]) -> QuantWeight:
+    """One quantized module's tensors -> its stored form."""
+    scheme = cq.scheme
+    if cq.format == "pack-quantized":
+        n, k = (int(v) for v in pieces["weight_shape"].tolist())
+        check_shapes(cq, prefix, {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()})
+        _check_scale(cq, prefix, {"weight_scale": (tuple(pieces["weight_scale"].shape), "")},
+                     n, k, exact_k=True)
+        raw = _unpack_bytes(pieces["weight_packed"])
+        if scheme.kind == "int4":  # bytes already hold two (code + 8)s, low nibble first
+            codes = raw[:, :-(-k // 2)].contiguous()
+        else:  # (code + 128) -> the signed code
+            codes = (raw[:, :k] ^ 0x80).view(torch.int8).contiguous()
+        zero = None
+        if not scheme.symmetric:
+            zb = _unpack_bytes(pieces["weight_zero_point"].t().contiguous())  # [G, bytes]
+            if scheme.kind == "int4":
+                u = torch.stack((zb & 15, zb >> 4), dim=-1).reshape(zb.shape[0], -1)[:, :n]
+                zero = u.t().float().contiguous()  # zp + 8, as the codes
+            else:
+                zero = (zb[:, :n].to(torch.int16) - 128).t().float().contiguous()
+        return QuantWeight(scheme, k, codes, pieces["weight_scale"].float().reshape(n, -1)
+                           .contiguous(), zero)
+    weight = pieces["weight"]
+    n, k = weight.shape
+    check_shapes(cq, prefix, {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()})
+    scale = pieces["weight_scale_inv" if cq.method == "fp8" and cq.block else "weight_scale"]
+    codes = weight.contiguous().view(torch.uint8 if scheme.kind == "fp8" else torch.int8)
+    zero = None if scheme.symmetric else pieces["weight_zero_point"].float().reshape(n, -1)
+    return QuantWeight(scheme, k, codes, _expand_rows(scale, n, k, cq), zero)
+
+
+_ST_DTYPES = {torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int64: "I64"}
+
+
+def _st_dtype(t: torch.Tensor) -> str:
+    return _ST_DTYPES.get(t.dtype, str(t.dtype))
+
+
+class Collector:
+    """Gathers each quantized module's pieces as the loader meets them; `add` returns the
+    module's `QuantWeight` (with its HF weight name) once its last piece has arrived."""
+
+    def __init__(self, plan: QuantPlan) -> None:
+        self.plan = plan
+        self._need = set(_required(plan.quant))
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, key: str, tensor: torch.Tensor) -> tuple[str, QuantWeight] | None:
+        prefix, piece = _split(key)  # type: ignore[misc]  # is_piece(key) was True
+        if piece in _IGNORED:
+            return None
+        parts = self._parts.setdefault(prefix, {})
+        parts[piece] = tensor
+        if not self._need <= set(parts):
+            return None
+        del self._parts[prefix]
+        return f"{prefix}.weight", convert(self.plan.quant, prefix, parts)
+
+    def unfinished(self) -> list[str]:
+        return sorted(self._parts)

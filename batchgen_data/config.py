@@ -64,6 +64,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters chosen per request (vLLM's names; docs/lora.md)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident in device memory at once (one step's distinct ones)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max(max_loras, 8))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora={self.enable_lora!r}: must be True or False")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) \
+                or self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras!r}: must be an int >= 1")
+        if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) \
+                or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank!r}: must be an int in [1, 512]")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras!r}: must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, 8)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
@@ -96,6 +123,7 @@ class EngineConfig:
     quantization: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -126,7 +154,7 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 
 
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
 
 
 def engine_kwarg_names() -> list[str]:

@@ -8,7 +8,7 @@ not already one of this engine's own is
     True`: prompts are always computed in chunks under `max_num_batched_tokens`;
     `tensor_parallel_size=1`; `disable_log_stats`: there is no periodic stats log), with no effect;
   * **refused** with a ValueError that says why and what to do instead, when this engine cannot
-    honour the value (`tensor_parallel_size=2`, `kv_cache_dtype="fp8"`, a LoRA, ...).
+    honour the value (`tensor_parallel_size=2`, `kv_cache_dtype="fp8"`, ...).
 So Ray's quickstart shape, `engine_kwargs={"enable_chunked_prefill": True,
 "max_num_batched_tokens": 4096, "max_model_len": 16384}`, works as it is.
 """
@@ -70,9 +70,6 @@ VLLM_ARGS: dict[str, _Arg] = {
                         "weights load from *.safetensors (or the embedded GGUF model)"),
     "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype (an FP8 KV "
                                               "cache is not implemented: docs/quantization.md)"),
-    "enable_lora": _Arg(_is(False, None), "LoRA adapters are not supported"),
-    "max_loras": _Arg(_any, "LoRA adapters are not supported (the value is unused)"),
-    "max_lora_rank": _Arg(_any, "LoRA adapters are not supported (the value is unused)"),
     "enable_expert_parallel": _Arg(_is(False, None), "experts are not sharded: " + _ONE_DEVICE),
     "limit_mm_per_prompt": _Arg(lambda v: not v, "multimodal input is not supported"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

@@ -32,7 +32,6 @@ def test_no_ops_are_accepted() -> None:
     ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
     ({"quantization": "awq"}, "quantized"),
     ({"kv_cache_dtype": "fp8"}, "FP8 KV"),
-    ({"enable_lora": True}, "LoRA"),
     ({"revision": "main"}, "nothing is downloaded"),
 ])
 def test_refused_values_say_why(kw: dict, words: str) -> None:
@@ -43,3 +42,10 @@ def test_refused_values_say_why(kw: dict, words: str) -> None:
 def test_unknown_names_still_raise_type_error() -> None:
     with pytest.raises(TypeError, match="unknown engine argument.*tensor_parallel_size"):
         make_engine_config(None, tensor_paralel_size=1)
+
+
+def test_lora_arguments_are_taken() -> None:
+    cfg = make_engine_config(None, enable_lora=True, max_loras=4, max_lora_rank=32)
+    assert cfg.lora.enable_lora and cfg.lora.max_loras == 4 and cfg.lora.max_lora_rank == 32
+    with pytest.raises(ValueError, match="max_lora_rank=0"):
+        make_engine_config(None, enable_lora=True, max_lora_rank=0)

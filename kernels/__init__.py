@@ -13,6 +13,7 @@ Launchers (all validate dtypes, shapes, strides and devices and raise ``ValueErr
     silu_and_mul                                       (activation.py)
     moe_align_block_size                               (moe_align.py)
     fused_experts                                      (fused_moe.py)
+    lora_shrink, lora_expand                           (lora.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _LAUNCHERS = {
     "silu_and_mul": "activation",
     "moe_align_block_size": "moe_align",
     "fused_experts": "fused_moe",
+    "lora_shrink": "lora",
+    "lora_expand": "lora",
 }
 
 __all__ = ["triton_available", *_LAUNCHERS]

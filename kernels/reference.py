@@ -276,3 +276,27 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x [..., k] @ dequantize(...)^T in float32, cast back to x's dtype."""
     w = dequantize(codes, scales, zeros, kind, group, x.shape[-1])
     return F.linear(x.float(), w).to(x.dtype)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_idx: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int
+                ) -> torch.Tensor:
+    """``h [N, R]``: ``h[i] = x[token_idx[i]] @ a[slot]^T`` for the segment holding i."""
+    h = torch.empty((token_idx.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+    starts = seg_starts.tolist()
+    for s, slot in enumerate(seg_slots.tolist()):
+        rows = token_idx[starts[s]:starts[s + 1]].long()
+        h[starts[s]:starts[s + 1]] = x[rows].float() @ a[slot].float().T
+    return h.to(x.dtype)
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, token_idx: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int
+                ) -> torch.Tensor:
+    """In place: ``y[token_idx[i]] += h[i] @ b[slot]^T``; returns y."""
+    starts = seg_starts.tolist()
+    for s, slot in enumerate(seg_slots.tolist()):
+        rows = token_idx[starts[s]:starts[s + 1]].long()
+        delta = h[starts[s]:starts[s + 1]].float() @ b[slot].float().T
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+    return y

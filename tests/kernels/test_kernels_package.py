@@ -13,6 +13,7 @@ def test_launchers_listed_and_lazy() -> None:
     expected = {
         "paged_decode_attention", "paged_prefill_attention", "write_kv_cache", "rms_norm",
         "fused_add_rms_norm", "apply_rotary", "silu_and_mul", "moe_align_block_size", "fused_experts",
+        "lora_shrink", "lora_expand",
         "triton_available",
     }
     assert set(kernels.__all__) == expected

@@ -7,6 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
@@ -56,9 +57,18 @@ if [ "${1:-}" = "offload" ]; then
     exit "$rc"
 fi
 
-# The script budgets itself to about 7 minutes (dense 250 s, MoE 160 s, plus model set-up);
-# the timeout is only a backstop, under the 8 minutes a device call may take.
-timeout -k 10 450 "$PY" benchmarks/gpu_throughput.py "$@" 2>&1 | tee "$OUT/gpu_throughput.log"
+# 1. Correctness first: every Triton kernel compiled for this GPU against its torch reference
+# (bf16/fp16, head dims 64/128, contexts to 2k, a CUDA-graph replay); its table and JSON line
+# come back even if the benchmark below fails.
+timeout -k 5 150 "$PY" -m batchgen_data.kernels.selfcheck --quick \
+    --json "$OUT/kernel_selfcheck.json" 2>&1 | tee "$OUT/kernel_selfcheck.log"
+check_rc=${PIPESTATUS[0]}
+# 2. The throughput run. The script budgets itself to about 7 minutes (dense 250 s, MoE 160 s,
+# plus model set-up) and saves its records after each phase; the timeout is a backstop that
+# keeps the whole call under the 10 minutes a device call may take.
+timeout -k 10 420 "$PY" benchmarks/gpu_throughput.py "$@" 2>&1 | tee "$OUT/gpu_throughput.log"
 rc=${PIPESTATUS[0]}
+echo "kernel self-check exit code: $check_rc (0 = all cases within tolerance)"
+[ "$rc" -eq 0 ] && [ "$check_rc" -ne 0 ] && rc=$check_rc
 echo "exit code: $rc; results in $OUT/gpu_throughput.json"
 exit "$rc"

@@ -39,6 +39,8 @@ class Linear(nn.Module):
         self._home, self._dtype = torch.empty(0).device, torch.get_default_dtype()
         # the weight in `layout` ("onednn", "panels") once loaded
         self.register_buffer("packed", None, persistent=False)
+        # LoRA adapters' slots of this layer (layers/lora.py), attached by the LoRA manager
+        self.lora: nn.Module | None = None
 
     def use_quant(self, scheme: quant.QuantScheme | None) -> None:
         """Allocates the weight deferred at build: stored as `scheme`, or dense (None)."""
@@ -78,6 +80,11 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the base product of the stored format, then the adapters' low-rank deltas (if any)
+        y = self.base_forward(x)
+        return y if self.lora is None else self.lora(x, y)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme is not None:
             out = quant.quant_matmul(x, self.qweight, self.weight_scale, self.weight_zero,
                                      self.scheme, self._c_quant)

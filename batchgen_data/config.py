@@ -121,6 +121,11 @@ class EngineConfig:
     # quantization_config decides the format and this is checked against it when the model
     # loads (None: whatever the checkpoint says; docs/quantization.md)
     quantization: str | None = None
+    # vLLM's name: ranks over torch.distributed, one process per device, the model's weights
+    # and KV heads split between them (docs/parallel.md); dense decoders only
+    tensor_parallel_size: int = 1
+    # rank 0 waits at most this long on any collective: a dead or stuck rank fails the engine
+    collective_timeout_s: float = 120.0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
@@ -150,9 +155,32 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r}: quantized checkpoints of "
                              f"this method are not supported; supported: {_QUANTIZATION} (the "
                              "checkpoint's quantization_config decides; docs/quantization.md)")
+        self._check_parallel()
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")
 
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: must be an int >= 1")
+        if not isinstance(self.collective_timeout_s, (int, float)) or \
+                self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r}: must be > 0")
+        if tp == 1:
+            return
+        together = {"cpu_offload_gb": (self.cpu_offload_gb, self.cpu_offload_gb > 0),
+                    "weight_memory_bytes": (self.weight_memory_bytes,
+                                            self.weight_memory_bytes is not None),
+                    "host_kv_tier_bytes": (self.cache.host_kv_tier_bytes,
+                                           self.cache.host_kv_tier_bytes > 0),
+                    "parts_builder": (self.parts_builder, self.parts_builder is not None),
+                    "attention_micro_batch_seqs": (self.attention_micro_batch_seqs,
+                                                   self.attention_micro_batch_seqs is not None)}
+        for name, (value, used) in together.items():
+            if used:
+                raise ValueError(f"tensor_parallel_size={tp} with {name}={value!r}: not "
+                                 "supported together yet (docs/parallel.md)")
 
 _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
 

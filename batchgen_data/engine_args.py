@@ -6,9 +6,9 @@ not already one of this engine's own is
     `num_gpu_blocks_override` → `num_kv_blocks`);
   * **accepted** when its value describes what this engine always does (`enable_chunked_prefill=
     True`: prompts are always computed in chunks under `max_num_batched_tokens`;
-    `tensor_parallel_size=1`; `disable_log_stats`: there is no periodic stats log), with no effect;
+    `disable_log_stats`: there is no periodic stats log), with no effect;
   * **refused** with a ValueError that says why and what to do instead, when this engine cannot
-    honour the value (`tensor_parallel_size=2`, `kv_cache_dtype="fp8"`, ...).
+    honour the value (`pipeline_parallel_size=2`, `kv_cache_dtype="fp8"`, ...).
 So Ray's quickstart shape, `engine_kwargs={"enable_chunked_prefill": True,
 "max_num_batched_tokens": 4096, "max_model_len": 16384}`, works as it is.
 """
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-_ONE_DEVICE = ("one engine runs on one device here; to use more GPUs, run more engines "
+_ONE_DEVICE = ("an engine spans devices only by tensor_parallel_size (dense models, "
+               "docs/parallel.md); to use more GPUs otherwise, run more engines "
                "(Ray actors: `concurrency`; the command: --actors)")
 
 
@@ -54,11 +55,12 @@ VLLM_ARGS: dict[str, _Arg] = {
     "disable_log_stats": _Arg(_any, "statistics are in engine.stats, never logged periodically"),
     "disable_log_requests": _Arg(_any, "requests are never logged"),
     "enable_log_requests": _Arg(_is(False, None), "requests are never logged"),
-    "tensor_parallel_size": _Arg(_is(1, None), _ONE_DEVICE),
     "pipeline_parallel_size": _Arg(_is(1, None), _ONE_DEVICE),
     "data_parallel_size": _Arg(_is(1, None), _ONE_DEVICE),
-    "distributed_executor_backend": _Arg(_any, "there is no distributed executor: " + _ONE_DEVICE),
-    "disable_custom_all_reduce": _Arg(_any, "no all-reduce: " + _ONE_DEVICE),
+    "distributed_executor_backend": _Arg(_any, "tensor-parallel ranks are always processes "
+                                               "started by the engine (docs/parallel.md)"),
+    "disable_custom_all_reduce": _Arg(_any, "the all-reduce is torch.distributed's (gloo on the "
+                                            "CPU, NCCL on CUDA)"),
     "max_seq_len_to_capture": _Arg(_any, "CUDA graphs cover every decode batch size"),
     "compilation_config": _Arg(_any, "the engine picks its own fast paths (enforce_eager=True "
                                      "turns CUDA graphs off)"),
@@ -70,7 +72,9 @@ VLLM_ARGS: dict[str, _Arg] = {
                         "weights load from *.safetensors (or the embedded GGUF model)"),
     "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype (an FP8 KV "
                                               "cache is not implemented: docs/quantization.md)"),
-    "enable_expert_parallel": _Arg(_is(False, None), "experts are not sharded: " + _ONE_DEVICE),
+    "enable_expert_parallel": _Arg(_is(False, None), "expert parallelism is not implemented "
+                                   "(tensor_parallel_size shards the dense models only; "
+                                   "docs/parallel.md)"),
     "limit_mm_per_prompt": _Arg(lambda v: not v, "multimodal input is not supported"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "tokenizer_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

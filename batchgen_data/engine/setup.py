@@ -12,10 +12,13 @@ import torch
 
 from batchgen_data.config import EngineConfig, SchedulerConfig
 from batchgen_data.devices import pick_device, resolve_device
+from batchgen_data.distributed.launch import RankGroup
+from batchgen_data.engine import tp_runner
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.stop import StopChecker
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.layers import parallel
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
 from batchgen_data.models.quant_formats import QuantPlan
@@ -72,7 +75,9 @@ def injected_builder(spec: str) -> Any:
         raise ValueError(f"parts_builder={spec!r}: cannot import it ({exc})") from exc
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
+def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
+    """`ranks`: this process's place in a tensor-parallel engine (rank > 0 passes its own;
+    rank 0 starts them here when `tensor_parallel_size > 1`)."""
     if config.parts_builder is not None:  # an injected runner (the lab's emulated one)
         return injected_builder(config.parts_builder)(config)
     if config.num_threads:
@@ -84,14 +89,19 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = pick_dtype(config.dtype, device, hf_config)
     plan = quantization_plan(path, hf_config, config.quantization)  # checked before building
+    if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (engine/tp_runner.py)
+        ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
+        device = tp_runner.rank_device(device, ranks.rank)
+    tp = ranks.tp if ranks is not None else parallel.current()
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
     offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
     if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
         backend = dataclasses.replace(backend, linear="plain")
     # streamed weights must never all sit on the device: build and load on the host, then the
     # weight store moves what stays resident (batchgen_data/offload)
-    model = loader.build_model(hf_config, dtype, torch.device("cpu") if offload else device,
-                               backend, plan)
+    with parallel.sharding(tp):  # this rank's shard (layers/parallel.py)
+        model = loader.build_model(hf_config, dtype,
+                                   torch.device("cpu") if offload else device, backend, plan)
     loader.load_weights(model, path, plan)  # each weight lands in its kernels' layout, once
     if config.attention_micro_batch_seqs is not None:
         if not hasattr(model, "attention_micro_batch_seqs"):
@@ -116,6 +126,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     cc = config.cache
     per_token = ModelRunner.kv_bytes_per_token(model, dtype)
     num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, sc.max_num_seqs)
+    if ranks is not None:  # every rank's cache has the same blocks: the fewest any can hold
+        num_blocks = ranks.agree_min("num_kv_blocks", num_blocks)
     seq_blocks = -(-max_len // cc.block_size)
     if num_blocks < seq_blocks + 1:
         if cc.num_kv_blocks is None:
@@ -124,13 +136,20 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
     host_blocks = cc.host_kv_tier_bytes // (per_token * cc.block_size)
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching, host_blocks)
-    host = HeldKVStore(cc.held_kv_bytes, per_token)
+    # held and exported KV has every KV head, whatever this rank keeps
+    s = model.shape
+    full_heads = getattr(s, "total_kv_heads", s.num_kv_heads)
+    host = HeldKVStore(cc.held_kv_bytes, per_token * full_heads // s.num_kv_heads)
     tier = None
     if host_blocks:
         from batchgen_data.offload.kv_engine import HostKVTier
         tier = HostKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
-    runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
-    if store is None:  # the fast paths bake weight addresses in; streamed ones move
+    if ranks is not None:  # no fast path: the whole-step ones have no collectives
+        runner: ModelRunner = tp_runner.TPRunner(model, num_blocks, cc.block_size, backend,
+                                                 ranks)
+    else:
+        runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
+    if store is None and ranks is None:  # the fast paths bake weight addresses in
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)

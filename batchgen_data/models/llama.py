@@ -20,6 +20,7 @@ from batchgen_data.layers.embedding import VocabEmbedding
 from batchgen_data.layers.linear import Linear, MergedLinear, QKVLinear
 from batchgen_data.layers.micro_batch import AttentionPart, KVCache
 from batchgen_data.layers.norm import RMSNorm
+from batchgen_data.layers import parallel
 from batchgen_data.layers.rotary import RotaryEmbedding
 
 # one micro-batch as one layer sees it: token rows, metadata, and the caches its KV is in
@@ -29,6 +30,8 @@ LayerPart = tuple[slice, AttentionMetadata, Sequence[KVCache] | None, int]
 
 class DecoderShape:
     """The numbers the engine needs from an HF config."""
+
+    tp = parallel.SINGLE  # (a subclass that fills its own numbers is never sharded)
 
     def __init__(self, config: Any) -> None:
         self.hidden = config.hidden_size
@@ -43,6 +46,15 @@ class DecoderShape:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
+        # built as one rank's shard (layers/parallel.py): its heads and MLP width; the model's
+        # totals stay in total_heads / total_kv_heads, the vocabulary is always the whole one
+        self.tp = tp = parallel.current()
+        self.total_heads, self.total_kv_heads = self.num_heads, self.num_kv_heads
+        if tp.size > 1:
+            parallel.check_shape(config, tp.size)
+            self.num_heads //= tp.size
+            self.num_kv_heads = parallel.local_kv_heads(self.num_kv_heads, tp.size)
+            self.intermediate //= tp.size
 
 
 class LlamaAttention(nn.Module):
@@ -51,6 +63,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         s = shape
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.tp = s.tp
         self.qkv_proj = QKVLinear(s.hidden, s.head_dim, s.num_heads, s.num_kv_heads, qkv_bias)
         self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden, bias=o_bias)
         self.q_norm = RMSNorm(s.head_dim, s.eps) if qk_norm else None
@@ -69,7 +82,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
-        return self.o_proj(o.flatten(1))
+        return self.tp.all_reduce(self.o_proj(o.flatten(1)))  # row-parallel: one sum
 
 
 class LlamaMLP(nn.Module):
@@ -79,9 +92,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(shape.hidden, [width] * 2, bias=bias)
         self.down_proj = Linear(width, shape.hidden, bias=bias)
         self.act_fn = SiluAndMul()
+        self.tp = shape.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -140,13 +154,16 @@ class DecoderForCausalLM(nn.Module):
         o_bias = attention_bias and not self.qkv_bias  # Qwen2: q/k/v biased, o never
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.rotary = RotaryEmbedding(config, s.head_dim, s.max_positions)
-        self.embed_tokens = VocabEmbedding(s.vocab, s.hidden, tied_head=self.tie_word_embeddings)
+        tp, tied = s.tp, self.tie_word_embeddings
+        self.embed_tokens = (VocabEmbedding(s.vocab, s.hidden, tied_head=tied) if tp.size == 1
+                             else parallel.VocabParallelEmbedding(s.vocab, s.hidden, tp, tied))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(s, self.rotary, qkv_bias, o_bias, self.qk_norm,
                               self.make_mlp(config, s, i))
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden, s.eps)
-        self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, s.vocab)
+        head_rows = parallel.padded_vocab(s.vocab, tp.size) // tp.size
+        self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, head_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -165,8 +182,10 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         if self.lm_head is None:
-            return self.embed_tokens.as_head(hidden).float()
-        return self.lm_head(hidden).float()
+            local = self.embed_tokens.as_head(hidden)
+        else:
+            local = self.lm_head(hidden)
+        return self.shape.tp.gather_vocab(local, self.shape.vocab).float()
 
     def make_mlp(self, config: Any, shape: DecoderShape, layer_idx: int) -> nn.Module:
         return LlamaMLP(shape, bias=bool(getattr(config, "mlp_bias", False)))

@@ -16,7 +16,7 @@ from torch import nn
 
 from batchgen_data.layers import quant
 from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.models import moe_weights
+from batchgen_data.models import moe_weights, tp_shards
 from batchgen_data.models.quant_formats import Collector, QuantPlan
 from batchgen_data.models.registry import resolve_architecture
 
@@ -193,11 +193,12 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
     if _holds(model, params, target):  # (MLA's own q_proj is not fused: it stays under its name)
         sizes = _shard_sizes(model, target)
         start = sum(sizes[:shard])
+        tensor = tp_shards.rank_slice(model, target, shard, tensor)  # this rank's part (TP)
         _copy_rows(model, params, target, slice(start, start + sizes[shard]), tensor, key)
         return {f"{target}#{shard}"}
     if not _holds(model, params, name):
         raise ValueError(f"unexpected weight {key!r} in checkpoint")
-    _copy_rows(model, params, name, None, tensor, key)
+    _copy_rows(model, params, name, None, tp_shards.rank_slice(model, name, 0, tensor), key)
     return {name}
 
 

@@ -27,8 +27,10 @@ def test_no_ops_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"tensor_parallel_size": 2}, "more engines"),
-    ({"pipeline_parallel_size": 4}, "one device"),
+    ({"pipeline_parallel_size": 4}, "only by tensor_parallel_size"),
+    ({"enable_expert_parallel": True}, "expert parallelism is not implemented"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
+    ({"tensor_parallel_size": 2, "cpu_offload_gb": 1}, "cpu_offload_gb=1: not supported"),
     ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
     ({"quantization": "awq"}, "quantized"),
     ({"kv_cache_dtype": "fp8"}, "FP8 KV"),
@@ -37,6 +39,10 @@ def test_no_ops_are_accepted() -> None:
 def test_refused_values_say_why(kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         make_engine_config(None, **kw)
+
+
+def test_tensor_parallel_size_is_an_engine_argument() -> None:
+    assert make_engine_config(None, tensor_parallel_size=2).tensor_parallel_size == 2
 
 
 def test_unknown_names_still_raise_type_error() -> None:

@@ -1,0 +1,184 @@
+"""The model runner of a tensor-parallel engine (`tensor_parallel_size > 1`, docs/parallel.md).
+
+Every rank holds a `TPRunner` over its shard of the model and of the KV cache (its KV heads).
+On rank 0 it is the engine's runner: each forward, KV read and KV write is first broadcast as
+plain data (`distributed/step_io.py`), then done locally, the model's collectives joining the
+ranks' partial results; logits arrive whole on rank 0, which alone samples. On the other ranks
+`serve()` loops: receive, do the same, until rank 0 says stop or goes away.
+
+KV leaves and enters the group with every KV head (`read_kv` gathers the ranks' heads, a
+replicated head taken once; `write_kv` hands each rank its heads), so what hold, export and
+import see is the same at any `tensor_parallel_size`: a sequence exported from a one-device
+engine continues in a TP group, and back.
+
+A failed collective (a rank died or stalled past `collective_timeout_s`) makes the engine dead:
+`EngineDeadError` naming the rank and the end of its log, now and on every later call.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from batchgen_data.distributed import step_io
+from batchgen_data.distributed.launch import RankGroup
+from batchgen_data.engine.model_runner import ModelInput, ModelRunner
+from batchgen_data.kvcache.held_kv import KVCopy
+from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.layers.parallel import CollectiveError, kv_heads_of_rank
+
+
+def _dead_error(msg: str) -> Exception:
+    from batchgen_data.engine.driver import EngineDeadError  # driver imports the engine
+
+    return EngineDeadError(msg)
+
+
+class TPRunner(ModelRunner):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 backend: LayerBackend, ranks: RankGroup) -> None:
+        super().__init__(model, num_blocks, block_size, backend)
+        self.ranks = ranks
+        self._dead: str | None = None
+
+    # ---- rank 0 ---------------------------------------------------------------------------
+    def _send(self, head: torch.Tensor, payload: torch.Tensor) -> None:
+        self.ranks.control.broadcast(head)
+        self.ranks.control.broadcast(payload)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        if self._dead is not None:
+            raise _dead_error(self._dead)
+        try:
+            return fn(*args)
+        except CollectiveError as exc:
+            deadline = time.monotonic() + 1.0  # a rank that just died: let its exit show
+            while self.ranks.dead() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            why = self.ranks.dead() or "a rank stalled"
+            self._dead = f"tensor-parallel engine is dead ({why}): {exc}"
+            self.ranks.close()
+            raise _dead_error(self._dead) from exc
+
+    def run(self, inp: ModelInput) -> torch.Tensor:
+        if inp.prompt_rows is not None:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 "
+                             "yet (docs/parallel.md)")
+        return self._guarded(self._run_all, inp)
+
+    def _run_all(self, inp: ModelInput) -> torch.Tensor:
+        m = inp.meta
+        data = step_io.StepData(inp.input_ids.cpu(), inp.positions.cpu(), m.slot_mapping.cpu(),
+                                torch.tensor(m.seq_lens_host), torch.tensor(m.query_lens_host),
+                                m.block_tables.cpu(), inp.sample_index.cpu(), m.num_decodes)
+        self._send(*data.pack())
+        return super().run(inp)
+
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> KVCopy:
+        return self._guarded(self._read_all, block_ids, num_tokens)
+
+    def _read_all(self, block_ids: list[int], num_tokens: int) -> KVCopy:
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        self._send(step_io.header(step_io.READ_KV, blocks.numel(), num_tokens), blocks)
+        parts = self.ranks.control.gather(self._read_local(block_ids, num_tokens))
+        s = self.model.shape
+        if s.total_kv_heads < self.ranks.size:  # replicated: one copy of each head
+            parts = [parts[j * self.ranks.size // s.total_kv_heads]
+                     for j in range(s.total_kv_heads)]
+        full = torch.cat(parts, dim=3)  # [layers, 2, n, Hkv_total, D]
+        return [(full[i, 0], full[i, 1]) for i in range(s.num_layers)]
+
+    def write_kv(self, block_ids: list[int], kv: KVCopy) -> None:
+        self._guarded(self._write_all, block_ids, kv)
+
+    def _write_all(self, block_ids: list[int], kv: KVCopy) -> None:
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        full = torch.stack([torch.stack(layer) for layer in kv]).to(self.dtype).contiguous()
+        self._send(step_io.header(step_io.WRITE_KV, blocks.numel(), full.shape[2]), blocks)
+        self.ranks.control.broadcast(full)
+        self._write_local(block_ids, full)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks (they also stop when this process ends)."""
+        if self._dead is None:
+            self._dead = "tensor-parallel engine was closed"
+            try:
+                self.ranks.control.broadcast(step_io.header(step_io.STOP, 0))
+            except CollectiveError:
+                pass
+        self.ranks.close()
+
+    # ---- every rank -----------------------------------------------------------------------
+    def _read_local(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        kv = ModelRunner.read_kv(self, block_ids, num_tokens)  # this rank's heads
+        return torch.stack([torch.stack(layer) for layer in kv])  # [layers, 2, n, Hkv, D]
+
+    def _write_local(self, block_ids: list[int], full: torch.Tensor) -> None:
+        s = self.model.shape
+        heads = kv_heads_of_rank(s.total_kv_heads, self.ranks.size, self.ranks.rank)
+        mine = full[:, :, :, heads.start:heads.stop]
+        ModelRunner.write_kv(self, block_ids, [(mine[i, 0], mine[i, 1])
+                                                for i in range(s.num_layers)])
+
+    # ---- ranks > 0 ------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Do what rank 0 broadcasts until it says stop (or its collectives fail)."""
+        control = self.ranks.control
+        while True:
+            head = control.broadcast(torch.empty(step_io.HEADER, dtype=torch.int64))
+            command, length = head[:2].tolist()
+            if command == step_io.STOP:
+                return
+            payload = control.broadcast(torch.empty(length, dtype=torch.int64))
+            if command == step_io.RUN:
+                super().run(self._input(step_io.StepData.unpack(head, payload)))
+            elif command == step_io.READ_KV:
+                control.gather(self._read_local(payload.tolist(), int(head[2])))
+            elif command == step_io.WRITE_KV:
+                s = self.model.shape
+                full = torch.empty(s.num_layers, 2, int(head[2]), s.total_kv_heads, s.head_dim,
+                                   dtype=self.dtype)
+                self._write_local(payload.tolist(), control.broadcast(full))
+            else:
+                raise RuntimeError(f"unknown command {command} from rank 0")
+
+    def _input(self, d: step_io.StepData) -> ModelInput:
+        dev = self.device
+        tables = d.block_tables.tolist()
+        meta = self._metadata(tables, d.slot_mapping.tolist(), d.seq_lens.tolist(),
+                              d.query_lens.tolist(), d.num_decodes)
+        return ModelInput(input_ids=d.input_ids.to(dev), positions=d.positions.to(dev),
+                          meta=meta, sample_index=d.sample_index.to(dev),
+                          sample_seqs=[None] * d.sample_index.numel(),  # type: ignore[list-item]
+                          order=[])
+
+
+def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.device
+                ) -> RankGroup:
+    """Rank 0: check that this model and config can run at `config.tensor_parallel_size`
+    (ValueError naming the value, before anything loads), then start the other ranks."""
+    from batchgen_data.distributed import launch
+    from batchgen_data.layers.parallel import check_shape
+    from batchgen_data.models.llama import LlamaForCausalLM
+    from batchgen_data.models.registry import resolve_architecture
+
+    size = config.tensor_parallel_size
+    cls = resolve_architecture(hf_config)
+    if not issubclass(cls, LlamaForCausalLM):
+        raise ValueError(f"tensor_parallel_size={size}: only the dense decoders (Llama, "
+                         f"Mistral, Qwen2, Qwen3) are sharded so far; {cls.__name__} is not "
+                         "(docs/parallel.md)")
+    check_shape(hf_config, size)
+    if quantized:
+        raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
+                         "yet (docs/parallel.md)")
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
+                         f"{torch.cuda.device_count()} visible")
+    return launch.start(config, size, device.type, config.collective_timeout_s)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """One device per rank: rank r on cuda:r; on the CPU they share the host."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device

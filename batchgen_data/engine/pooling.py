@@ -75,6 +75,10 @@ class PoolingEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling "
+                             "models (embed / classify / score) run on one device "
+                             "(docs/parallel.md)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = device = resolve_device(pick_device(config.device))

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.openai_pooling import POOLING_URLS, PoolingLine, parse_pooling_body
+
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 
@@ -52,6 +54,8 @@ class BatchRequest:
     prompt_token_ids: list[int] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     model: str | None = None
+    # a pooling endpoint's line (/v1/embeddings, /v1/score, /v1/rerank: openai_pooling.py)
+    pooling: PoolingLine | None = None
     error_code: str | None = None
     error: str | None = None
 
@@ -109,6 +113,13 @@ def _fill(req: BatchRequest, obj: Any, default_max_tokens: int | None) -> None:
     if method != "POST":
         raise _Bad("invalid_method", f"method {method!r}: only POST is supported")
     url = obj.get("url")
+    if url in POOLING_URLS:
+        if not isinstance(obj.get("body"), dict):
+            raise _Bad("invalid_request", "body must be a JSON object")
+        req.url = url
+        req.model = obj["body"].get("model") if isinstance(obj["body"].get("model"), str) else None
+        req.pooling = parse_pooling_body(url, obj["body"])
+        return
     if url not in (CHAT_URL, COMPLETIONS_URL):
         raise _Bad("invalid_url", f"url {url!r}: use {CHAT_URL} or {COMPLETIONS_URL}")
     req.url = url

@@ -50,6 +50,7 @@ import pyarrow as pa
 from batchgen_data.connectors import ray_blocks
 from batchgen_data.connectors.common import RequestBuilder, attach_outputs, error_row, to_arrow
 from batchgen_data.connectors.ray_metrics import start_stats_export
+from batchgen_data.connectors.pooling_rows import PoolingRows, check_task
 from batchgen_data.connectors.programs import attach_program_outputs, program_error_row
 from batchgen_data.connectors.ray_emitted import NO_RECORD, start_emitted
 from batchgen_data.connectors.migration_options import MigrationOptions
@@ -71,12 +72,14 @@ PLACEHOLDER = "batchgen: placeholder for a row an earlier attempt of this task a
 
 
 def _in_ray_job() -> bool:
-    """Whether this process is connected to Ray (a worker, or a driver after `ray.init`)."""
+    """Whether this process is a Ray worker (an actor or a task: where a task attempt can be
+    retried); a driver, with or without `ray.init`, is not."""
     try:
         import ray
+        from ray._private import worker
     except ImportError:
         return False
-    return ray.is_initialized()
+    return ray.is_initialized() and worker.global_worker.mode == worker.WORKER_MODE
 
 
 def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -125,8 +128,15 @@ class BatchGenPredictor:
                  late_binding: bool | None = None,
                  program: Any = None, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
+                 task: str = "generate", pooling_params: dict[str, Any] | None = None,
                  **engine_kwargs: Any) -> None:
         check_on_error(on_error)
+        # embed / classify / score: a pooling engine, rows through `PoolingRows`; no migration
+        # (pooling requests finish in one pass), docs/pooling.md
+        self.task = task
+        if task != "generate":
+            check_task(task)
+            migration, late_binding = False, False
         if stream not in STREAM_MODES:
             raise ValueError(f"stream={stream!r}: use one of {STREAM_MODES}")
         self.stream = stream
@@ -135,13 +145,19 @@ class BatchGenPredictor:
         options = MigrationOptions(**{**(migration_options or {}), "move_queued": late_binding,
                                       "move_started": migration})
         self.driver = self.start_driver(model, engine_kwargs)
-        builder = RequestBuilder.from_engine(self.driver.engine, sampling_params,
-                                             apply_chat_template, chat_template,
-                                             chat_template_kwargs)
-        self.rows = RowLifecycle(self.driver, builder, self.driver.engine.config.seed, on_error,
-                                 request_prefix=uuid.uuid4().hex[:8],
-                                 on_engine_dead=lambda _: exit_if_engine_dead(self.driver),
-                                 program=program)
+        self.rows: Any
+        if task != "generate":
+            self.rows = PoolingRows(self.driver, task, pooling_params, on_error,
+                                    request_prefix=uuid.uuid4().hex[:8],
+                                    on_engine_dead=lambda _: exit_if_engine_dead(self.driver))
+        else:
+            builder = RequestBuilder.from_engine(self.driver.engine, sampling_params,
+                                                 apply_chat_template, chat_template,
+                                                 chat_template_kwargs)
+            self.rows = RowLifecycle(self.driver, builder, self.driver.engine.config.seed,
+                                     on_error, request_prefix=uuid.uuid4().hex[:8],
+                                     on_engine_dead=lambda _: exit_if_engine_dead(self.driver),
+                                     program=program)
         # engines of one job share a coordinator: same Ray job and same predictor config
         fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items()),
                             getattr(program, "name", None)))
@@ -157,13 +173,18 @@ class BatchGenPredictor:
         self.order = "ordered" if (stream is True and self.record_emitted and in_ray
                                    and self.emitted is None) else stream
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
-        self.stats_export = start_stats_export(self.driver, self.migration, options.job_id)
+        self.stats_export = (start_stats_export(self.driver, self.migration, options.job_id)
+                             if task == "generate" else None)
 
     def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
         """Build the engine and its driver (tests and benchmarks override this seam)."""
         from batchgen_data.engine.driver import EngineDriver
         from batchgen_data.engine.engine import Engine
 
+        if getattr(self, "task", "generate") != "generate":
+            from batchgen_data.engine.pooling import PoolingEngine
+            return EngineDriver(PoolingEngine.from_kwargs(  # type: ignore[arg-type]
+                model, **default_device_kwargs(engine_kwargs)))
         return EngineDriver(Engine.from_kwargs(model, **default_device_kwargs(engine_kwargs)))
 
     def __call__(self, batch: Any) -> Iterator[pa.Table]:
@@ -229,6 +250,10 @@ class BatchGenPredictor:
     def _placeholders(self, table: pa.Table, indices: list[int]) -> pa.Table:
         """Rows of the right shape for outputs Ray already holds from an earlier attempt (it
         keeps those and drops these); flagged in `error` should one ever reach a consumer."""
+        if self.task != "generate":
+            return self.rows.attach(table, indices, [{"embedding": None, "probs": None,
+                                                      "score": None, "num_prompt_tokens": 0,
+                                                      "error": PLACEHOLDER}] * len(indices))
         if self.rows.programs is not None:
             return attach_program_outputs(table, indices,
                                           [program_error_row(PLACEHOLDER)] * len(indices),
@@ -239,6 +264,9 @@ class BatchGenPredictor:
                   done: Any) -> pa.Table:
         """Finished rows, taken out of `pending`, in input order, with their outputs."""
         finished = sorted((pending.pop(f), f) for f in done)
+        if self.task != "generate":
+            return self.rows.attach(table, [i for i, _ in finished],
+                                    [self.rows.outcome(f) for _, f in finished])
         if self.rows.programs is not None:
             return attach_program_outputs(table, [i for i, _ in finished],
                                           [self.rows.outcome(f) for _, f in finished],

@@ -75,6 +75,10 @@ class BatchGenProcessorConfig:
     # the ids of rows written; a rerun skips them before they reach an engine (resume.py)
     resume_from: str | None = None
     id_column: str = "id"  # unique per row, from the read through to the write
+    # ray.data.llm's task_type: "generate", or a pooling task "embed" / "classify" / "score"
+    # (output columns `embedding` / `probs` / `score`, docs/pooling.md)
+    task_type: str = "generate"
+    pooling_params: Mapping[str, Any] | None = None  # PoolingParams fields for every row
 
     @property
     def late_binding_on(self) -> bool:
@@ -91,6 +95,8 @@ class BatchGenProcessorConfig:
 
     @property
     def migration_on(self) -> bool:
+        if self.task_type != "generate":
+            return False  # a pooling request finishes in one pass: nothing to move
         if self.migration is not None:
             return self.migration
         return (self.concurrency[-1] if isinstance(self.concurrency, tuple) else self.concurrency) > 1
@@ -109,6 +115,10 @@ class BatchGenProcessorConfig:
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
         make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
+        if self.task_type != "generate":
+            from batchgen_data.connectors.pooling_rows import check_task, default_pooling_params
+            check_task(self.task_type)
+            default_pooling_params(self.pooling_params)
         MigrationOptions(**dict(self.migration_options or {}))
         if self.program is not None and not hasattr(self.program, "max_steps"):
             raise TypeError(f"program must be a @batchgen_data.program, got "
@@ -130,7 +140,9 @@ class BatchGenProcessorConfig:
                     chat_template_kwargs=dict(self.chat_template_kwargs or {}),
                     migration=self.migration_on, migration_options=options,
                     late_binding=self.late_binding_on,
-                    program=self.program, **dict(self.engine_kwargs))
+                    program=self.program, **dict(self.engine_kwargs),
+                    **({} if self.task_type == "generate" else
+                       {"task": self.task_type, "pooling_params": dict(self.pooling_params or {})}))
 
     def map_batches_kwargs(self, job_id: str | None = None) -> dict[str, Any]:
         """Everything else `Dataset.map_batches` needs to run the predictor."""
@@ -230,7 +242,7 @@ class Processor:
 # None: there is no such value here, so the field is present and null
 VLLM_FIELDS: dict[str, str | None] = {
     "generated_tokens": "generated_token_ids", "num_input_tokens": "num_prompt_tokens",
-    "prompt": None, "prompt_token_ids": None, "embeddings": None, "metrics": None,
+    "prompt": None, "prompt_token_ids": None, "embeddings": "embedding", "metrics": None,
     "logprobs": None, "prompt_logprobs": None, "request_id": None, "batch_uuid": None,
     "time_taken_llm": None, "params": None}
 

@@ -97,6 +97,16 @@ class Job:
         runnable = [i for i in self.todo if i.error is None]
         for item in failed:  # bad input lines: answered at once, nothing to run
             self.emit(Outcome(item, error=item.error, error_code=item.error_code))
+        num_run = len(runnable)
+        pooling = [i for i in runnable if i.request is not None and i.request.pooling is not None]
+        if pooling:  # /v1/embeddings, /v1/score, /v1/rerank lines: cli/runner_pooling.py
+            from batchgen_data.cli.runner_pooling import PoolingRunner
+            if self.args.runner != "local":
+                sys.stderr.write(f"[batchgen] {len(pooling)} pooling line(s) run in this "
+                                 "process (the pooling runner is local only)\n")
+            PoolingRunner(self.args.model, dict(self.args.engine_kwargs),
+                          self.model_name).run(pooling, self.emit_line)
+            runnable = [i for i in runnable if i.request is None or i.request.pooling is None]
         if runnable:
             self.runner = make_runner(self.args, self.record)
             self.runner.run(runnable, self.emit)
@@ -110,7 +120,7 @@ class Job:
             from batchgen_data.report_html import write_html
 
             write_html(self.record, self.args.report)
-        sys.stderr.write(f"[batchgen] done: {len(runnable)} run, {len(failed)} bad input, "
+        sys.stderr.write(f"[batchgen] done: {num_run} run, {len(failed)} bad input, "
                          f"{self.input.total - len(self.todo)} already in {self.args.output}\n")
         return 0
 
@@ -120,6 +130,13 @@ class Job:
         # the kind of an error, for the report, without the input line it happened on
         kind = None if o.error is None else re.sub(r"^line \d+: ", "", o.error)
         self.record.add_finished(o.actor, o.generated_tokens, kind)
+
+    def emit_line(self, line: dict[str, Any], failed: bool) -> None:
+        """A finished output line written as it is (the pooling lines')."""
+        self.output.write(line)
+        self.progress.update(failed, 0)
+        kind = None if not failed else re.sub(r"^line \d+: ", "", line["error"]["message"])
+        self.record.add_finished("local", 0, kind)
 
     def _line(self, o: Outcome) -> dict[str, Any]:
         item = o.item

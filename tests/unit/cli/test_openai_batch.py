@@ -53,7 +53,9 @@ def test_response_format_maps_to_structured_outputs(rf: dict, expected: object) 
 @pytest.mark.parametrize("text, code", [
     ("{not json", "invalid_json"),
     (json.dumps({"method": "POST", "url": CHAT_URL, "body": {}}), "missing_custom_id"),
-    (_line("/v1/embeddings", input="x"), "invalid_url"),
+    (_line("/v1/audio/speech", input="x"), "invalid_url"),
+    (_line("/v1/embeddings", input=[]), "invalid_request"),
+    (_line("/v1/embeddings", input="x", encoding_format="int8"), "invalid_request"),
     (_line(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]),
      "unsupported_field"),
     (_line(messages=[{"role": "user", "content": "x"}], stream=True), "unsupported_field"),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchgen_data.llm import LLM
+    from batchgen_data.lora_request import LoRARequest
     from batchgen_data.models.default_model import DEFAULT_MODEL
     from batchgen_data.outputs import CompletionOutput, RequestOutput
     from batchgen_data.programs.api import Generate, GenerateResult, program
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LLM": "batchgen_data.llm",
+    "LoRARequest": "batchgen_data.lora_request",
     "DEFAULT_MODEL": "batchgen_data.models.default_model",
     "CompletionOutput": "batchgen_data.outputs",
     "RequestOutput": "batchgen_data.outputs",
@@ -29,7 +31,7 @@ _LAZY = {
     "StructuredOutputsParams": "batchgen_data.structured",
 }
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "DEFAULT_MODEL", "program", "Generate", "GenerateResult"]
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ from batchgen_data.chat import render_chat
 from batchgen_data import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
 from batchgen_data.programs.api import Program
@@ -93,8 +94,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts reach the model as written, as in vLLM: no chat template (see `chat`)."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts reach the model as written, as in vLLM: no chat template (see `chat`).
+        `lora_request`: one adapter for every prompt, or a list with one (or None) per prompt
+        (needs enable_lora=True; docs/lora.md)."""
         if isinstance(self.engine, PoolingEngine):
             raise ValueError("this model runs as a pooling model (runner=\"pooling\"): use "
                              "embed, classify or score")
@@ -102,16 +107,18 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params(sampling_params, len(prompts))
+        loras = _lora_list(lora_request, len(prompts))
         # validate everything before submitting anything: nothing half-runs
         encoded = [self._tokenize(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        for i, ((ids, _), sp) in enumerate(zip(encoded, params)):
+        for i, ((ids, _), sp, lr) in enumerate(zip(encoded, params, loras)):
             try:
                 self.engine.check_request(ids, sp)
+                self.engine.check_lora(lr)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         order = {}
-        for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
-            order[self.engine.submit(ids, sp, prompt=text)] = i
+        for i, ((ids, text), sp, lr) in enumerate(zip(encoded, params, loras)):
+            order[self.engine.submit(ids, sp, prompt=text, lora_request=lr)] = i
         return self._run(order, use_tqdm)
 
     def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -188,3 +195,18 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+
+def _lora_list(lora: Any, n: int) -> list[LoRARequest | None]:
+    """vLLM's `lora_request`: one for all prompts, or one (or None) per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
+                        f"{type(lora).__name__}")
+    if len(lora) != n:
+        raise ValueError(f"lora_request: got {len(lora)} for {n} prompts")
+    for i, lr in enumerate(lora):
+        if lr is not None and not isinstance(lr, LoRARequest):
+            raise TypeError(f"lora_request[{i}] must be a LoRARequest or None")
+    return list(lora)

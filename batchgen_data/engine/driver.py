@@ -14,6 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from batchgen_data.engine.engine import Engine
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
@@ -39,16 +40,19 @@ class EngineDriver:
     # ---- client side (any thread) -----------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, prompt: str | None = None,
-               pin: str | None = None, front: bool = False) -> Future:
-        """Queue one request; invalid input raises ValueError here, synchronously. `pin` and
-        `front` as in `Engine.submit`."""
+               pin: str | None = None, front: bool = False,
+               lora_request: LoRARequest | None = None) -> Future:
+        """Queue one request; invalid input raises ValueError here, synchronously (an
+        adapter is read from its directory here too, off the engine thread). `pin`, `front`
+        and `lora_request` as in `Engine.submit`."""
         self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_lora(lora_request)
         fut: Future = Future()
 
         def add(engine: Engine) -> None:
             try:
                 rid = engine.submit(prompt_token_ids, params, request_id=request_id, prompt=prompt,
-                                    pin=pin, front=front)
+                                    pin=pin, front=front, lora_request=lora_request)
             except Exception as e:  # e.g. a duplicate request id: fail this request only
                 fut.set_exception(e)
                 return

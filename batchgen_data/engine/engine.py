@@ -29,6 +29,7 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.token_draw import sample_seed
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.prompt_checks import first_bad_token
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
@@ -49,6 +50,11 @@ class Engine:
         self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.held_kv,
                                    (moe.num_experts, moe.top_k) if moe is not None else None)
         self.runner: ModelRunner = p.runner
+        if config.lora.enable_lora:  # adapters per request (engine/lora_manager.py)
+            from batchgen_data.engine.lora_manager import attach
+
+            self.runner.lora = attach(p.model, p.runner, config)
+            self.scheduler.max_loras = config.lora.max_loras
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
         self.stats = EngineStats()
@@ -84,25 +90,40 @@ class Engine:
                              f"{self.max_model_len} (room for at least one output token needed)")
         self.sampler.check(params, self.vocab_size)
 
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """ValueError unless this engine can run `lora_request` (enable_lora, the adapter
+        readable and fitting the model); its weights are then in host memory. Thread-safe:
+        connectors call it on their row threads."""
+        if lora_request is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}"
+                             ": this engine was started without enable_lora=True")
+        self.runner.lora.check(lora_request)
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
-               pin: str | None = None, front: bool = False) -> str:
+               pin: str | None = None, front: bool = False,
+               lora_request: LoRARequest | None = None) -> str:
         """`pin`: when the request finishes, keep its cached KV under that key until
         `unpin(pin)` (a program's next step extends this conversation: engine/pins.py).
         `front`: queue it ahead of the waiting requests (a started program's next step goes
-        before new programs, so it finishes while its KV is still there)."""
+        before new programs, so it finishes while its KV is still there). `lora_request`: the
+        adapter it runs under (None: the base model)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
+        self.check_lora(lora_request)
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.requests or rid in self.held:
             raise ValueError(f"request_id={rid!r} is already in this engine")
         ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
-        req = Request(rid, prompt, ids, params, pin=pin)
+        req = Request(rid, prompt, ids, params, pin=pin, lora=lora_request)
         room = self.max_model_len - len(ids)
         for i in range(params.n):
             seed = self._seed_for(params.seed, i)
             max_tokens = min(params.max_tokens or room, room)
-            req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens))
+            req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens,
+                                     lora=lora_request))
         self._add(req, front=front)
         return rid
 
@@ -297,7 +318,7 @@ class Engine:
             seqs.append(state)
         return {"request_id": req.request_id, "prompt": req.prompt,
                 "prompt_token_ids": list(req.prompt_token_ids), "params": req.params.to_dict(),
-                "seqs": seqs}
+                "seqs": seqs, "lora": None if req.lora is None else req.lora.to_dict()}
 
     def import_(self, state: dict[str, Any], front: bool = True) -> str:
         """Continue an exported request here; tokens match an unmoved run (greedy or seeded)."""
@@ -306,14 +327,17 @@ class Engine:
             raise ValueError(f"request_id={rid!r} is already in this engine")
         params = SamplingParams.from_dict(state["params"])
         self.check_request(state["prompt_token_ids"], params)
-        req = Request(rid, state.get("prompt"), list(state["prompt_token_ids"]), params)
+        lora = None if state.get("lora") is None else LoRARequest.from_dict(state["lora"])
+        self.check_lora(lora)
+        req = Request(rid, state.get("prompt"), list(state["prompt_token_ids"]), params,
+                      lora=lora)
         for st in state["seqs"]:
             seq = Sequence(next(self._seq_ids), rid, st["index"], req.prompt_token_ids, params,
                            st["seed"], st["max_tokens"],
                            token_ids=req.prompt_token_ids + list(st["output_token_ids"]),
                            num_cached_tokens=st.get("num_cached_tokens", 0),
                            logprobs=st.get("logprobs"), stop_reason=st.get("stop_reason"),
-                           prompt_logprobs=st.get("prompt_logprobs"))
+                           prompt_logprobs=st.get("prompt_logprobs"), lora=lora)
             if st.get("finish") is not None:
                 seq.status = SequenceStatus(st["finish"])
             elif st.get("kv") is not None:

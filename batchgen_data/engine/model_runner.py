@@ -11,6 +11,7 @@ memory for hold/resume and export/import.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +25,13 @@ from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.held_kv import KVCopy
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
+from batchgen_data.layers.lora import LoRABatch
 from batchgen_data.offload import module_batch
 from batchgen_data.offload.kv_engine import HostKVTier
 from batchgen_data.offload.store import WeightStore
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.lora_manager import LoRAManager
 
 
 @dataclass
@@ -42,6 +47,8 @@ class ModelInput:
     prompt_logprobs: list[tuple[Sequence, prompt_logprobs.Entries]] | None = None
     # micro-batches (token rows, metadata) of a step with host-tier KV; None: one batch
     parts: list[tuple[slice, AttentionMetadata]] | None = None
+    # the rows that run under LoRA adapters, by device slot (None: the base model for all)
+    lora: LoRABatch | None = None
 
 
 class ModelRunner:
@@ -62,6 +69,7 @@ class ModelRunner:
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.fast_paths: list[FastPath] = []
+        self.lora: "LoRAManager | None" = None  # enable_lora: adapters' slots and rows
 
     def build_fast_paths(self, max_num_seqs: int, max_model_len: int,
                          cuda_graphs: bool = True) -> None:
@@ -124,6 +132,10 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         num_decodes = 0
         prompt_rows = None
+        token_slots: list[int] | None = None
+        if self.lora is not None:  # the step's adapters into device slots first
+            self.lora.ensure_resident({s.lora.lora_int_id for s in out.seqs if s.lora})
+            token_slots = []
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -133,6 +145,9 @@ class ModelRunner:
                 prompt_rows.add(seq, len(ids), start, end)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
+            if token_slots is not None:
+                token_slots.extend([-1 if seq.lora is None
+                                    else self.lora.slot(seq.lora.lora_int_id)] * n)
             blocks = seq.block_ids
             if groups is None:
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -162,6 +177,7 @@ class ModelRunner:
             order=order,
             prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
             parts=parts,
+            lora=None if token_slots is None else self.lora.batch(token_slots),
         )
 
     def _metadata(self, tables: list[list[int]], slots: list[int], seq_lens: list[int],
@@ -205,7 +221,18 @@ class ModelRunner:
             return self._run(inp)
 
     def _run(self, inp: ModelInput) -> torch.Tensor:
-        if inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
+        if inp.lora is not None:  # the adapted layers read the step's rows from the context
+            self.lora.ctx.batch = inp.lora
+            try:
+                return self._forward(inp)
+            finally:
+                self.lora.ctx.batch = None
+        return self._forward(inp)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        if inp.lora is not None:  # no fast path adds the adapters' deltas
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        elif inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
             hidden = module_batch.forward(self.model, inp.input_ids, inp.positions,
                                           self.kv_caches, inp.parts, self.kv_tier.caches)
         elif (path := next((p for p in self.fast_paths if p.applies(inp)), None)) is not None:

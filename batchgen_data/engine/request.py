@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.stop import StopChecker
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
@@ -17,6 +18,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     pin: str | None = None  # keep its KV under this key once finished (Engine.unpin)
+    lora: LoRARequest | None = None  # the adapter its sequences run under
 
     @property
     def finished(self) -> bool:

@@ -100,6 +100,9 @@ class Scheduler:
         # with (blocks short, the sequence asking or None for a running one) before anything is
         # preempted or left waiting; returns the blocks it freed
         self.reclaim: Callable[[int, Sequence | None], int] | None = None
+        # LoRA: at most this many adapters among the running sequences (the device slots,
+        # engine/lora_manager.py); None: no limit
+        self.max_loras: int | None = None
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -151,8 +154,17 @@ class Scheduler:
         return out
 
     def _admit(self, queue: deque[Sequence], out: SchedulerOutput, budget: int) -> int:
+        adapters = None if self.max_loras is None else \
+            {s.lora.lora_int_id for s in self.running if s.lora is not None}
+        passed: list[Sequence] = []  # their adapter has no slot now: they keep their place
         while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
+            if adapters is not None and seq.lora is not None \
+                    and seq.lora.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:  # type: ignore[operator]
+                    passed.append(queue.popleft())
+                    continue
+                adapters.add(seq.lora.lora_int_id)
             if seq.held_kv is None and seq.num_computed_tokens == 0:
                 self._match_prefix(seq)
             n = min(seq.num_pending_tokens, budget)
@@ -177,12 +189,14 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+        queue.extendleft(reversed(passed))
         return budget
 
     def _match_prefix(self, seq: Sequence) -> None:
         # the last token is always computed so that there are logits to sample from (and
         # prompt positions whose logprobs are still to record, see engine/prompt_logprobs.py)
-        blocks, hashes = self.pool.match_prefix(seq.token_ids, cacheable_tokens(seq))
+        blocks, hashes = self.pool.match_prefix(seq.token_ids, cacheable_tokens(seq),
+                                                root=seq.cache_root)
         seq.block_ids = blocks
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(blocks) * self.pool.block_size
@@ -261,7 +275,7 @@ class Scheduler:
             full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
             while len(seq.block_hashes) < full:
                 j = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
                 toks = tuple(seq.token_ids[j * bs:(j + 1) * bs])
                 seq.block_hashes.append(self.pool.register(seq.block_ids[j], parent, toks))
 

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Sequence:
     held_kv: Any = None
     # prefix-cache chain: hashes of this sequence's full, registered blocks
     block_hashes: list[int] = field(default_factory=list)
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -86,6 +88,12 @@ class Sequence:
         """Tokens whose KV is still to compute before the next sample."""
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def cache_root(self) -> int | None:
+        """Where its prefix-cache chain starts: KV computed under an adapter is another KV,
+        so each adapter has its own chain (None: the base model's)."""
+        return None if self.lora is None else hash(("lora", self.lora.lora_int_id))
+
     def remaining_tokens_estimate(self) -> int:
         return self.num_pending_tokens + self.max_tokens - self.num_output_tokens
 
@@ -102,4 +110,5 @@ class Sequence:
             "num_cached_tokens": self.num_cached_tokens,
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "lora": None if self.lora is None else self.lora.to_dict(),
         }

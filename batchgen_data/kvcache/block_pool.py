@@ -79,18 +79,20 @@ class BlockPool:
         return hash((parent, tokens))
 
     def match_prefix(self, token_ids: list[int], max_tokens: int,
-                     count_hits: bool = True) -> tuple[list[int], list[int]]:
+                     count_hits: bool = True, root: int | None = None
+                     ) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks covering at most `max_tokens` of `token_ids`.
 
         Returns (block_ids, hashes); the blocks are referenced on behalf of the caller.
         `count_hits=False` leaves `hits`/`queries` alone (a pin is not a prompt being served).
+        `root`: the chain's start (a LoRA adapter's key: its KV never matches another's).
         """
         if not self.enable_prefix_caching:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
+        parent: int | None = root
         for i in range(max_tokens // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, toks)

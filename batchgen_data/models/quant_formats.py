@@ -70,6 +70,7 @@ def scan(path: Path, cq: CheckpointQuant) -> QuantPlan:
     from safetensors import safe_open
 
     found: dict[str, Shapes] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
@@ -78,18 +79,22 @@ def scan(path: Path, cq: CheckpointQuant) -> QuantPlan:
                     sl = f.get_slice(key)
                     found.setdefault(split[0], {})[split[1]] = (tuple(sl.get_shape()),
                                                                 sl.get_dtype())
+                    if split[1] == "weight_shape":  # two ints: the exact (n, k) of a packing
+                        shape_of[split[0]] = tuple(int(v) for v in f.get_tensor(key).tolist())
     plan = QuantPlan(cq)
     for prefix, shapes in found.items():
         if any(m in shapes for m in _MARKERS):
-            plan.modules[prefix] = check_shapes(cq, prefix, shapes)
+            plan.modules[prefix] = check_shapes(cq, prefix, shapes, shape_of.get(prefix))
     if not plan.modules:
         raise ValueError(f"checkpoint at {path} says quant_method={cq.method!r} but no tensor "
                          f"has a quantization scale ({', '.join(_MARKERS)})")
     return plan
 
 
-def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes) -> tuple[int, int]:
-    """(n, k) of a quantized module from its pieces' shapes; ValueError naming the piece."""
+def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes,
+                 weight_shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """(n, k) of a quantized module from its pieces' shapes (and, packed, the values of its
+    `weight_shape`); ValueError naming the piece."""
     for piece in _required(cq):
         if piece not in shapes:
             raise ValueError(f"checkpoint lacks {prefix}.{piece} ({cq.method} {cq.format}, "
@@ -103,31 +108,31 @@ def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes) -> tuple[int,
         packed, dtype = shapes["weight_packed"]
         if dtype != "I32" or len(packed) != 2:
             raise ValueError(f"{prefix}.weight_packed is {dtype} {packed}; want int32 [n, words]")
-        n, words = packed
-        k = words * 32 // bits  # an upper bound; the exact k comes with weight_shape's data
+        if weight_shape is None or len(weight_shape) != 2:
+            raise ValueError(f"{prefix}.weight_shape holds {weight_shape}; want (n, k)")
+        n, k = weight_shape
+        if packed != (n, -(-k * bits // 32)):
+            raise ValueError(f"{prefix}.weight_packed has shape {packed}; want "
+                             f"({n}, {-(-k * bits // 32)}) for a weight of [{n}, {k}] in "
+                             f"{bits} bits")
     else:
         weight, dtype = shapes["weight"]
         want = "F8_E4M3" if scheme.kind == "fp8" else "I8"
         if dtype != want or len(weight) != 2:
             raise ValueError(f"{prefix}.weight is {dtype} {weight}; want {want} [n, k]")
         n, k = weight
-    _check_scale(cq, prefix, shapes, n, k, exact_k=cq.format != "pack-quantized")
+    _check_scale(cq, prefix, shapes, n, k)
     if not scheme.symmetric:
         zp = shapes["weight_zero_point"][0]
         groups = scheme.groups(k)
         rows = -(-n * bits // 32) if cq.format == "pack-quantized" else n
-        if cq.format == "pack-quantized":
-            ok = len(zp) == 2 and zp[0] == rows and (zp[1] == groups or scheme.group_size)
-        else:
-            ok = zp == (n, groups)
-        if not ok:
+        if zp != (rows, groups):
             raise ValueError(f"{prefix}.weight_zero_point has shape {zp}; want "
                              f"({rows}, {groups})")
     return n, k
 
 
-def _check_scale(cq: CheckpointQuant, prefix: str, shapes: Shapes, n: int, k: int,
-                 exact_k: bool) -> None:
+def _check_scale(cq: CheckpointQuant, prefix: str, shapes: Shapes, n: int, k: int) -> None:
     piece = "weight_scale_inv" if "weight_scale_inv" in _required(cq) else "weight_scale"
     got = shapes[piece][0]
     if cq.block is not None:
@@ -140,8 +145,7 @@ def _check_scale(cq: CheckpointQuant, prefix: str, shapes: Shapes, n: int, k: in
         want, ok = (n, 1), got == (n, 1)
     else:
         want = (n, cq.scheme.groups(k))
-        ok = got == want if exact_k else (len(got) == 2 and got[0] == n
-                                          and got[1] <= cq.scheme.groups(k))
+        ok = got == want
     if not ok:
         raise ValueError(f"{prefix}.{piece} has shape {got}; want {want} for a weight of "
                          f"[{n}, {k}] ({cq.scheme}{', block ' + str(cq.block) if cq.block else ''})")
@@ -168,9 +172,8 @@ def convert(cq: CheckpointQuant, prefix: str, pieces: dict[str, torch.Tensor]) -
     scheme = cq.scheme
     if cq.format == "pack-quantized":
         n, k = (int(v) for v in pieces["weight_shape"].tolist())
-        check_shapes(cq, prefix, {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()})
-        _check_scale(cq, prefix, {"weight_scale": (tuple(pieces["weight_scale"].shape), "")},
-                     n, k, exact_k=True)
+        check_shapes(cq, prefix, {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()},
+                     (n, k))
         raw = _unpack_bytes(pieces["weight_packed"])
         if scheme.kind == "int4":  # bytes already hold two (code + 8)s, low nibble first
             codes = raw[:, :-(-k // 2)].contiguous()

@@ -9,8 +9,9 @@ took a decode step's forward from 28-46 ms to 17-27 ms here (`lab/scripts/step_t
 engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most
-`PANEL_MAX_ROWS` of them. Other steps, models it cannot take (a backend without the C
-kernels or the panel layout, a model class other than the Llama family), or
+`PANEL_MAX_ROWS` of them, with the linear layers in the panel layout or all quantized
+(`layers/quant.py`; the stack calls the same quantized-weight kernel). Other steps, models it
+cannot take (a backend without the C kernels or the panel layout, a model class other than the Llama family), or
 ``BATCHGEN_CPU_DECODE_STACK=0`` (a test hook) keep the per-layer path.
 """
 from __future__ import annotations
@@ -45,6 +46,9 @@ class CpuDecodeStack:
         self.model = model
         self.shape = s = model.shape
         self.max_rows = max_rows
+        # quantized linears: the table points at one descriptor per layer (see _linear)
+        self.quant = _quantized(model)
+        self._descriptors: list[torch.Tensor] = []
         k0 = kv_caches[0][0]
         self.block_size = k0.shape[1]
         self.num_slots = k0.shape[0] * k0.shape[1]
@@ -67,10 +71,22 @@ class CpuDecodeStack:
         self._kv_caches = kv_caches  # the table points into them (and into self.model)
         self.steps = 0  # decode steps this stack served
 
-    @staticmethod
-    def _linear(lin: Linear) -> list[int]:
-        # [plain weight, panels, bias]: the stack runs the panel kernel only (use_panels = 1)
-        return [0, _addr(lin.packed), _addr(lin.bias)]
+    def _linear(self, lin: Linear) -> list[int]:
+        # [plain weight, panels, bias]: the stack runs the panel kernel (use_panels = 1), or
+        # quantized weights (use_panels = 2), where the first slot is a descriptor's address
+        if not self.quant:
+            return [0, _addr(lin.packed), _addr(lin.bias)]
+        from batchgen_data.kernels import reference
+        from batchgen_data.kernels.cpu.quant import KINDS
+
+        scheme = lin.scheme
+        zdef = torch.tensor([reference.DEFAULT_ZERO[scheme.kind]], dtype=torch.float32)
+        desc = torch.tensor([lin.qweight.data_ptr(), lin.weight_scale.data_ptr(),
+                             _addr(lin.weight_zero), scheme.group(lin.in_features),
+                             KINDS[scheme.kind], int(zdef.view(torch.int32).item()) & 0xFFFFFFFF],
+                            dtype=torch.int64)
+        self._descriptors.append(desc)
+        return [desc.data_ptr(), 0, _addr(lin.bias)]
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -80,8 +96,10 @@ class CpuDecodeStack:
 
         if not env.cpu_decode_stack() or not isinstance(model, LlamaForCausalLM):
             return None
+        quant = _quantized(model)
         if not (backend.device.type == "cpu" and backend.dtype == torch.float32
-                and backend.c_ops and backend.c_attention and backend.linear == "panels"):
+                and backend.c_ops and backend.c_attention
+                and (backend.c_quant if quant else backend.linear == "panels")):
             return None
         k0 = kv_caches[0][0] if kv_caches else None
         if k0 is None or k0.dtype != torch.float32 or k0.device.type != "cpu":
@@ -94,8 +112,11 @@ class CpuDecodeStack:
         linears = [m for layer in model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not all(isinstance(m, Linear) and m.layout == "panels" and m.packed is not None
-                   for m in linears):
+        if quant:
+            if not all(isinstance(m, Linear) and m.scheme is not None for m in linears):
+                return None  # some layers quantized, some not
+        elif not all(isinstance(m, Linear) and m.layout == "panels" and m.packed is not None
+                     for m in linears):
             return None  # weights not in the panel layout
         norms = [w for layer in model.layers for w in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -135,7 +156,7 @@ class CpuDecodeStack:
             tables.shape[1], self.cos_sin.data_ptr(), self.cos_sin.shape[0], self.num_slots,
             work.data_ptr(), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             self.block_size, float(s.eps), self.scale,
-            1,  # use_panels: the weights are kept in the panel layout only
+            2 if self.quant else 1,  # quantized weights, else the panel layout
             torch.get_num_threads())
         if rc == -3:
             raise ValueError("decode step with a position, cache slot or sequence length out of "
@@ -144,3 +165,9 @@ class CpuDecodeStack:
             raise RuntimeError(f"CPU decode stack failed (code {rc})")
         self.steps += 1
         return x
+
+
+def _quantized(model: torch.nn.Module) -> bool:
+    """Whether the model's first decoder layer stores its q|k|v weight quantized."""
+    layers = getattr(model, "layers", None)
+    return bool(layers) and getattr(layers[0].self_attn.qkv_proj, "scheme", None) is not None

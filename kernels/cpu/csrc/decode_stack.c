@@ -12,7 +12,7 @@
  * After the last layer x = RMSNorm(x + res) with the final norm.
  *
  * The matmuls are the small-row kernel (small_gemm.c) or, when `use_panels`, the panel kernel
- * (panel_gemm.c) on the panel copies; attention is paged_decode.c; norms, the rotation and SiLU
+ * (panel_gemm.c) on the panel copies, or the quantized-weight kernel (quant_gemm.c); attention is paged_decode.c; norms, the rotation and SiLU
  * are norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
  * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/engine/fast_paths/cpu_decode_stack.py.
  */
@@ -24,6 +24,9 @@ int bg_small_gemm_f32(const float *X, const float *W, const float *bias, float *
                       int64_t N, int64_t K, int num_threads);
 int bg_panel_gemm_f32(const float *X, const float *packed, const float *bias, float *Y,
                       int64_t M, int64_t N, int64_t K, int num_threads);
+int bg_quant_gemm_f32(const float *X, const uint8_t *codes, const float *S, const float *Z,
+                      float zdef, float *Y, int64_t M, int64_t N, int64_t K, int64_t group,
+                      int kind, int num_threads);
 void bg_add_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
                          float *out, float *res_out, int64_t rows, int64_t n, int num_threads);
 void bg_rotate_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim,
@@ -54,8 +57,25 @@ int64_t bg_decode_stack_workspace(int64_t M, int64_t H, int64_t nH, int64_t nKV,
 
 #define F(slot) ((const float *)(uintptr_t)L[slot])
 
+/* use_panels: 0 the small-row kernel on the plain weight, 1 the panel kernel, 2 quantized
+ * weights (quant_gemm.c), whose W slot then points at a descriptor of int64s
+ * {codes, scales, zeros or 0, group, kind, bits of the default zero as a float}. */
 static int linear(const float *X, const float *W, const float *panel, const float *bias,
                   float *Y, int64_t M, int64_t N, int64_t K, int use_panels, int nt) {
+    if (use_panels == 2) {
+        const int64_t *d = (const int64_t *)W;
+        const uint32_t zbits = (uint32_t)d[5];
+        float zdef;
+        memcpy(&zdef, &zbits, 4);
+        const int rc = bg_quant_gemm_f32(X, (const uint8_t *)(uintptr_t)d[0],
+                                         (const float *)(uintptr_t)d[1],
+                                         (const float *)(uintptr_t)d[2], zdef, Y, M, N, K, d[3],
+                                         (int)d[4], nt);
+        if (rc == 0 && bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = 0; n < N; n++) Y[m * N + n] += bias[n];
+        return rc;
+    }
     return use_panels ? bg_panel_gemm_f32(X, panel, bias, Y, M, N, K, nt)
                       : bg_small_gemm_f32(X, W, bias, Y, M, N, K, nt);
 }

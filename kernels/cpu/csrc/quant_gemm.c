@@ -13,10 +13,14 @@
  * may be short: a group size need not divide K); zeros Z [N, G] (fp32) or NULL, which means
  * the kind's default zero `zdef` (0 for INT8, 8 for symmetric INT4). w = (code - z) * s.
  *
- * The product: threads split the weight rows in blocks of RB; each block is dequantized into a
- * per-thread fp32 scratch of RB x K (in L1/L2) and multiplied with every row of X there, so a
- * weight is widened once per call whatever the row count. The dot products run on 16 lanes
- * (AVX-512) or on the shared 8-lane AVX2 core (avx2_dot.h); the widening likewise.
+ * The product, for up to XROWS rows (a decode step): threads split the weight rows in pairs;
+ * each vector of codes is widened in registers and multiplied straight into the rows'
+ * accumulators, the scale applied once per group (`fused_rows`), on 16 lanes (AVX-512) or 8
+ * (AVX2). An INT4 group of odd size (its start would split a byte) takes the scratch path
+ * instead: blocks of RB weight rows widened into a per-thread fp32 scratch, then multiplied
+ * there with dot-product tiles (16 lanes on AVX-512, avx2_dot.h's on AVX2).
+ * `bg_quant_dequant_f32` writes the whole fp32 weight (the launcher uses it for prefill
+ * chunks, which MKL multiplies).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,7 +54,7 @@ static inline float code_scalar(int kind, const uint8_t *codes, int64_t c) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
-static inline __m512 codes_vec(int kind, const uint8_t *codes, int64_t c) {
+static inline __attribute__((always_inline)) __m512 codes_vec(int kind, const uint8_t *codes, int64_t c) {
     if (kind == 0)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128((const __m128i *)(codes + c))));
@@ -71,7 +75,7 @@ static inline __m512 codes_vec(int kind, const uint8_t *codes, int64_t c) {
 }
 #else
 #define LANES 8
-static inline __m256 codes_vec(int kind, const uint8_t *codes, int64_t c) {
+static inline __attribute__((always_inline)) __m256 codes_vec(int kind, const uint8_t *codes, int64_t c) {
     if (kind == 0)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64((const __m128i *)(codes + c))));
@@ -196,6 +200,133 @@ static void block_dots(const float *const *xs, int64_t rows, const float *W, int
 }
 #endif
 
+/* ---- widen in registers, no scratch ----------------------------------------------------------
+ * For a decode step's rows of X (up to XROWS) storing a weight widened and reading it back cost
+ * more than the products (measured against the scratch path below). Here each vector of codes is widened in
+ * registers and multiplied straight into the rows' accumulators; the scale is applied once per
+ * group (acc * s added into the row's total), the kind's default zero is subtracted from the
+ * codes, and a stored zero enters as a per-group correction, s * (z - zdef) * sum(x over the
+ * group), from the row sums of X computed once per call. Two weight rows per tile, so a single
+ * row of X still has two independent FMA chains; the rows of X pass FUSED_ROWS at a time over
+ * the same two weight rows, which stay in L1, so each weight is read from memory once. */
+#define FUSED_ROWS 4
+#if LANES == 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET(x) _mm512_set1_ps(x)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+#else
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET(x) _mm256_set1_ps(x)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+#define VSUM(v) hsum8(v)
+#endif
+
+/* y[m * ldy + j] for m < mt, j < two (1 or 2 weight rows: codes c[j], scales s[j]). */
+static inline __attribute__((always_inline)) void fused_tile(
+    const int kind, const float *const *xs, const int mt, const uint8_t *const *c,
+    const float *const *s, const int two, float zdef, int64_t K, int64_t group, float *y,
+    int64_t ldy) {
+    vf tot[FUSED_ROWS][2];
+    float tail[FUSED_ROWS][2];
+    for (int m = 0; m < FUSED_ROWS; m++)
+        for (int j = 0; j < 2; j++) tot[m][j] = VZERO(), tail[m][j] = 0.f;
+    const vf vz = VSET(zdef);
+    for (int64_t g = 0, c0 = 0; c0 < K; g++, c0 += group) {
+        const int64_t c1 = c0 + group < K ? c0 + group : K;
+        vf acc[FUSED_ROWS][2];
+        for (int m = 0; m < FUSED_ROWS; m++) acc[m][0] = acc[m][1] = VZERO();
+        int64_t col = c0;
+        for (; col + LANES <= c1; col += LANES) {
+            vf w0 = codes_vec(kind, c[0], col), w1 = w0;
+            if (kind == 1) w0 = VSUB(w0, vz);
+            if (two == 2) {
+                w1 = codes_vec(kind, c[1], col);
+                if (kind == 1) w1 = VSUB(w1, vz);
+            }
+            for (int m = 0; m < FUSED_ROWS; m++) {
+                if (m >= mt) break;
+                const vf x = VLOAD(xs[m] + col);
+                acc[m][0] = VFMA(x, w0, acc[m][0]);
+                if (two == 2) acc[m][1] = VFMA(x, w1, acc[m][1]);
+            }
+        }
+        for (int j = 0; j < two; j++) {
+            const float sc = s[j][g];
+            const vf vs = VSET(sc);
+            for (int m = 0; m < mt; m++) tot[m][j] = VFMA(acc[m][j], vs, tot[m][j]);
+            for (int64_t t = col; t < c1; t++) { /* a group's last columns short of a vector */
+                const float w = (code_scalar(kind, c[j], t) - (kind == 1 ? zdef : 0.f)) * sc;
+                for (int m = 0; m < mt; m++) tail[m][j] += xs[m][t] * w;
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < two; j++) y[m * ldy + j] = VSUM(tot[m][j]) + tail[m][j];
+}
+
+#define FUSED_CASE(KIND, MT)                                                                   \
+    fused_tile(KIND, xs + m0, MT, cj, sj, two, zdef, K, group, Y + m0 * N + n, N)
+
+static void fused_rows(int kind, const float *X, const uint8_t *codes, const float *S,
+                       const float *Z, float zdef, float *Y, int64_t M, int64_t N, int64_t K,
+                       int64_t group, int num_threads) {
+    const int64_t G = (K + group - 1) / group, rb = row_bytes(kind, K);
+    const float *xs[XROWS];
+    for (int64_t m = 0; m < M; m++) xs[m] = X + m * K;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n += 2) {
+        const int two = N - n >= 2 ? 2 : 1;
+        const uint8_t *cj[2] = {codes + n * rb, codes + (n + two - 1) * rb};
+        const float *sj[2] = {S + n * G, S + (n + two - 1) * G};
+        /* every FUSED_ROWS rows of X against the same two weight rows, still in L1 */
+        for (int64_t m0 = 0; m0 < M; m0 += FUSED_ROWS) {
+        const int mt = (int)(M - m0 < FUSED_ROWS ? M - m0 : FUSED_ROWS);
+        /* constant kind and row count per call, so the inlined tile specialises */
+        switch (kind * 8 + mt) {
+        case 0 * 8 + 1: FUSED_CASE(0, 1); break;
+        case 0 * 8 + 2: FUSED_CASE(0, 2); break;
+        case 0 * 8 + 3: FUSED_CASE(0, 3); break;
+        case 0 * 8 + 4: FUSED_CASE(0, 4); break;
+        case 1 * 8 + 1: FUSED_CASE(1, 1); break;
+        case 1 * 8 + 2: FUSED_CASE(1, 2); break;
+        case 1 * 8 + 3: FUSED_CASE(1, 3); break;
+        case 1 * 8 + 4: FUSED_CASE(1, 4); break;
+        case 2 * 8 + 1: FUSED_CASE(2, 1); break;
+        case 2 * 8 + 2: FUSED_CASE(2, 2); break;
+        case 2 * 8 + 3: FUSED_CASE(2, 3); break;
+        default: FUSED_CASE(2, 4); break;
+        }
+        }
+    }
+    if (!Z) return;
+    /* stored zeros: y -= sum_g s_g * (z_g - zdef) * (sum of x over group g) */
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    if (!xsum) return;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t c1 = (g + 1) * group < K ? (g + 1) * group : K;
+            float acc = 0.f;
+            for (int64_t t = g * group; t < c1; t++) acc += X[m * K + t];
+            xsum[m * G + g] = acc;
+        }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float corr = 0.f;
+            for (int64_t g = 0; g < G; g++)
+                corr += S[n * G + g] * (Z[n * G + g] - zdef) * xsum[m * G + g];
+            Y[m * N + n] -= corr;
+        }
+    free(xsum);
+}
+
 int bg_quant_gemm_supported(void) { return LANES; }
 
 static int bad_args(int kind, int64_t K, int64_t group) {
@@ -206,6 +337,11 @@ int bg_quant_gemm_f32(const float *X, const uint8_t *codes, const float *S, cons
                       float zdef, float *Y, int64_t M, int64_t N, int64_t K, int64_t group,
                       int kind, int num_threads) {
     if (bad_args(kind, K, group)) return -1;
+    if (M <= XROWS && (kind != 1 || group % 2 == 0 || group >= K)) {
+        /* (an INT4 group must start on a whole byte for the vector loads) */
+        fused_rows(kind, X, codes, S, Z, zdef, Y, M, N, K, group, num_threads);
+        return 0;
+    }
     const int64_t G = (K + group - 1) / group, rb = row_bytes(kind, K);
     const int64_t blocks = (N + RB - 1) / RB;
     int failed = 0;

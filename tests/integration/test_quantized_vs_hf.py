@@ -1,0 +1,132 @@
+"""Quantized checkpoints give HF `generate`'s greedy tokens on the dequantized weights (weight-only
+semantics, fp32, CPU): compressed-tensors pack-quantized INT4/INT8 (per channel, per group, a
+group size that does not divide the rows, asymmetric), float-quantized FP8 per channel, and
+DeepSeek/Qwen-style FP8 with block scales, for Llama, Qwen3 and Qwen3-MoE; on the C kernels
+(decode stack and per-layer), and on the torch path. Where HF loads the quantized checkpoint
+itself (compressed-tensors, symmetric), against that too."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen_data import LLM, SamplingParams
+from quant_checkpoints import write_quantized
+from test_moe_vs_hf import build_moe_model
+
+pytest.importorskip("compressed_tensors")
+
+CASES = {
+    "int4_g32": dict(method="pack", bits=4, group=32),
+    "int8_channel": dict(method="pack", bits=8),
+    "int4_g24_asym": dict(method="pack", bits=4, group=24, symmetric=False),
+    "int8_g48_asym": dict(method="pack", bits=8, group=48, symmetric=False),
+    "fp8_channel": dict(method="float"),
+    "fp8_block": dict(method="fp8", block=(16, 32)),
+}
+PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, b):",
+           "Write a short poem about the sea"]
+MAX_TOKENS = 12
+
+
+def _greedy_hf(model, tok, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = tok(p).input_ids
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def _greedy_ours(path: Path, **kw) -> list[list[int]]:
+    llm = LLM(str(path), max_model_len=256, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Factory: (arch, case) -> (quantized dir, dequantized dir), written once."""
+    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def make(arch: str, case: str) -> tuple[Path, Path]:
+        if (arch, case) not in cache:
+            if arch == "qwen3_moe":
+                src = tmp_path_factory.mktemp("moe-src")
+                llama = tiny_model_dir("llama")
+                for f in llama.iterdir():
+                    if "token" in f.name or f.name == "special_tokens_map.json":
+                        (src / f.name).write_bytes(f.read_bytes())
+                from transformers import AutoTokenizer
+                build_moe_model("qwen3_moe", src, len(AutoTokenizer.from_pretrained(llama)))
+            else:
+                src = tiny_model_dir(arch)
+            base = tmp_path_factory.mktemp(f"{arch}-{case}")
+            cache[arch, case] = write_quantized(src, base / "q", base / "deq", **CASES[case])
+        return cache[arch, case]
+
+    return make
+
+
+def _check(quantized, arch: str, case: str, **kw) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    qdir, ddir = quantized(arch, case)
+    hf = AutoModelForCausalLM.from_pretrained(ddir, dtype="float32").eval()
+    want = _greedy_hf(hf, AutoTokenizer.from_pretrained(ddir), PROMPTS)
+    got = _greedy_ours(qdir, **kw)
+    assert got == want
+    return got
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_llama_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
+    _check(quantized, "llama", case)
+
+
+@pytest.mark.parametrize("case", ["int4_g32", "int8_g48_asym", "fp8_block", "fp8_channel"])
+def test_qwen3_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
+    _check(quantized, "qwen3", case)
+
+
+@pytest.mark.parametrize("case", ["int4_g32", "int8_channel", "int4_g24_asym", "fp8_block"])
+def test_qwen3_moe_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
+    _check(quantized, "qwen3_moe", case)
+
+
+@pytest.mark.parametrize("case", ["int4_g32", "fp8_block"])
+def test_torch_path_and_per_layer_path_give_the_same_tokens(quantized, case: str,  # type: ignore[no-untyped-def]
+                                                           monkeypatch) -> None:
+    stacked = _check(quantized, "llama", case)
+    qdir, _ = quantized("llama", case)
+    assert _greedy_ours(qdir, cpu_kernels=False) == stacked
+    monkeypatch.setenv("BATCHGEN_CPU_DECODE_STACK", "0")
+    assert _greedy_ours(qdir) == stacked
+
+
+@pytest.mark.parametrize("case", ["int4_g32", "int8_channel", "fp8_channel"])
+def test_hf_loading_the_compressed_tensors_checkpoint_agrees(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    qdir, _ = quantized("llama", case)
+    hf = AutoModelForCausalLM.from_pretrained(qdir, dtype="float32").eval()
+    assert _greedy_ours(qdir) == _greedy_hf(hf, AutoTokenizer.from_pretrained(qdir), PROMPTS)
+
+
+def test_quantized_layers_hold_the_stored_bytes_only(quantized) -> None:  # type: ignore[no-untyped-def]
+    qdir, ddir = quantized("llama", "int4_g32")
+    q, d = LLM(str(qdir), max_model_len=256), LLM(str(ddir), max_model_len=256)
+    qkv_q = q.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv_q.weight is None and qkv_q.qweight.dtype == torch.uint8
+    assert qkv_q.qweight.shape == (qkv_q.out_features, qkv_q.in_features // 2)
+
+    def proj_bytes(llm: LLM) -> int:  # every tensor of the linear layers, in its layout
+        from batchgen_data.layers.linear import Linear
+        return sum(t.numel() * t.element_size()
+                   for m in llm.engine.runner.model.layers.modules() if isinstance(m, Linear)
+                   for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+                   if t is not None and not t.is_mkldnn)
+    # 4 bits a weight plus one fp32 scale per 32 (5 bits) against 32 bits
+    assert proj_bytes(q) * 6 < proj_bytes(d)

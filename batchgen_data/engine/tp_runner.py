@@ -160,16 +160,21 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
     (ValueError naming the value, before anything loads), then start the other ranks."""
     from batchgen_data.distributed import launch
     from batchgen_data.layers.parallel import check_shape
-    from batchgen_data.models.llama import LlamaForCausalLM
+    from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from batchgen_data.models.llama import DecoderForCausalLM
     from batchgen_data.models.registry import resolve_architecture
 
     size = config.tensor_parallel_size
     cls = resolve_architecture(hf_config)
-    if not issubclass(cls, LlamaForCausalLM):
-        raise ValueError(f"tensor_parallel_size={size}: only the dense decoders (Llama, "
-                         f"Mistral, Qwen2, Qwen3) are sharded so far; {cls.__name__} is not "
-                         "(docs/parallel.md)")
+    if not issubclass(cls, DecoderForCausalLM) or issubclass(cls, DeepseekV3ForCausalLM):
+        raise ValueError(f"tensor_parallel_size={size}: the Llama-family decoders (Llama, "
+                         f"Mistral, Qwen2, Qwen3) and their MoE models (Qwen2/Qwen3-MoE, "
+                         f"Mixtral) are sharded; {cls.__name__} is not yet (docs/parallel.md)")
     check_shape(hf_config, size)
+    lora = getattr(config, "lora", None)
+    if lora is not None and lora.enable_lora:
+        raise ValueError(f"tensor_parallel_size={size} with enable_lora=True: LoRA deltas are "
+                         "not split over ranks yet (docs/parallel.md)")
     if quantized:
         raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
                          "yet (docs/parallel.md)")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from batchgen_data.layers.embedding import VocabEmbedding
+from batchgen_data.layers.moe import FusedMoE
 
 
 class CollectiveError(RuntimeError):
@@ -156,16 +157,18 @@ def check_shape(config: Any, size: int) -> None:
         return
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    inter = config.intermediate_size
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
                          f"num_attention_heads={heads}")
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size={size}: num_key_value_heads={kv} is neither a "
                          f"multiple of it (to split) nor a divisor of it (to replicate)")
-    if inter % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
-                         f"intermediate_size={inter}")
+    for name in ("intermediate_size", "moe_intermediate_size",
+                 "shared_expert_intermediate_size"):
+        width = getattr(config, name, None)
+        if width and width % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                             f"{name}={width}")
 
 
 class VocabParallelEmbedding(VocabEmbedding):
@@ -183,3 +186,17 @@ class VocabParallelEmbedding(VocabEmbedding):
         mine = (local >= 0) & (local < self.vocab)
         x = super().forward(torch.where(mine, local, 0))  # [T, hidden]
         return self.tp.all_reduce(x.masked_fill_(~mine.unsqueeze(-1), 0))
+
+
+class TensorParallelMoE(FusedMoE):
+    """A `FusedMoE` whose experts are each split like a dense MLP (rank r keeps its slice of
+    every expert's intermediate width; the router and its choices are the same on every rank):
+    the routed experts' output, plus the shared expert's partial one (built narrow and not
+    reduced itself), is summed over the ranks by ONE all-reduce."""
+
+    def __init__(self, tp: TensorParallel, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))

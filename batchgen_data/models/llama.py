@@ -86,13 +86,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: DecoderShape, bias: bool, intermediate: int | None = None) -> None:
+    def __init__(self, shape: DecoderShape, bias: bool, intermediate: int | None = None,
+                 partial: bool = False) -> None:
+        """`partial`: under tensor parallelism leave the sum over ranks to the block holding
+        this MLP (an MoE's shared expert, `layers/parallel.TensorParallelMoE`)."""
         super().__init__()
         width = intermediate or shape.intermediate
         self.gate_up_proj = MergedLinear(shape.hidden, [width] * 2, bias=bias)
         self.down_proj = Linear(width, shape.hidden, bias=bias)
         self.act_fn = SiluAndMul()
-        self.tp = shape.tp
+        self.tp = parallel.SINGLE if partial else shape.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers import parallel
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.micro_batch import AttentionPart, split_by_sequences
 from batchgen_data.layers.moe import FusedMoE
@@ -79,7 +80,11 @@ class MoeForCausalLM(DecoderForCausalLM):
     def make_mlp(self, config: Any, shape: DecoderShape, layer_idx: int) -> nn.Module:
         if not self.is_sparse(config, layer_idx):
             return LlamaMLP(shape, bias=False)
-        m = self.moe
+        m, tp = self.moe, shape.tp
+        if tp.size > 1:  # each expert split like a dense MLP, one all-reduce per block
+            return parallel.TensorParallelMoE(tp, shape.hidden, m.intermediate // tp.size,
+                                              m.num_experts, m.top_k, m.norm_topk_prob,
+                                              shared_expert=self.shared_expert(config, shape))
         return FusedMoE(shape.hidden, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob,
                         shared_expert=self.shared_expert(config, shape))
 
@@ -117,7 +122,9 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
 
     def shared_expert(self, config: Any, shape: DecoderShape) -> nn.Module | None:
         width = getattr(config, "shared_expert_intermediate_size", 0)
-        return LlamaMLP(shape, bias=False, intermediate=width) if width else None
+        if not width:
+            return None
+        return LlamaMLP(shape, bias=False, intermediate=width // shape.tp.size, partial=True)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

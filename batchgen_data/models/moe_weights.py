@@ -18,6 +18,7 @@ from torch import nn
 
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.layers.quant import QuantWeight
+from batchgen_data.models import tp_shards
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
                          r"\.weight$")
@@ -67,6 +68,7 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
         else:
             if isinstance(tensor, QuantWeight):
                 tensor = tensor.dequantize()
+            tensor = tp_shards.expert_slice(model, leaf, tensor)  # this rank's part (TP)
             _copy(param.data[e, shard * rows:(shard + 1) * rows], tensor, name)
         return {f"{block}.{leaf}#{e}.{shard}"}
     m = _STACKED.match(name)
@@ -77,6 +79,7 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
         leaf = "w13" if m.group(2) == "gate_up_proj" else "w2"
         target = f"{m.group(1)}.{leaf}"
         param = _param(params, target, name)
+        tensor = tp_shards.stacked_experts_slice(model, leaf, tensor)  # this rank's part (TP)
         if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape:
             tensor = tensor.transpose(1, 2)  # some writers keep [E, in, out]
         _copy(param.data, tensor, name)

@@ -32,8 +32,8 @@ def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -
         heads = (range(rank * shape.num_heads, (rank + 1) * shape.num_heads) if shard == 0
                  else parallel.kv_heads_of_rank(shape.total_kv_heads, size, rank))
         return tensor[heads.start * d:heads.stop * d]
-    if layer == "gate_up_proj":
-        width = shape.intermediate
+    if layer == "gate_up_proj":  # (a dense MLP's or a shared expert's width)
+        width = tensor.shape[0] // size
         return tensor[rank * width:(rank + 1) * width]
     if layer in ("o_proj", "down_proj"):
         if leaf == "bias":
@@ -47,3 +47,29 @@ def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
     return tensor
+
+
+def expert_slice(model: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of one expert's matrix: gate or up [I, H] -> rows, down [H, I] ->
+    columns (`layers/parallel.TensorParallelMoE`)."""
+    tp = getattr(getattr(model, "shape", None), "tp", None)
+    if tp is None or tp.size == 1:
+        return tensor
+    if leaf == "w13":
+        width = tensor.shape[0] // tp.size
+        return tensor[tp.rank * width:(tp.rank + 1) * width]
+    width = tensor.shape[1] // tp.size
+    return tensor[:, tp.rank * width:(tp.rank + 1) * width]
+
+
+def stacked_experts_slice(model: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The same for every expert at once: w13 [E, 2I, H] (gate rows then up rows), w2
+    [E, H, I]."""
+    tp = getattr(getattr(model, "shape", None), "tp", None)
+    if tp is None or tp.size == 1:
+        return tensor
+    if leaf == "w13":
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat([expert_slice(model, leaf, g.transpose(0, 1)).transpose(0, 1)
+                          for g in (gate, up)], dim=1)
+    return torch.stack([expert_slice(model, leaf, e) for e in tensor])

@@ -1,6 +1,6 @@
 """Tensor parallelism at TP=2 on the CPU (gloo, two processes): greedy tokens equal HF `generate`
 (fp32) for Llama (2 KV heads, a vocabulary not divisible by 2), Qwen2 with one KV head
-(replicated, tied and odd vocabulary) and Qwen3, with chunked prefill, preemption (KV swapped
+(replicated, tied and odd vocabulary), Qwen3 and the MoE models (experts split), with chunked prefill, preemption (KV swapped
 out and in through the ranks) and prefix-cache hits; export from TP=1 and import at TP=2 (and
 back); a killed rank fails the engine fast; a TP size the heads do not allow is refused before
 anything starts or loads.
@@ -53,7 +53,9 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[lis
     out = []
     with torch.no_grad():
         for p in prompts:
-            g = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)
+            ids = torch.tensor([p])
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)  # ignore_eos
             out.append(g[0, len(p):].tolist())
     return out
 
@@ -88,6 +90,27 @@ def test_tp2_greedy_matches_hf(arch: str, model_dirs: dict[str, Path]) -> None:
         again, cached = run_all(engine, PROMPTS)  # the same prompts: prefix-cache hits
         assert again == want
         assert sum(cached) > 0
+    finally:
+        engine.runner.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_tp2_moe_greedy_matches_hf(arch: str, tmp_path: Path) -> None:
+    """Experts split over the ranks like dense MLPs (Qwen2-MoE's shared expert too), Qwen3-MoE
+    with a dense layer mixed in; chunked prefill and preemption as above."""
+    from tests.integration.test_moe_vs_hf import build_moe_model
+
+    torch.set_num_threads(1)
+    tok = build_tokenizer(tmp_path)
+    build_moe_model(arch, tmp_path, vocab=len(tok) + 1)
+    want = hf_greedy(tmp_path, PROMPTS, MAX_TOKENS)
+    engine = Engine.from_kwargs(str(tmp_path), num_kv_blocks=24, **ENGINE_KW)
+    try:
+        assert engine.runner.model.moe_layers[0].w13.shape[1] == 2 * (
+            engine.runner.model.moe.intermediate // 2)
+        got, _ = run_all(engine, PROMPTS)
+        assert got == want
+        assert engine.stats.num_preemptions > 0
     finally:
         engine.runner.close()
 

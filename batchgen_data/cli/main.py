@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip requests already in OUTPUT (after a crash or a kill)")
     run.add_argument("--engine-kwargs", default="{}", type=json.loads,
                      help='engine arguments as JSON, vLLM names accepted: \'{"max_num_seqs": 64}\'')
+    run.add_argument("--tensor-parallel-size", type=int, default=None,
+                     help="devices (ranks) per engine, vLLM's tensor_parallel_size "
+                          "(docs/parallel.md); same as --engine-kwargs '{\"tensor_parallel_size\": N}'")
     run.add_argument("--progress-interval", type=float, default=None,
                      help="seconds between progress lines when stderr is not a terminal")
     return parser
@@ -169,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         args.runner = default_runner()
     if args.actors < 1:
         raise SystemExit(f"--actors={args.actors}: must be >= 1")
+    if args.tensor_parallel_size is not None:
+        if args.tensor_parallel_size < 1:
+            raise SystemExit(f"--tensor-parallel-size={args.tensor_parallel_size}: must be >= 1")
+        args.engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     try:
         job = Job(args)
     except (FileNotFoundError, ValueError) as e:

@@ -57,8 +57,10 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
                  apply_chat_template: bool = True, program: Any = None,
                  chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
+                 task: str = "generate", pooling_params: Any = None,
                  **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
+    `task` "embed" / "classify" / "score": a pooling task instead (connectors/spark_pooling.py).
 
     The input column may hold prompt strings, chat messages (`array<struct<role, content>>`) or
     token ids. With `apply_chat_template=True` (the default) messages, and prompt strings as one
@@ -67,6 +69,10 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     the engine's `max_num_seqs`). `debug_stats=True` adds `engine_max_batch_seqs`: the largest
     engine batch seen by the task so far. Register for SQL with `spark.udf.register(name, udf)`.
     """
+    if task != "generate":
+        from batchgen_data.connectors.spark_pooling import pooling_udf
+        return pooling_udf(model, task, pooling_params, on_error, max_in_flight,
+                           **engine_kwargs)
     import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
@@ -109,7 +115,8 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
                 apply_chat_template: bool = True, stats: Any = None,
                 program: Any = None, chat_template: str | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                resume_from: str | None = None,
+                resume_from: str | None = None, task: str = "generate",
+                pooling_params: Any = None,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
@@ -122,7 +129,12 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     `chat_template_kwargs` (docs/structured-output.md).
     `resume_from`: an output location (Parquet) whose `id_col` values are skipped, i.e. rows
     a crashed run already wrote (`spark_resume.write_generated` writes in resumable parts).
+    `task` "embed" / "classify" / "score": a pooling task (connectors/spark_pooling.py).
     """
+    if task != "generate":
+        from batchgen_data.connectors.spark_pooling import pooling_df
+        return pooling_df(df, task, prompt_col, model, pooling_params, on_error, max_in_flight,
+                          **engine_kwargs)
     for col in (prompt_col if program is None else None, id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
@@ -161,7 +173,7 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
             return session.submit(rows, keys if keys is not None else [None] * len(rows))
         values = batch.column(prompt_col).to_pylist()
         rows = [spark_task.value_row(v, prompt_col) for v in values]
-        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS):
+        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS, *common.LORA_FIELDS):
             if name in batch.schema.names:
                 for row, value in zip(rows, batch.column(name).to_pylist()):
                     row[name] = value

@@ -37,7 +37,8 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 # ---- Ray Data --------------------------------------------------------------------------------
-@pytest.mark.timeout(600)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ray_embed_classify_score_equal_offline(ray_local: None, models: dict[str, Path]) -> None:
     import pyarrow as pa
     import ray
@@ -163,3 +164,41 @@ def test_command_score_and_rerank_equal_offline(models: dict[str, Path], tmp_pat
     best = max(range(2), key=lambda i: want[i])
     assert len(results) == 1 and results[0]["index"] == best
     assert results[0]["relevance_score"] == pytest.approx(want[best], abs=1e-6)
+
+
+# ---- Spark -----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_spark_udf_and_generate_df_equal_offline(spark: object, models: dict[str, Path]) -> None:
+    pytest.importorskip("pyspark")
+    from pyspark.sql import functions as sf
+
+    from batchgen_data.connectors.spark import batchgen_udf, generate_df
+
+    rows = [(i, t) for i, t in enumerate(TEXTS)] + [(9, "")]
+    df = spark.createDataFrame(rows, "id long, prompt string").repartition(2, "id")  # type: ignore[attr-defined]
+    want = [o.outputs.embedding for o in LLM(str(models["embed"])).embed(TEXTS, use_tqdm=False)]
+    out = sorted(generate_df(df, task="embed", model=str(models["embed"])).collect(),
+                 key=lambda r: r["id"])
+    assert all(r["prompt"] == dict(rows)[r["id"]] for r in out)  # input columns kept
+    assert [r["id"] for r in out] == [0, 1, 2, 3, 9]
+    assert all(_close(r["embedding"], w) for r, w in zip(out, want))
+    assert out[-1]["embedding"] is None and "prompt is empty" in out[-1]["error"]
+
+    udf = batchgen_udf(str(models["classify"]), task="classify")
+    got = sorted(df.select("id", udf("prompt").alias("r")).collect(), key=lambda r: r["id"])
+    want_p = LLM(str(models["classify"])).classify(TEXTS, use_tqdm=False)
+    assert all(_close(r["r"]["probs"], w.outputs.probs) for r, w in zip(got, want_p))
+
+    pairs = spark.createDataFrame([(i, a, b) for i, (a, b) in enumerate(PAIRS)],  # type: ignore[attr-defined]
+                                  "id long, text_1 string, text_2 string")
+    scored = sorted(generate_df(pairs, task="score", model=str(models["cross"])).collect(),
+                    key=lambda r: r["id"])
+    want_s = LLM(str(models["cross"])).score([a for a, _ in PAIRS], [b for _, b in PAIRS],
+                                             use_tqdm=False)
+    assert [r["score"] for r in scored] == pytest.approx([w.outputs.score for w in want_s],
+                                                          abs=1e-6)
+    udf_s = batchgen_udf(str(models["cross"]), task="score")
+    got_s = pairs.select(udf_s(sf.struct("text_1", "text_2")).alias("r")).collect()
+    assert sorted(r["r"]["score"] for r in got_s) == pytest.approx(
+        sorted(w.outputs.score for w in want_s), abs=1e-6)

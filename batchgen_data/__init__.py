@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from batchgen_data.lora_request import LoRARequest
     from batchgen_data.models.default_model import DEFAULT_MODEL
     from batchgen_data.outputs import CompletionOutput, RequestOutput
+    from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
     from batchgen_data.programs.api import Generate, GenerateResult, program
     from batchgen_data.sampling_params import SamplingParams
     from batchgen_data.structured import StructuredOutputsParams
@@ -25,6 +26,8 @@ _LAZY = {
     "CompletionOutput": "batchgen_data.outputs",
     "RequestOutput": "batchgen_data.outputs",
     "SamplingParams": "batchgen_data.sampling_params",
+    "PoolingParams": "batchgen_data.pooling_params",
+    "PoolingRequestOutput": "batchgen_data.pooling_params",
     "program": "batchgen_data.programs.api",
     "Generate": "batchgen_data.programs.api",
     "GenerateResult": "batchgen_data.programs.api",
@@ -32,7 +35,8 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "DEFAULT_MODEL", "program", "Generate", "GenerateResult"]
+           "CompletionOutput", "DEFAULT_MODEL", "program", "Generate", "GenerateResult",
+           "PoolingParams", "PoolingRequestOutput"]
 __version__ = "0.1.0"
 
 

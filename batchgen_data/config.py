@@ -71,6 +71,9 @@ class LoRAConfig:
     max_loras: int = 1  # adapters resident in device memory at once (one step's distinct ones)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max(max_loras, 8))
+    # ray.data.llm's name: the local directory whose subdirectories are the adapters rows name
+    # (a `lora` column, or a row's `model`; lora_request.AdapterNames)
+    dynamic_lora_loading_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_lora, bool):

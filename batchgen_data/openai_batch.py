@@ -66,6 +66,8 @@ class BatchRequest:
     def row(self) -> dict[str, Any]:
         """The connector row for this request (`custom_id`, one prompt column, overrides)."""
         row: dict[str, Any] = {"custom_id": self.custom_id, "sampling_params": dict(self.params)}
+        if self.model is not None:  # names a LoRA adapter when the engine has enable_lora
+            row["model"] = self.model
         if self.messages is not None:
             row["messages"] = self.messages
         elif self.prompt_token_ids is not None:

@@ -35,12 +35,15 @@ import pyarrow as pa
 
 from batchgen_data.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
 from batchgen_data.connectors import row_extras
+from batchgen_data.lora_request import (
+    LORA_COLUMN, MODEL_COLUMN, AdapterNames, LoRARequest, no_adapters)
 from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured.params import json_text
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
 PARAMS_COLUMN = "sampling_params"
+LORA_FIELDS = (LORA_COLUMN, MODEL_COLUMN)  # a row's adapter (lora_request.AdapterNames)
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens",
                   "num_generated_tokens", "finish_reason", "error",
                   *(f.name for f in row_extras.output_fields()))
@@ -57,6 +60,7 @@ class RowRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    lora: LoRARequest | None = None  # the adapter the row names (lora_request.AdapterNames)
 
 
 def output_schema() -> pa.Schema:
@@ -201,8 +205,12 @@ class RequestBuilder:
     def __init__(self, tokenizer: Any, default_params: SamplingParams | Mapping[str, Any] | None = None,
                  check: Callable[[list[int], SamplingParams], None] | None = None,
                  apply_chat_template: bool = True, chat_template: str | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                 adapters: AdapterNames | None = None,
+                 check_lora: Callable[[LoRARequest], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        # how rows name LoRA adapters (None: the engine has none) and engine.check_lora
+        self.adapters, self.check_lora = adapters, check_lora
         # without the chat template a `messages` column is just another passed-through column
         self.columns = INPUT_COLUMNS if apply_chat_template else tuple(
             c for c in INPUT_COLUMNS if c != "messages")
@@ -220,7 +228,10 @@ class RequestBuilder:
                     apply_chat_template: bool = True, chat_template: str | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> "RequestBuilder":
         return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template,
-                   chat_template, chat_template_kwargs)
+                   chat_template, chat_template_kwargs,
+                   # engines without adapters (pooling, fakes in tests) have no such questions
+                   getattr(engine, "lora_names", lambda: None)(),
+                   getattr(engine, "check_lora", None))
 
     def build(self, row: Mapping[str, Any]) -> RowRequest:
         """The RowRequest for one row; RowError with a message naming the problem otherwise."""
@@ -236,7 +247,21 @@ class RequestBuilder:
                 self.check(ids, params)
             except (ValueError, TypeError) as e:
                 raise RowError(str(e)) from None
-        return RowRequest(ids, params, text)
+        return RowRequest(ids, params, text, self.lora_for(row))
+
+    def lora_for(self, row: Mapping[str, Any]) -> LoRARequest | None:
+        """The adapter `row` names, read and checked by the engine; RowError when it names one
+        that cannot run (unknown, unloadable, or no enable_lora)."""
+        try:
+            if self.adapters is None:
+                no_adapters(row, to_python)
+                return None
+            lora = self.adapters.request(row, to_python)
+            if lora is not None and self.check_lora is not None:
+                self.check_lora(lora)
+        except (ValueError, TypeError) as e:
+            raise RowError(str(e)) from None
+        return lora
 
     def params_for(self, overrides: Any, row: Mapping[str, Any] | None = None) -> SamplingParams:
         """Defaults merged with one row's overrides (and its structured-output columns);
@@ -265,6 +290,12 @@ class RequestBuilder:
             return self.build(row)
         except RowError as e:
             return str(e)
+
+
+def lora_kwargs(lora: LoRARequest | None) -> dict[str, Any]:
+    """`lora_request=` for a driver's submit when the row names an adapter (drivers faked at
+    the connectors' seam need not know the argument otherwise)."""
+    return {} if lora is None else {"lora_request": lora}
 
 
 class UniqueIds:

@@ -79,6 +79,17 @@ class BatchGenProcessorConfig:
     # (output columns `embedding` / `probs` / `score`, docs/pooling.md)
     task_type: str = "generate"
     pooling_params: Mapping[str, Any] | None = None  # PoolingParams fields for every row
+    # ray.data.llm's: a local directory of LoRA adapters; a row's `model` (or `lora`) names one
+    # (needs engine_kwargs enable_lora=True; docs/lora.md)
+    dynamic_lora_loading_path: str | None = None
+
+    @property
+    def all_engine_kwargs(self) -> dict[str, Any]:
+        """`engine_kwargs` with the fields of this config that are engine settings."""
+        kw = dict(self.engine_kwargs)
+        if self.dynamic_lora_loading_path is not None:
+            kw["dynamic_lora_loading_path"] = self.dynamic_lora_loading_path
+        return kw
 
     @property
     def late_binding_on(self) -> bool:
@@ -90,7 +101,7 @@ class BatchGenProcessorConfig:
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches
         seats = make_engine_config(self.model_source,
-                                   **dict(self.engine_kwargs)).scheduler.max_num_seqs
+                                   **self.all_engine_kwargs).scheduler.max_num_seqs
         return window_batches(seats, self.batch_size, self.window_depth)
 
     @property
@@ -114,7 +125,7 @@ class BatchGenProcessorConfig:
             raise ValueError(f"window_depth={self.window_depth!r}: must be > 0")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
-        make_engine_config(self.model_source, **dict(self.engine_kwargs))  # TypeError on typos
+        make_engine_config(self.model_source, **self.all_engine_kwargs)  # TypeError on typos
         if self.task_type != "generate":
             from batchgen_data.connectors.pooling_rows import check_task, default_pooling_params
             check_task(self.task_type)
@@ -140,7 +151,7 @@ class BatchGenProcessorConfig:
                     chat_template_kwargs=dict(self.chat_template_kwargs or {}),
                     migration=self.migration_on, migration_options=options,
                     late_binding=self.late_binding_on,
-                    program=self.program, **dict(self.engine_kwargs),
+                    program=self.program, **self.all_engine_kwargs,
                     **({} if self.task_type == "generate" else
                        {"task": self.task_type, "pooling_params": dict(self.pooling_params or {})}))
 

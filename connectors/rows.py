@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from batchgen_data.connectors.common import (
-    RequestBuilder, RowError, error_row, result_row, seeded)
+    RequestBuilder, RowError, error_row, lora_kwargs, result_row, seeded)
 from batchgen_data.connectors.programs import (
     program_error_row, program_output_schema, program_result_row, program_row_key, step_seed)
 
@@ -84,7 +84,8 @@ class RowLifecycle:
         return DrivenPrograms(
             self.driver, program, self.builder.default_params, self._build_lock,
             seed_for=lambda key, step, slot: step_seed(self.base_seed, key, step, slot),
-            prefix=f"{self._prefix}-program", is_engine_dead=lambda e: isinstance(e, self._dead))
+            prefix=f"{self._prefix}-program", is_engine_dead=lambda e: isinstance(e, self._dead),
+            lora_for=self.builder.lora_for)
 
     def submit(self, row: Mapping[str, Any], key: Any = None) -> Future:
         """build → seed → submit. A row error comes back as a finished Future holding it
@@ -100,7 +101,7 @@ class RowLifecycle:
             params = seeded(req.params, self.base_seed, seed_key)
             rid = f"{self._prefix}-{next(self._ids)}"
             fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid,
-                                     prompt=req.prompt)
+                                     prompt=req.prompt, **lora_kwargs(req.lora))
         except Exception as e:  # noqa: BLE001 - sorted by the rule above
             if isinstance(e, self._dead):
                 self._engine_failed(e)

@@ -173,7 +173,7 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
             return session.submit(rows, keys if keys is not None else [None] * len(rows))
         values = batch.column(prompt_col).to_pylist()
         rows = [spark_task.value_row(v, prompt_col) for v in values]
-        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS):
+        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS, *common.LORA_FIELDS):
             if name in batch.schema.names:
                 for row, value in zip(rows, batch.column(name).to_pylist()):
                     row[name] = value

@@ -15,6 +15,7 @@ from typing import Any
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, Outcome
 from batchgen_data.connectors.common import RequestBuilder, RowError, encode_prompt, seeded
+from batchgen_data.lora_request import LoRARequest
 from batchgen_data.openai_batch_output import Choice
 from batchgen_data.report_record import EngineSampler, RunRecord
 from batchgen_data.sampling_params import SamplingParams
@@ -66,26 +67,30 @@ class LocalRunner:
 
     def _submit(self, item: WorkItem, emit: Emit) -> Future | None:
         try:
-            ids, params, text = self._request(item)
+            ids, params, text, lora = self._request(item)
             self._ids += 1
-            fut = self.driver.submit(ids, params, request_id=f"cli-{self._ids}", prompt=text)
+            fut = self.driver.submit(ids, params, request_id=f"cli-{self._ids}", prompt=text,
+                                     lora_request=lora)
         except (RowError, ValueError, TypeError) as e:
             emit(Outcome(item, error=_message(item, e), error_code="invalid_request", actor=ACTOR))
             return None
         self.submitted += 1
         return fut
 
-    def _request(self, item: WorkItem) -> tuple[list[int], SamplingParams, str | None]:
+    def _request(self, item: WorkItem
+                 ) -> tuple[list[int], SamplingParams, str | None, LoRARequest | None]:
         if item.request is None:  # a table row: the connectors' own rules
             req = self.builder.build(item.row)
             return req.prompt_token_ids, seeded(req.params, self.engine.config.seed,
-                                                req.prompt_token_ids), req.prompt
+                                                req.prompt_token_ids), req.prompt, req.lora
         row = item.row
         column = next(c for c in ("messages", "prompt_token_ids", "prompt") if c in row)
         ids, text = encode_prompt(row[column], self.engine.tokenizer, column, as_chat=False)
         params = SamplingParams.from_dict(dict(row["sampling_params"]))
         self.engine.check_request(ids, params)
-        return ids, seeded(params, self.engine.config.seed, ids), text
+        # the line's "model" names a LoRA adapter (with enable_lora; connectors/lora_rows.py)
+        lora = self.builder.lora_for(row)
+        return ids, seeded(params, self.engine.config.seed, ids), text, lora
 
     def _outcome(self, item: WorkItem, fut: Future) -> Outcome:
         exc = fut.exception()

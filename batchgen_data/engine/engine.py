@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import random
 import time
 from collections.abc import Callable, Container, Iterable
@@ -29,7 +30,7 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.token_draw import sample_seed
-from batchgen_data.lora_request import LoRARequest
+from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.prompt_checks import first_bad_token
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
@@ -100,6 +101,18 @@ class Engine:
             raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}"
                              ": this engine was started without enable_lora=True")
         self.runner.lora.check(lora_request)
+
+    def lora_names(self) -> AdapterNames | None:
+        """How rows name adapters here (a `lora` column, a row's `model`), or None without
+        enable_lora (batchgen_data/lora_request.py)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        from batchgen_data.models.default_model import DEFAULT_MODEL
+
+        model = str(self.config.model or DEFAULT_MODEL)
+        return AdapterNames(lora.dynamic_lora_loading_path,
+                            frozenset({model, os.path.basename(os.path.normpath(model))}))
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
@@ -222,7 +235,7 @@ class Engine:
                 self.stats.num_finished += 1
                 if req.pin is not None:
                     for seq in req.seqs:
-                        self.pins.pin(req.pin, seq.token_ids)
+                        self.pins.pin(req.pin, seq.token_ids, seq.cache_root)
                 outs.append(req.output(self.stopper))
         return outs
 

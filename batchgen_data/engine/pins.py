@@ -47,10 +47,12 @@ class PrefixPins:
         """The pool blocks `key` references (empty when it holds none)."""
         return list(self._pins.get(key, ()))
 
-    def pin(self, key: str, token_ids: list[int]) -> int:
-        """Reference the cached full blocks of `token_ids` under `key`; returns how many new
-        blocks the key holds now (0 when refused or nothing new was cached)."""
-        blocks, _ = self.pool.match_prefix(token_ids, len(token_ids), count_hits=False)
+    def pin(self, key: str, token_ids: list[int], root: int | None = None) -> int:
+        """Reference the cached full blocks of `token_ids` (in the prefix-cache chain from
+        `root`: a LoRA adapter's) under `key`; returns how many new blocks the key holds now
+        (0 when refused or nothing new was cached)."""
+        blocks, _ = self.pool.match_prefix(token_ids, len(token_ids), count_hits=False,
+                                           root=root)
         held = self._pins.get(key, {})
         new = [b for b in blocks if b not in held]
         again = [b for b in blocks if b in held]

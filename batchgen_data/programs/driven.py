@@ -43,7 +43,10 @@ class DrivenPrograms:
     def __init__(self, driver: Any, program: Program, defaults: SamplingParams | None = None,
                  tokenizer_lock: Any = None, seed_for: SeedFor | None = None,
                  prefix: str = "program", is_engine_dead: Callable[[BaseException], bool]
-                 = lambda e: False) -> None:
+                 = lambda e: False,
+                 lora_for: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """`lora_for(row)`: the LoRA adapter a row's steps run under (None: the base model);
+        what it raises fails that row's program."""
         if not isinstance(program, Program):
             raise TypeError(f"program must be a @batchgen_data.program, got "
                             f"{type(program).__name__}")
@@ -53,6 +56,7 @@ class DrivenPrograms:
         self._lock = tokenizer_lock if tokenizer_lock is not None else threading.Lock()
         self._seed_for = seed_for
         self._is_dead = is_engine_dead
+        self._lora_for = lora_for
         self._prefix = prefix
         self._ids = itertools.count()
         self._live: dict[Future, _Live] = {}
@@ -145,6 +149,7 @@ class DrivenPrograms:
         live.requests, live.results = reqs, [None] * len(reqs)
         live.in_flight = [f"{live.pid}-{live.run.num_steps}-{slot}" for slot in range(len(reqs))]
         engine = self.driver.engine
+        lora = self._lora_for(live.run.row) if self._lora_for is not None else None
         rooms = [engine.max_model_len - len(r.prompt_token_ids) for r in reqs]
         limits = [min(r.params.max_tokens or room, room) for r, room in zip(reqs, rooms)]
         self.admission.reserve(live.pid, self.admission.step_blocks(
@@ -153,7 +158,8 @@ class DrivenPrograms:
             # a started program's next step goes before new programs' first steps
             step_fut = self.driver.submit(req.prompt_token_ids, req.params, request_id=rid,
                                           prompt=req.prompt, pin=live.pid,
-                                          front=bool(live.run.history))
+                                          front=bool(live.run.history),
+                                          **({} if lora is None else {"lora_request": lora}))
             step_fut.add_done_callback(
                 lambda f, s=slot: self._worker.submit(self._guarded, live, self._on_step, live,
                                                       s, f))

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from batchgen_data.engine.engine import Engine
+from batchgen_data.lora_request import no_adapters
 from batchgen_data.programs.admission import PoolState, ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
@@ -48,6 +49,17 @@ class ProgramRunner:
         self.stats = ProgramStats()
         # programs not started yet: (id, row) or, for an imported one, (id, exported state)
         self._backlog: deque[tuple[str, dict[str, Any], bool]] = deque()
+        # a row's LoRA adapter (its `lora` column or `model`): every step of its program runs
+        # under it, here and wherever the program is imported (the row travels with it)
+        self._names = engine.lora_names() if hasattr(engine, "lora_names") else None
+
+    def _lora_for(self, row: dict[str, Any]) -> Any:
+        if self._names is None:
+            no_adapters(row)
+            return None
+        lora = self._names.request(row)
+        self.engine.check_lora(lora)
+        return lora
 
     def add(self, row: dict[str, Any]) -> str:
         """Queue the program on `row`; it starts as soon as the KV pool has room for it.
@@ -159,6 +171,7 @@ class ProgramRunner:
             try:
                 reqs = [render(g, self.engine.tokenizer, self.defaults, self.engine.check_request)
                         for g in run.pending]
+                lora = self._lora_for(run.row)
             except (ValueError, TypeError) as e:
                 run.fail(f"program {run.program.name!r} step {run.num_steps}: {e}")
             else:
@@ -171,7 +184,8 @@ class ProgramRunner:
                 for slot, req in enumerate(reqs):
                     # a started program's next step goes before new programs' first steps
                     rid = self.engine.submit(req.prompt_token_ids, req.params, prompt=req.prompt,
-                                             pin=pid, front=bool(run.history))
+                                             pin=pid, front=bool(run.history),
+                                             lora_request=lora)
                     self._owner[rid] = (pid, slot)
                     self._steps[pid].append(rid)
                 return

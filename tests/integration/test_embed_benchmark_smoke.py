@@ -1,0 +1,23 @@
+"""benchmarks/embed_throughput.py on a tiny BERT: it prints its table and one JSON line whose
+embeddings agree across the three systems."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(600)]
+
+
+def test_embed_throughput_smoke() -> None:
+    pytest.importorskip("sentence_transformers")
+    proc = subprocess.run([sys.executable, "benchmarks/embed_throughput.py", "--shape",
+                           "tiny-bert", "--passages", "24", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sentence-transformers" in proc.stdout and "hf-padded" in proc.stdout
+    result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert result["passages"] == 24 and result["ratio_vs_st"] > 0
+    assert result["min_cosine_vs_st"] >= 0.99999 and result["min_cosine_vs_hf"] >= 0.99999

@@ -129,6 +129,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # rank 0 waits at most this long on any collective: a dead or stuck rank fails the engine
     collective_timeout_s: float = 120.0
+    # vLLM's name: MoE layers keep whole experts per rank instead of a slice of each (one
+    # rank: nothing to split; docs/parallel.md)
+    enable_expert_parallel: bool = False
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
@@ -170,6 +173,9 @@ class EngineConfig:
         if not isinstance(self.collective_timeout_s, (int, float)) or \
                 self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r}: must be > 0")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise TypeError(f"enable_expert_parallel={self.enable_expert_parallel!r}: must be "
+                            "True or False")
         if tp == 1:
             return
         together = {"cpu_offload_gb": (self.cpu_offload_gb, self.cpu_offload_gb > 0),

@@ -72,9 +72,6 @@ VLLM_ARGS: dict[str, _Arg] = {
                         "weights load from *.safetensors (or the embedded GGUF model)"),
     "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype (an FP8 KV "
                                               "cache is not implemented: docs/quantization.md)"),
-    "enable_expert_parallel": _Arg(_is(False, None), "expert parallelism is not implemented "
-                                   "(tensor_parallel_size shards the dense models only; "
-                                   "docs/parallel.md)"),
     "limit_mm_per_prompt": _Arg(lambda v: not v, "multimodal input is not supported"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "tokenizer_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

@@ -101,7 +101,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def start(config: Any, size: int, device_type: str, timeout_s: float) -> RankGroup:
+def start(config: Any, size: int, device_type: str, timeout_s: float,
+          expert_parallel: bool = False) -> RankGroup:
     """Rank 0: start ranks 1..size-1 with `config` and join the groups."""
     import torch.distributed as dist
 
@@ -114,7 +115,7 @@ def start(config: Any, size: int, device_type: str, timeout_s: float) -> RankGro
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", _WORKER_MODULE, str(rank), str(size), str(store.port),
-                 device_type, str(timeout_s)],
+                 device_type, str(timeout_s), str(int(expert_parallel))],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
         assert proc.stdin is not None
         proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
@@ -126,21 +127,23 @@ def start(config: Any, size: int, device_type: str, timeout_s: float) -> RankGro
     try:
         group._wait_for([f"joined/{r}" for r in range(1, size)], "the ranks to start",
                         limit_s=max(timeout_s, 60.0))
-        group.control, group.tp = _groups(store, 0, size, device_type, timeout, timeout)
+        group.control, group.tp = _groups(store, 0, size, device_type, timeout, timeout,
+                                          expert_parallel)
     except BaseException:
         _stop(procs)
         raise
     return group
 
 
-def join(rank: int, size: int, port: int, device_type: str, timeout_s: float) -> RankGroup:
+def join(rank: int, size: int, port: int, device_type: str, timeout_s: float,
+         expert_parallel: bool = False) -> RankGroup:
     """Rank `rank` > 0: join rank 0's store and groups."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=_FOREVER)
     store.set(f"joined/{rank}", "1")
-    control, model = _groups(store, rank, size, device_type, _FOREVER, timeout)
+    control, model = _groups(store, rank, size, device_type, _FOREVER, timeout, expert_parallel)
     return RankGroup(model, control, store, timeout)
 
 
@@ -151,7 +154,8 @@ def read_config(stream: Any) -> Any:
 
 
 def _groups(store: Any, rank: int, size: int, device_type: str, control_timeout: timedelta,
-            model_timeout: timedelta) -> tuple[TensorParallel, TensorParallel]:
+            model_timeout: timedelta, expert_parallel: bool = False
+            ) -> tuple[TensorParallel, TensorParallel]:
     import torch.distributed as dist
 
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size,
@@ -164,7 +168,7 @@ def _groups(store: Any, rank: int, size: int, device_type: str, control_timeout:
         model = dist.ProcessGroupGloo(dist.PrefixStore("model", store), rank, size,
                                       _gloo_options(model_timeout))
     return (TensorParallel(rank, size, control, control_timeout),
-            TensorParallel(rank, size, model, model_timeout))
+            TensorParallel(rank, size, model, model_timeout, expert_parallel))
 
 
 def _gloo_options(timeout: timedelta) -> Any:

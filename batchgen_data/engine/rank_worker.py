@@ -1,5 +1,5 @@
 """A tensor-parallel engine's rank > 0: `python -m batchgen_data.engine.rank_worker RANK SIZE
-PORT DEVICE_TYPE TIMEOUT_S`, the engine config on stdin (`distributed/launch.py` starts it).
+PORT DEVICE_TYPE TIMEOUT_S EXPERT_PARALLEL`, the engine config on stdin (`distributed/launch.py` starts it).
 
 It builds the same engine parts as rank 0, for its rank (its shard of the weights and the KV
 cache), then serves rank 0's broadcasts (`TPRunner.serve`). It never imports the connectors, the
@@ -26,12 +26,12 @@ def main(argv: list[str]) -> int:
     from batchgen_data.engine.setup import build_parts
 
     rank, size, port = (int(a) for a in argv[:3])
-    device_type, timeout_s = argv[3], float(argv[4])
+    device_type, timeout_s, expert_parallel = argv[3], float(argv[4]), argv[5] == "1"
     config = launch.read_config(sys.stdin.buffer)
     threading.Thread(target=_exit_when_rank0_goes, args=(sys.stdin.buffer,), daemon=True).start()
     # one process per device: share the CPU's cores between the ranks unless told
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // size))
-    ranks = launch.join(rank, size, port, device_type, timeout_s)
+    ranks = launch.join(rank, size, port, device_type, timeout_s, expert_parallel)
     parts = build_parts(config, ranks)
     parts.runner.serve()
     return 0

@@ -170,7 +170,7 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
         raise ValueError(f"tensor_parallel_size={size}: the Llama-family decoders (Llama, "
                          f"Mistral, Qwen2, Qwen3) and their MoE models (Qwen2/Qwen3-MoE, "
                          f"Mixtral) are sharded; {cls.__name__} is not yet (docs/parallel.md)")
-    check_shape(hf_config, size)
+    check_shape(hf_config, size, config.enable_expert_parallel)
     lora = getattr(config, "lora", None)
     if lora is not None and lora.enable_lora:
         raise ValueError(f"tensor_parallel_size={size} with enable_lora=True: LoRA deltas are "
@@ -181,7 +181,8 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
                          f"{torch.cuda.device_count()} visible")
-    return launch.start(config, size, device.type, config.collective_timeout_s)
+    return launch.start(config, size, device.type, config.collective_timeout_s,
+                        config.enable_expert_parallel)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from batchgen_data.layers.embedding import VocabEmbedding
-from batchgen_data.layers.moe import FusedMoE
+from batchgen_data.layers.linear import Linear
+from batchgen_data.layers.moe import FusedMoE, cpu_fused_experts, route
 
 
 class CollectiveError(RuntimeError):
@@ -59,6 +60,8 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup (gloo or NCCL) over the ranks
     timeout: timedelta = timedelta(seconds=120)
+    # MoE layers: each rank keeps whole experts (expert parallel) instead of a slice of each
+    expert_parallel: bool = False
     stats: CollectiveStats = field(default_factory=CollectiveStats)
 
     def _wait(self, work: Any, what: str, nbytes: int, t0: float) -> None:
@@ -150,11 +153,15 @@ def padded_vocab(vocab: int, size: int) -> int:
     return -(-vocab // size) * size
 
 
-def check_shape(config: Any, size: int) -> None:
+def check_shape(config: Any, size: int, expert_parallel: bool = False) -> None:
     """ValueError naming `tensor_parallel_size` and the number it does not divide, from the HF
     config alone (before anything is loaded)."""
     if size == 1:
         return
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if expert_parallel and experts and experts % size:
+        raise ValueError(f"tensor_parallel_size={size} with enable_expert_parallel=True does "
+                         f"not divide the model's {experts} experts")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % size:
@@ -163,8 +170,9 @@ def check_shape(config: Any, size: int) -> None:
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size={size}: num_key_value_heads={kv} is neither a "
                          f"multiple of it (to split) nor a divisor of it (to replicate)")
-    for name in ("intermediate_size", "moe_intermediate_size",
-                 "shared_expert_intermediate_size"):
+    widths = ("intermediate_size", "shared_expert_intermediate_size") + (
+        () if expert_parallel and experts else ("moe_intermediate_size",))
+    for name in widths:
         width = getattr(config, name, None)
         if width and width % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
@@ -194,9 +202,59 @@ class TensorParallelMoE(FusedMoE):
     the routed experts' output, plus the shared expert's partial one (built narrow and not
     reduced itself), is summed over the ranks by ONE all-reduce."""
 
+    width_split = True  # (models/tp_shards.py: slice each expert's width)
+
     def __init__(self, tp: TensorParallel, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
+
+
+class ExpertParallelMoE(FusedMoE):
+    """Expert parallel (`enable_expert_parallel`): rank r keeps whole experts [r * E / size,
+    (r + 1) * E / size). The hidden states entering the block are the same on every rank (the
+    attention before it is tensor-parallel), and so is the router's choice; each rank runs only
+    the (token, expert) pairs of its own experts, scatters their weighted outputs into a zero
+    [T, H], and ONE all-reduce sums the ranks' parts (with the split shared expert's). That sum
+    is the all-gather + reduce-scatter exchange of tokens, done in one collective; an all-to-all
+    would move only the routed rows. `take_expert_tokens` counts every expert (the routing is
+    known everywhere), so the engine's `tokens_per_expert` is the whole layer's; rank r's share
+    is its slice of it."""
+
+    width_split = False
+
+    def __init__(self, tp: TensorParallel, hidden: int, intermediate: int, num_experts: int,
+                 top_k: int, norm_topk_prob: bool, shared_expert: Any = None) -> None:
+        local = num_experts // tp.size
+        super().__init__(hidden, intermediate, local, min(top_k, local), norm_topk_prob,
+                         shared_expert=shared_expert)
+        self.tp, self.first, self.total_experts, self.route_k = tp, tp.rank * local, \
+            num_experts, top_k
+        self.gate = Linear(hidden, num_experts)  # the router sees every expert
+        self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.route_k, self.norm_topk_prob)  # [T, k]
+        self.routed_tokens += torch.bincount(ids.reshape(-1), minlength=self.total_experts)
+        local = ids - self.first
+        token, slot = ((local >= 0) & (local < self.num_experts)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if token.numel():
+            ids_here = local[token, slot].unsqueeze(1)  # [P, 1] this rank's pairs
+            w_here = weights[token, slot].unsqueeze(1)
+            counts = torch.bincount(ids_here.reshape(-1), minlength=self.num_experts)
+            out.index_add_(0, token, cpu_fused_experts(x[token], self.w13, self.w2, w_here,
+                                                       ids_here, self.act, counts))
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+    def take_expert_tokens(self) -> torch.Tensor:
+        counts = self.routed_tokens.clone()
+        self.routed_tokens.zero_()
+        return counts

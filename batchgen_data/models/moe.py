@@ -81,6 +81,10 @@ class MoeForCausalLM(DecoderForCausalLM):
         if not self.is_sparse(config, layer_idx):
             return LlamaMLP(shape, bias=False)
         m, tp = self.moe, shape.tp
+        if tp.size > 1 and tp.expert_parallel:  # whole experts per rank
+            return parallel.ExpertParallelMoE(tp, shape.hidden, m.intermediate, m.num_experts,
+                                              m.top_k, m.norm_topk_prob,
+                                              shared_expert=self.shared_expert(config, shape))
         if tp.size > 1:  # each expert split like a dense MLP, one all-reduce per block
             return parallel.TensorParallelMoE(tp, shape.hidden, m.intermediate // tp.size,
                                               m.num_experts, m.top_k, m.norm_topk_prob,

@@ -60,6 +60,10 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
         param = _param(params, f"{block}.{leaf}", name)
         rows = param.shape[1] // 2 if leaf == "w13" else param.shape[1]
         moe = model.get_submodule(block)
+        local = tp_shards.local_expert(moe, e)  # (expert parallel: this rank's index)
+        if local is None:
+            return set()  # another rank's expert
+        e = local
         if isinstance(tensor, QuantWeight) and moe.scheme is not None:
             moe.load_quant_expert(leaf, e, shard * rows, tensor, name)
         elif moe.scheme is not None:
@@ -68,7 +72,7 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
         else:
             if isinstance(tensor, QuantWeight):
                 tensor = tensor.dequantize()
-            tensor = tp_shards.expert_slice(model, leaf, tensor)  # this rank's part (TP)
+            tensor = tp_shards.expert_slice(moe, leaf, tensor)  # this rank's part (TP)
             _copy(param.data[e, shard * rows:(shard + 1) * rows], tensor, name)
         return {f"{block}.{leaf}#{e}.{shard}"}
     m = _STACKED.match(name)
@@ -79,7 +83,8 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
         leaf = "w13" if m.group(2) == "gate_up_proj" else "w2"
         target = f"{m.group(1)}.{leaf}"
         param = _param(params, target, name)
-        tensor = tp_shards.stacked_experts_slice(model, leaf, tensor)  # this rank's part (TP)
+        tensor = tp_shards.stacked_experts_slice(model.get_submodule(m.group(1)), leaf,
+                                                 tensor)  # this rank's part (TP, EP)
         if tensor.shape != param.shape and tensor.transpose(1, 2).shape == param.shape:
             tensor = tensor.transpose(1, 2)  # some writers keep [E, in, out]
         _copy(param.data, tensor, name)

@@ -49,11 +49,18 @@ def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -
     return tensor
 
 
-def expert_slice(model: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of one expert's matrix: gate or up [I, H] -> rows, down [H, I] ->
-    columns (`layers/parallel.TensorParallelMoE`)."""
-    tp = getattr(getattr(model, "shape", None), "tp", None)
-    if tp is None or tp.size == 1:
+def local_expert(moe: nn.Module, expert: int) -> int | None:
+    """Where checkpoint expert `expert` sits in this rank's MoE block: its own index, or under
+    expert parallelism its index among the rank's experts (None: another rank's)."""
+    first = getattr(moe, "first", 0)
+    return expert - first if 0 <= expert - first < moe.num_experts else None
+
+
+def expert_slice(moe: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of one expert's matrix: under tensor parallelism gate or up [I, H] ->
+    rows, down [H, I] -> columns (`layers/parallel.TensorParallelMoE`); whole otherwise."""
+    tp = getattr(moe, "tp", None)
+    if tp is None or not getattr(moe, "width_split", False):
         return tensor
     if leaf == "w13":
         width = tensor.shape[0] // tp.size
@@ -62,14 +69,17 @@ def expert_slice(model: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Ten
     return tensor[:, tp.rank * width:(tp.rank + 1) * width]
 
 
-def stacked_experts_slice(model: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+def stacked_experts_slice(moe: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
     """The same for every expert at once: w13 [E, 2I, H] (gate rows then up rows), w2
-    [E, H, I]."""
-    tp = getattr(getattr(model, "shape", None), "tp", None)
-    if tp is None or tp.size == 1:
+    [E, H, I]; under expert parallelism the rank's experts."""
+    tp = getattr(moe, "tp", None)
+    if tp is None:
         return tensor
+    if not getattr(moe, "width_split", False):
+        first = getattr(moe, "first", 0)
+        return tensor[first:first + moe.num_experts]
     if leaf == "w13":
         gate, up = tensor.chunk(2, dim=1)
-        return torch.cat([expert_slice(model, leaf, g.transpose(0, 1)).transpose(0, 1)
+        return torch.cat([expert_slice(moe, leaf, g.transpose(0, 1)).transpose(0, 1)
                           for g in (gate, up)], dim=1)
-    return torch.stack([expert_slice(model, leaf, e) for e in tensor])
+    return torch.stack([expert_slice(moe, leaf, e) for e in tensor])

@@ -94,23 +94,33 @@ def test_tp2_greedy_matches_hf(arch: str, model_dirs: dict[str, Path]) -> None:
         engine.runner.close()
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_tp2_moe_greedy_matches_hf(arch: str, tmp_path: Path) -> None:
-    """Experts split over the ranks like dense MLPs (Qwen2-MoE's shared expert too), Qwen3-MoE
-    with a dense layer mixed in; chunked prefill and preemption as above."""
+def test_tp2_moe_greedy_matches_hf(arch: str, expert_parallel: bool, tmp_path: Path) -> None:
+    """Experts split over the ranks like dense MLPs (Qwen2-MoE's shared expert too), or whole
+    experts per rank (`enable_expert_parallel`); Qwen3-MoE with a dense layer mixed in; chunked
+    prefill and preemption as above."""
     from tests.integration.test_moe_vs_hf import build_moe_model
 
     torch.set_num_threads(1)
     tok = build_tokenizer(tmp_path)
     build_moe_model(arch, tmp_path, vocab=len(tok) + 1)
     want = hf_greedy(tmp_path, PROMPTS, MAX_TOKENS)
-    engine = Engine.from_kwargs(str(tmp_path), num_kv_blocks=24, **ENGINE_KW)
+    engine = Engine.from_kwargs(str(tmp_path), num_kv_blocks=24,
+                                enable_expert_parallel=expert_parallel, **ENGINE_KW)
     try:
-        assert engine.runner.model.moe_layers[0].w13.shape[1] == 2 * (
-            engine.runner.model.moe.intermediate // 2)
+        layer, moe = engine.runner.model.moe_layers[0], engine.runner.model.moe
+        if expert_parallel:  # half the experts, whole
+            assert layer.w13.shape[:2] == (moe.num_experts // 2, 2 * moe.intermediate)
+        else:  # every expert, half its width
+            assert layer.w13.shape[:2] == (moe.num_experts, moe.intermediate)
         got, _ = run_all(engine, PROMPTS)
         assert got == want
         assert engine.stats.num_preemptions > 0
+        # every routed (token, expert) pair counted once, whichever rank ran the expert
+        load = engine.stats.tokens_per_expert.summary()
+        pairs = engine.stats.computed_tokens * moe.top_k * len(engine.runner.model.moe_layers)
+        assert load["mean"] * load["layer_steps"] * moe.num_experts == pytest.approx(pairs)
     finally:
         engine.runner.close()
 

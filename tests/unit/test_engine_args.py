@@ -28,11 +28,10 @@ def test_no_ops_are_accepted() -> None:
 
 @pytest.mark.parametrize("kw, words", [
     ({"pipeline_parallel_size": 4}, "only by tensor_parallel_size"),
-    ({"enable_expert_parallel": True}, "expert parallelism is not implemented"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
     ({"tensor_parallel_size": 2, "cpu_offload_gb": 1}, "cpu_offload_gb=1: not supported"),
     ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
-    ({"quantization": "awq"}, "quantized"),
+    ({"quantization": "bitsandbytes"}, "quantized"),
     ({"kv_cache_dtype": "fp8"}, "FP8 KV"),
     ({"revision": "main"}, "nothing is downloaded"),
 ])
@@ -41,8 +40,9 @@ def test_refused_values_say_why(kw: dict, words: str) -> None:
         make_engine_config(None, **kw)
 
 
-def test_tensor_parallel_size_is_an_engine_argument() -> None:
-    assert make_engine_config(None, tensor_parallel_size=2).tensor_parallel_size == 2
+def test_tensor_and_expert_parallel_are_engine_arguments() -> None:
+    cfg = make_engine_config(None, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert cfg.tensor_parallel_size == 2 and cfg.enable_expert_parallel
 
 
 def test_unknown_names_still_raise_type_error() -> None:

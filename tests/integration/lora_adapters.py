@@ -18,7 +18,7 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def write_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8, alpha: float = 16,
-                  targets: list[str] | None = None, rslora: bool = False,
+                  targets: list[str] | str | None = None, rslora: bool = False,
                   scale: float = 0.5, **extra: Any) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchgen_data import LLM, LoRARequest, SamplingParams
 from lora_adapters import hf_greedy, hf_lora_model, write_adapter
@@ -162,3 +163,36 @@ def test_refused_adapters_say_why(tiny_model_dir, tmp_path: Path) -> None:  # ty
     llm.engine.check_lora(LoRARequest("good", 1, str(good)))
     with pytest.raises(ValueError, match="already names adapter 'good'"):
         llm.engine.check_lora(LoRARequest("other", 1, str(good)))
+
+
+def test_moe_model_attention_adapters(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from test_moe_vs_hf import build_moe_model
+
+    path = tmp_path / "moe"
+    path.mkdir()
+    for f in tiny_model_dir("llama").glob("*token*"):
+        shutil.copy(f, path / f.name)
+    build_moe_model("qwen3_moe", path, vocab=300)  # layer 1 dense, layers 0 and 2 MoE
+    base = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    # attention only: peft turns gate/up/down targets of an MoE model into expert parameters
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = write_adapter(path, tmp_path / "a", seed=3, targets=targets)
+    llm = LLM(str(path), enable_lora=True, max_loras=1)
+    lr = LoRARequest("a", 1, str(adapter))
+    prompts = prompts_for(300, 4, seed=5)
+    got = greedy(llm, prompts, 10, [lr, None, lr, lr])
+    applied = hf_lora_model(base, adapter, merged=False)
+    assert got == [hf_greedy(applied if i != 1 else base, p, 10) for i, p in enumerate(prompts)]
+    # an adapter of an MoE layer's experts (or of its MLP) is refused by name
+    bad = tmp_path / "experts"
+    shutil.copytree(adapter, bad)
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight":
+               torch.zeros(8, 64), "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight":
+               torch.zeros(32, 8)}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        llm.engine.check_lora(LoRARequest("experts", 2, str(bad)))

@@ -11,7 +11,8 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM's names of the checkpoint methods that load (models/quant_config.py)
-_QUANTIZATION = ("compressed-tensors", "compressed_tensors", "fp8", "fbgemm_fp8")
+_QUANTIZATION = ("compressed-tensors", "compressed_tensors", "fp8", "fbgemm_fp8", "gptq",
+                 "gptq_marlin", "marlin", "awq", "awq_marlin")
 
 
 @dataclass(frozen=True, slots=True)

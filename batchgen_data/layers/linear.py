@@ -49,6 +49,9 @@ class Linear(nn.Module):
                                                    device=self._home, dtype=self._dtype))
             return
         self.weight, self.scheme = None, scheme
+        # GPTQ act order: the input column of each stored column, shared by fused shards
+        self.register_buffer("input_perm", None, persistent=False)
+        self._perm_rows = 0  # rows loaded so far (the first shard sets `input_perm`)
         stored = scheme.empty((self.out_features,), self.in_features, self._home)
         for name, t in zip(("qweight", "weight_scale", "weight_zero"), stored):
             setattr(self, name, None if t is None else nn.Parameter(t, requires_grad=False))
@@ -58,6 +61,13 @@ class Linear(nn.Module):
         if self.scheme is None:
             raise ValueError(f"checkpoint weight {name!r} is quantized but its layer is not")
         src.check(name, self.scheme, self.in_features)
+        if self._perm_rows == 0:  # the first shard sets the order, the others must share it
+            self.input_perm = None if src.perm is None else src.perm.to(self._home)
+        elif ((src.perm is None) != (self.input_perm is None) or src.perm is not None
+              and not torch.equal(src.perm, self.input_perm.cpu())):
+            raise ValueError(f"checkpoint weight {name!r}: its g_idx order differs from the "
+                             "other projections fused into its layer")
+        self._perm_rows += src.rows
         quant.fill_rows((self.qweight.data, self.weight_scale.data,
                          None if self.weight_zero is None else self.weight_zero.data), start, src)
 
@@ -86,6 +96,8 @@ class Linear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme is not None:
+            if self.input_perm is not None:
+                x = x.index_select(-1, self.input_perm)
             out = quant.quant_matmul(x, self.qweight, self.weight_scale, self.weight_zero,
                                      self.scheme, self._c_quant)
             return out if self.bias is None else out.add_(self.bias)

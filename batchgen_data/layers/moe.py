@@ -209,6 +209,9 @@ class FusedMoE(nn.Module):
         if self.scheme is None:
             raise ValueError(f"checkpoint weight {name!r} is quantized but its experts are not")
         src.check(name, self.scheme, self.hidden if leaf == "w13" else self.intermediate)
+        if src.perm is not None:
+            raise ValueError(f"checkpoint weight {name!r}: experts in GPTQ act order (g_idx) "
+                             "are not supported")
         zero = getattr(self, leaf + "_zero")
         quant.fill_rows((getattr(self, leaf).data[expert],
                          getattr(self, leaf + "_scale").data[expert],

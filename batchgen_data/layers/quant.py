@@ -80,15 +80,20 @@ class QuantWeight:
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None
+    # input column of each stored column (GPTQ act order), None: in order
+    perm: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
         return self.codes.shape[0]
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [n, k]."""
-        return reference.dequantize(self.codes, self.scale, self.zero, self.scheme.kind,
-                                    self.scheme.group(self.k), self.k)
+        """The float32 weight [n, k], columns in input order."""
+        w = reference.dequantize(self.codes, self.scale, self.zero, self.scheme.kind,
+                                 self.scheme.group(self.k), self.k)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
 
     def check(self, name: str, scheme: QuantScheme, k: int) -> None:
         """ValueError naming `name` unless this matrix fits a layer of `scheme` and `k` inputs."""

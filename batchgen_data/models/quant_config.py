@@ -10,7 +10,8 @@ quantization in the config (W8A8) is not applied: the layers multiply fp32/bf16 
 the dequantized weight (weight-only semantics), which docs/quantization.md states.
 
 What is refused, before the model is built: another method or format, bit widths other than 4/8
-(int) or 8 (float), group orderings that need `g_idx`, mixed schemes across layers.
+(int) or 8 (float), compressed-tensors group orderings that need `weight_g_idx`, AWQ other than
+GEMM, mixed schemes across layers.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ _ALIASES = {"compressed-tensors": ("compressed-tensors", "compressed_tensors"),
             "fp8": ("fp8", "fbgemm_fp8"),
             "gptq": ("gptq", "gptq_marlin", "marlin"),
             "awq": ("awq", "awq_marlin")}
-SUPPORTED = ("compressed-tensors", "fp8")
+SUPPORTED = ("compressed-tensors", "fp8", "gptq", "awq")
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
 
@@ -37,6 +38,10 @@ class CheckpointQuant:
     format: str
     scheme: QuantScheme
     block: tuple[int, int] | None = None
+    # GPTQ: columns in activation order (`g_idx`), and what its zeros are stored off by (v1
+    # checkpoints keep zero - 1)
+    act_order: bool = False
+    zero_offset: int = 0
 
 
 def raw_config(hf_config: Any) -> dict[str, Any] | None:
@@ -65,8 +70,49 @@ def parse(hf_config: Any, requested: str | None = None) -> CheckpointQuant | Non
         return _compressed_tensors(qc)
     if method == "fp8":
         return _fp8(qc)
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
     raise ValueError(f"quantization_config.quant_method={qc.get('quant_method')!r} is not "
                      f"supported; supported: {SUPPORTED} (docs/quantization.md)")
+
+
+def _group_size(qc: dict[str, Any]) -> int | None:
+    size = qc.get("group_size", -1)
+    if size == -1 or size is None:
+        return None
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"quantization_config.group_size={size!r}: an int >= 1, or -1")
+    return size
+
+
+def _gptq(qc: dict[str, Any]) -> CheckpointQuant:
+    bits = qc.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config.bits={bits!r}: GPTQ with 4 or 8 bits is "
+                         "supported")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config.checkpoint_format={fmt!r}: use gptq or gptq_v2")
+    return CheckpointQuant("gptq", "gptq", QuantScheme(f"int{bits}", _group_size(qc),
+                                                       bool(qc.get("sym", True))),
+                           act_order=bool(qc.get("desc_act", False)),
+                           zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _awq(qc: dict[str, Any]) -> CheckpointQuant:
+    bits, version = qc.get("bits", qc.get("w_bit")), str(qc.get("version", "gemm")).lower()
+    if bits != 4:
+        raise ValueError(f"quantization_config.bits={bits!r}: AWQ with 4 bits is supported")
+    if version != "gemm":
+        raise ValueError(f"quantization_config.version={version!r}: AWQ's GEMM packing is "
+                         "supported (not GEMV / Marlin)")
+    if not qc.get("zero_point", True):
+        raise ValueError("quantization_config.zero_point=False: AWQ without zero points is not "
+                         "supported")
+    size = _group_size({"group_size": qc.get("group_size", qc.get("q_group_size", -1))})
+    return CheckpointQuant("awq", "awq", QuantScheme("int4", size, symmetric=False))
 
 
 def _fp8(qc: dict[str, Any]) -> CheckpointQuant:

@@ -12,6 +12,13 @@ holds a few tensors named `prefix.<piece>`; the format says which:
   * fp8 (DeepSeek-V3 / Qwen3 FP8): `weight` float8_e4m3fn [n, k], `weight_scale_inv`
     [ceil(n / b0), ceil(k / b1)] for `weight_block_size` [b0, b1] (w = fp8 * scale_inv), or a
     per-tensor `weight_scale`.
+  * gptq: `qweight` int32 [k * bits / 32, n], codes packed down the input columns (lowest bits
+    first), `qzeros` int32 [G, n * bits / 32] packed along the rows (v1 checkpoints store
+    zero - 1), `scales` [G, n], `g_idx` [k] (the group of each input column; with `desc_act`
+    not k // group_size: the columns are then stored sorted by group and the layer permutes
+    its input the same way);
+  * awq (GEMM): `qweight` int32 [k, n / 8], eight rows per word in the order 0,2,4,6,1,3,5,7,
+    `qzeros` [G, n / 8] packed the same way, `scales` [G, n]; w = (q - z) * s.
 `input_scale` (static activation scales) is read past: activations stay unquantized here.
 
 `scan` reads only the safetensors headers, so every missing or mis-shaped piece is a ValueError
@@ -31,8 +38,10 @@ from batchgen_data.models.quant_config import CheckpointQuant
 
 # a tensor of a quantized module: name suffix after "<prefix>."
 _PIECES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point",
-           "weight_shape", "weight", "input_scale")
-_MARKERS = ("weight_packed", "weight_scale", "weight_scale_inv")  # a module with one is quantized
+           "weight_shape", "weight", "input_scale", "qweight", "qzeros", "scales", "g_idx")
+# a module with one is quantized
+_MARKERS = ("weight_packed", "weight_scale", "weight_scale_inv", "qweight")
+_AWQ_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0,2,4,6,1,3,5,7 into nibbles 0..7
 _IGNORED = ("input_scale",)
 Shapes = dict[str, tuple[tuple[int, ...], str]]  # piece -> (shape, safetensors dtype)
 
@@ -43,6 +52,8 @@ def _split(key: str) -> tuple[str, str] | None:
 
 
 def _required(cq: CheckpointQuant) -> tuple[str, ...]:
+    if cq.method in ("gptq", "awq"):  # zeros are stored even for symmetric GPTQ
+        return ("qweight", "qzeros", "scales") + (("g_idx",) if cq.act_order else ())
     if cq.format == "pack-quantized":
         need = ("weight_packed", "weight_scale", "weight_shape")
     elif cq.method == "fp8":
@@ -101,6 +112,8 @@ def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes,
                              f"{cq.scheme})")
     scheme = cq.scheme
     bits = {"int4": 4, "int8": 8, "fp8": 8}[scheme.kind]
+    if cq.method in ("gptq", "awq"):
+        return _check_gptq_awq(cq, prefix, shapes, bits)
     if cq.format == "pack-quantized":
         shape_of = shapes["weight_shape"][0]
         if shape_of != (2,):
@@ -129,6 +142,27 @@ def check_shapes(cq: CheckpointQuant, prefix: str, shapes: Shapes,
         if zp != (rows, groups):
             raise ValueError(f"{prefix}.weight_zero_point has shape {zp}; want "
                              f"({rows}, {groups})")
+    return n, k
+
+
+def _check_gptq_awq(cq: CheckpointQuant, prefix: str, shapes: Shapes, bits: int
+                    ) -> tuple[int, int]:
+    """GPTQ: qweight int32 [k * bits / 32, n] (packed down the input columns), qzeros int32
+    [G, n * bits / 32], scales [G, n], g_idx [k]. AWQ: qweight int32 [k, n / 8] (packed along
+    the output rows), qzeros [G, n / 8], scales [G, n]."""
+    per = 32 // bits
+    (rows, cols), dtype = shapes["qweight"]
+    if dtype != "I32":
+        raise ValueError(f"{prefix}.qweight is {dtype}; want int32")
+    n, k = (cols, rows * per) if cq.method == "gptq" else (cols * per, rows)
+    groups = cq.scheme.groups(k)
+    want = {"scales": (groups, n), "qzeros": (groups, n // per)}
+    if cq.act_order or "g_idx" in shapes:
+        want["g_idx"] = (k,)
+    for piece, shape in want.items():
+        if piece in shapes and shapes[piece][0] != shape:
+            raise ValueError(f"{prefix}.{piece} has shape {shapes[piece][0]}; want {shape} for "
+                             f"a weight of [{n}, {k}] ({cq.method}, {cq.scheme})")
     return n, k
 
 
@@ -167,9 +201,61 @@ def _expand_rows(scale: torch.Tensor, n: int, k: int, cq: CheckpointQuant) -> to
     return s.reshape(n, -1).contiguous()
 
 
+def _nibbles(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [r, c] -> [r, c, 32 / bits] codes, lowest bits first."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (words[..., None] >> shifts) & ((1 << bits) - 1)
+
+
+def _pack_codes(q: torch.Tensor, kind: str) -> torch.Tensor:
+    """Unsigned codes [n, k] (0..2^bits - 1) -> the stored form's codes."""
+    if kind == "int4":
+        q = torch.nn.functional.pad(q, (0, q.shape[1] % 2))
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    return (q - 128).to(torch.int8).contiguous()
+
+
+def _convert_gptq_awq(cq: CheckpointQuant, prefix: str, pieces: dict[str, torch.Tensor]
+                      ) -> QuantWeight:
+    scheme = cq.scheme
+    bits = 4 if scheme.kind == "int4" else 8
+    shapes = {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()}
+    n, k = _check_gptq_awq(cq, prefix, shapes, bits)
+    if cq.method == "gptq":  # [k / per, per, n] -> [n, k]
+        q = _nibbles(pieces["qweight"].t(), bits).reshape(n, k)
+        zeros = _nibbles(pieces["qzeros"], bits).reshape(-1, n) + cq.zero_offset  # [G, n]
+    else:
+        order = list(_AWQ_COLUMN)
+        q = _nibbles(pieces["qweight"], bits)[..., order].reshape(k, n).t()
+        zeros = _nibbles(pieces["qzeros"], bits)[..., order].reshape(-1, n)
+    scale = pieces["scales"].float().t().contiguous()  # [n, G]
+    zero: torch.Tensor | None = zeros.t().float().contiguous()
+    offset = 1 << (bits - 1)
+    if scheme.symmetric:
+        if not bool((zeros == offset).all()):
+            raise ValueError(f"{prefix}.qzeros: sym=True, but the zeros are not all {offset}")
+        zero = None
+    elif scheme.kind == "int8":
+        zero = zero - offset  # the stored codes are signed
+    perm = None
+    g_idx = pieces.get("g_idx")
+    if g_idx is not None:
+        g = scheme.group(k)
+        g_idx = g_idx.long()
+        if not torch.equal(g_idx, torch.arange(k) // g):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], torch.arange(k) // g):
+                raise ValueError(f"{prefix}.g_idx: groups of other than group_size={g} "
+                                 "columns")
+            q = q[:, perm]
+    return QuantWeight(scheme, k, _pack_codes(q, scheme.kind), scale, zero, perm)
+
+
 def convert(cq: CheckpointQuant, prefix: str, pieces: dict[str, torch.Tensor]) -> QuantWeight:
     """One quantized module's tensors -> its stored form."""
     scheme = cq.scheme
+    if cq.method in ("gptq", "awq"):
+        return _convert_gptq_awq(cq, prefix, pieces)
     if cq.format == "pack-quantized":
         n, k = (int(v) for v in pieces["weight_shape"].tolist())
         check_shapes(cq, prefix, {p: (tuple(t.shape), _st_dtype(t)) for p, t in pieces.items()},

@@ -4,7 +4,10 @@ dequantized weights beside them as a dense checkpoint (the weight-only oracle fo
 compressed-tensors: the `compressed-tensors` package packs the codes (`pack_to_int32`) and
 writes the config (`QuantizationConfig`), so the layout is the package's, not ours; HF
 transformers can load the result itself. fp8 (DeepSeek/Qwen FP8): `float8_e4m3fn` weights with
-`weight_scale_inv` per `weight_block_size` block, as DeepSeek-V3's config documents.
+`weight_scale_inv` per `weight_block_size` block, as DeepSeek-V3's config documents. gptq and awq
+(GEMM): our own packers, following AutoGPTQ's and AutoAWQ's published layouts (GPTQ v1: codes
+packed down the input columns, zeros stored minus one, `g_idx` per column; AWQ: eight output
+columns per word in the order 0,2,4,6,1,3,5,7).
 Which tensors are quantized: every 2-D projection (`*_proj.weight`, experts' `w1/w2/w3`), never
 embeddings, norms, the output head or a router.
 """
@@ -68,6 +71,50 @@ def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None
     return q, scale.float(), q.float() * full
 
 
+def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [r, c] -> int32 [r, c * bits / 32], lowest bits first along each row."""
+    per = 32 // bits
+    q = codes.to(torch.int64).reshape(codes.shape[0], -1, per)
+    words = (q << (torch.arange(per) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# AWQ GEMM: nibble i of a word holds column AWQ_ORDER[i] of its eight
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _gptq_awq(w: torch.Tensor, method: str, bits: int, group: int | None, symmetric: bool,
+              perm: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ (v1: zeros stored minus one) or AWQ GEMM tensors of one projection, as AutoGPTQ /
+    AutoAWQ document their layouts, and the dequantized weight. `perm`: GPTQ act order (the
+    columns in the order their groups are formed)."""
+    n, k = w.shape
+    g = k if group is None else group
+    order = torch.arange(k) if perm is None else perm
+    codes, scale, zero, _ = _int_quantize(w[:, order], bits, group, symmetric)  # signed
+    offset = 1 << (bits - 1)
+    zero_u = (zero.to(torch.int64) if zero is not None
+              else torch.zeros_like(scale, dtype=torch.int64)) + offset  # [n, G]
+    q_u = torch.empty(n, k, dtype=torch.int64)
+    q_u[:, order] = codes.to(torch.int64) + offset  # back in input-column order
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // g).to(torch.int32)
+    s = scale.to(torch.float16)
+    deq = (q_u - zero_u[:, g_idx.long()]).float() * s.float()[:, g_idx.long()]
+    if method == "gptq":  # word (i, j) holds rows per*i .. per*i + per - 1 of column j
+        per = 32 // bits
+        down = q_u.t().contiguous().view(k // per, per, n).permute(0, 2, 1).reshape(k // per, -1)
+        out = {"qweight": _pack_words(down, bits),
+               "qzeros": _pack_words(zero_u.t() - 1, bits), "scales": s.t().contiguous(),
+               "g_idx": g_idx}
+    else:
+        cols = q_u.t().contiguous().view(k, n // 8, 8)[..., list(AWQ_ORDER)].reshape(k, n)
+        zcols = zero_u.t().contiguous().view(-1, n // 8, 8)[..., list(AWQ_ORDER)]
+        out = {"qweight": _pack_words(cols, 4), "qzeros": _pack_words(zcols.reshape(-1, n), 4),
+               "scales": s.t().contiguous()}
+    return out, deq
+
+
 def _ct_config(kind: str, bits: int, group: int | None, symmetric: bool) -> dict:
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
                                                  QuantizationScheme)
@@ -90,10 +137,12 @@ def _ct_config(kind: str, bits: int, group: int | None, symmetric: bool) -> dict
 
 def write_quantized(src: Path, dst: Path, dequant: Path, method: str, bits: int = 8,
                     group: int | None = None, symmetric: bool = True,
-                    block: tuple[int, int] | None = None) -> tuple[Path, Path]:
+                    block: tuple[int, int] | None = None, act_order: bool = False
+                    ) -> tuple[Path, Path]:
     """Quantize `src`'s projections into `dst` (`method`: "pack" = compressed-tensors
     pack-quantized INT`bits`, "float" = compressed-tensors FP8 per channel, "fp8" = FP8 with
-    `block` scales) and write the dequantized weights as a dense checkpoint to `dequant`."""
+    `block` scales, "gptq" (with `act_order`: a random column order per layer input), "awq")
+    and write the dequantized weights as a dense checkpoint to `dequant`."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     for d in (dst, dequant):
@@ -110,7 +159,18 @@ def write_quantized(src: Path, dst: Path, dequant: Path, method: str, bits: int 
             continue
         prefix = name[: -len(".weight")]
         w = w.float()
-        if method == "pack":
+        if method in ("gptq", "awq"):
+            perm = None
+            if act_order:  # one order per layer input: q/k/v (and gate/up) share theirs
+                gen = torch.Generator().manual_seed(hash(name.rsplit(".", 2)[0]
+                                                         .replace("k_proj", "q_proj")
+                                                         .replace("v_proj", "q_proj")
+                                                         .replace("up_proj", "gate_proj"))
+                                                    % 2**31)
+                perm = torch.randperm(w.shape[1], generator=gen)
+            pieces, deq = _gptq_awq(w, method, bits, group, symmetric, perm)
+            out.update({f"{prefix}.{p}": t for p, t in pieces.items()})
+        elif method == "pack":
             codes, scale, zero, deq = _int_quantize(w, bits, group, symmetric)
             out[f"{prefix}.weight_packed"] = pack_to_int32(codes, bits)
             out[f"{prefix}.weight_scale"] = scale.to(tensors[name].dtype)
@@ -129,7 +189,14 @@ def write_quantized(src: Path, dst: Path, dequant: Path, method: str, bits: int 
     save_file(dense, str(dequant / "model.safetensors"), metadata={"format": "pt"})
     cfg_path = dst / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    if method == "fp8":
+    if method == "gptq":
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits,
+                                      "group_size": group or -1, "desc_act": act_order,
+                                      "sym": symmetric, "checkpoint_format": "gptq"}
+    elif method == "awq":
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                      "zero_point": True, "version": "gemm"}
+    elif method == "fp8":
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                       "activation_scheme": "dynamic",
                                       "weight_block_size": list(block or (128, 128))}

@@ -53,7 +53,7 @@ def _weights(qc: dict) -> dict:
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq' is not supported"),
+    (lambda qc: qc.update(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not"),
     (lambda qc: qc.update(format="marlin-24"), "format='marlin-24'"),
     (lambda qc: _weights(qc).update(num_bits=3), "num_bits=3"),
     (lambda qc: _weights(qc).update(actorder="group"), "actorder='group'"),
@@ -83,10 +83,12 @@ def test_quantization_argument_is_checked_against_the_checkpoint(copy: Path,
                                                                  tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="disagrees with the checkpoint"):
         LLM(str(copy), quantization="fp8")
+    with pytest.raises(ValueError, match="disagrees with the checkpoint"):
+        LLM(str(copy), quantization="awq")
     with pytest.raises(ValueError, match="not quantized"):
         LLM(str(tiny_model_dir("llama")), quantization="fp8")
     with pytest.raises(ValueError, match="quantized checkpoints of this method"):
-        LLM(str(copy), quantization="awq")
+        LLM(str(copy), quantization="bitsandbytes")
 
 
 def test_fp8_block_scale_of_the_wrong_shape(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
 """Quantized checkpoints give HF `generate`'s greedy tokens on the dequantized weights (weight-only
 semantics, fp32, CPU): compressed-tensors pack-quantized INT4/INT8 (per channel, per group, a
-group size that does not divide the rows, asymmetric), float-quantized FP8 per channel, and
-DeepSeek/Qwen-style FP8 with block scales, for Llama, Qwen3 and Qwen3-MoE; on the C kernels
+group size that does not divide the rows, asymmetric), float-quantized FP8 per channel,
+DeepSeek/Qwen-style FP8 with block scales, GPTQ (4/8 bits, act order) and AWQ (GEMM), for Llama, Qwen3 and Qwen3-MoE; on the C kernels
 (decode stack and per-layer), and on the torch path. Where HF loads the quantized checkpoint
 itself (compressed-tensors, symmetric), against that too."""
 from __future__ import annotations
@@ -24,6 +24,10 @@ CASES = {
     "int8_g48_asym": dict(method="pack", bits=8, group=48, symmetric=False),
     "fp8_channel": dict(method="float"),
     "fp8_block": dict(method="fp8", block=(16, 32)),
+    "gptq4_g32": dict(method="gptq", bits=4, group=32),
+    "gptq4_g16_act_order": dict(method="gptq", bits=4, group=16, act_order=True),
+    "gptq8_channel_asym": dict(method="gptq", bits=8, symmetric=False),
+    "awq_g32": dict(method="awq", bits=4, group=32, symmetric=False),
 }
 PROMPTS = ["The quick brown fox", "What is the capital of France?", "def add(a, b):",
            "Write a short poem about the sea"]
@@ -86,12 +90,14 @@ def test_llama_matches_hf_on_dequantized_weights(quantized, case: str) -> None: 
     _check(quantized, "llama", case)
 
 
-@pytest.mark.parametrize("case", ["int4_g32", "int8_g48_asym", "fp8_block", "fp8_channel"])
+@pytest.mark.parametrize("case", ["int4_g32", "int8_g48_asym", "fp8_block", "fp8_channel",
+                                  "gptq4_g16_act_order", "awq_g32"])
 def test_qwen3_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
     _check(quantized, "qwen3", case)
 
 
-@pytest.mark.parametrize("case", ["int4_g32", "int8_channel", "int4_g24_asym", "fp8_block"])
+@pytest.mark.parametrize("case", ["int4_g32", "int8_channel", "int4_g24_asym", "fp8_block",
+                                  "gptq4_g32", "awq_g32"])
 def test_qwen3_moe_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
     _check(quantized, "qwen3_moe", case)
 

@@ -113,8 +113,9 @@ class CpuDecodeStack:
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if quant:
-            if not all(isinstance(m, Linear) and m.scheme is not None for m in linears):
-                return None  # some layers quantized, some not
+            if not all(isinstance(m, Linear) and m.scheme is not None
+                       and m.input_perm is None for m in linears):
+                return None  # some layers quantized, some not, or inputs permuted (GPTQ)
         elif not all(isinstance(m, Linear) and m.layout == "panels" and m.packed is not None
                      for m in linears):
             return None  # weights not in the panel layout

@@ -29,7 +29,7 @@ class LLM:
         sentence-transformers directories."""
         trust = bool(engine_kwargs.get("trust_remote_code", False))
         self.engine: Any
-        if pooling_api.uses_pooling(model, runner, trust):
+        if pooling_api.uses_pooling(model, runner, trust, engine_kwargs.get("hf_overrides")):
             self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
         else:
             self.engine = Engine.from_kwargs(model, **engine_kwargs)

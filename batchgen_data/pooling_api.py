@@ -25,9 +25,11 @@ RUNNERS = ("auto", "generate", "pooling")
 Encoded = tuple[list[int], "list[int] | None", "str | None"]
 
 
-def uses_pooling(model: str | None, runner: str, trust_remote_code: bool = False) -> bool:
+def uses_pooling(model: str | None, runner: str, trust_remote_code: bool = False,
+                 hf_overrides: dict[str, Any] | None = None) -> bool:
     """runner "pooling"/"generate" as asked; "auto": pooling for a checkpoint that can only
-    pool (an encoder, a classifier, a headless base) or a sentence-transformers directory."""
+    pool (an encoder, a classifier, a headless base; `hf_overrides` may say so, as for
+    Qwen3-Reranker) or a sentence-transformers directory."""
     if runner not in RUNNERS:
         raise ValueError(f"runner={runner!r}: must be one of {RUNNERS}")
     if runner != "auto" or model is None:
@@ -35,7 +37,10 @@ def uses_pooling(model: str | None, runner: str, trust_remote_code: bool = False
     path = loader.resolve_model_path(model)
     if (Path(path) / "modules.json").exists():
         return True
-    return is_pooling_only(loader.load_config(path, trust_remote_code))
+    config = loader.load_config(path, trust_remote_code)
+    for key, value in (hf_overrides or {}).items():
+        setattr(config, key, value)
+    return is_pooling_only(config)
 
 
 def encode_text(tokenizer: Any, prompt: Any) -> Encoded:

@@ -74,7 +74,10 @@ class PoolingEngine:
     """One model run as a pooling model. `submit` requests, call `step` until
     `has_unfinished()` is False; each step returns the requests it finished."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hf_overrides: dict[str, Any] | None = None) -> None:
+        """`hf_overrides` (vLLM's): HF config fields to replace, e.g. Qwen3-Reranker's
+        `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
+        ["no", "yes"], "is_original_qwen3_reranker": True}`."""
         self.config = config
         if config.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling "
@@ -85,10 +88,19 @@ class PoolingEngine:
         self.device = device = resolve_device(pick_device(config.device))
         path = loader.resolve_model_path(config.model)
         self.hf_config = hf = loader.load_config(path, config.trust_remote_code)
+        for key, value in (hf_overrides or {}).items():
+            setattr(hf, key, value)
         tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
         self.dtype = dtype = pick_dtype(config.dtype, device, hf)
         cls = resolve_pooling_architecture(hf)
+        labels = getattr(hf, "classifier_from_token", None)
+        if labels is not None:
+            from batchgen_data.models.decoder_pooling import Qwen3ForReranking
+            if not getattr(hf, "is_original_qwen3_reranker", False) or len(labels) != 2:
+                raise ValueError("classifier_from_token is supported for Qwen3-Reranker only "
+                                 "(two tokens, no then yes, with is_original_qwen3_reranker)")
+            cls = Qwen3ForReranking
         self.is_encoder = bool(getattr(cls, "is_encoder", False))
         head_dim = hf.hidden_size // hf.num_attention_heads
         backend = LayerBackend.choose(device, dtype, config.cpu_kernels,
@@ -113,6 +125,12 @@ class PoolingEngine:
             load_encoder_weights(model, path)
         else:
             loader.load_weights(model, path)
+        if labels is not None:
+            ids = [self.tokenizer.convert_tokens_to_ids(t) for t in labels]
+            if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
+                raise ValueError(f"classifier_from_token={labels!r}: not tokens of this "
+                                 "tokenizer")
+            model.label_token_ids = (ids[0], ids[1])
         self.pooler: PoolerConfig = read_pooler_config(path, self.is_encoder)
         self.hidden_size = hf.hidden_size
         self.vocab_size = hf.vocab_size
@@ -149,7 +167,8 @@ class PoolingEngine:
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "PoolingEngine":
         kwargs.pop("runner", None)
-        return cls(make_engine_config(model, **kwargs))
+        overrides = kwargs.pop("hf_overrides", None)
+        return cls(make_engine_config(model, **kwargs), overrides)
 
     # ---- what the model can do ------------------------------------------------------------
     @property

@@ -57,3 +57,26 @@ def _classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
 LlamaForSequenceClassification = _classifier(LlamaForCausalLM)
 Qwen2ForSequenceClassification = _classifier(Qwen2ForCausalLM)
 Qwen3ForSequenceClassification = _classifier(Qwen3ForCausalLM)
+
+
+class Qwen3ForReranking(Qwen3ForCausalLM):
+    """Qwen3-Reranker: a causal LM read as a one-label classifier. The relevance of a
+    (query, document) prompt is P(yes) against P(no) at its last token, i.e. the sigmoid of
+    logit(yes) - logit(no) (vLLM's `classifier_from_token` with `is_original_qwen3_reranker`).
+    The two token ids are set from the tokenizer once it is loaded."""
+
+    is_encoder = False
+    num_labels = 1
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.label_token_ids: tuple[int, int] | None = None  # (no, yes)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.shape.max_positions
+
+    def classify(self, last_rows: torch.Tensor) -> torch.Tensor:
+        assert self.label_token_ids is not None, "label tokens not set"
+        logits = self.compute_logits(last_rows)[:, list(self.label_token_ids)]  # [N, 2]
+        return (logits[:, 1] - logits[:, 0]).unsqueeze(1)

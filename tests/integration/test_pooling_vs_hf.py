@@ -174,3 +174,26 @@ def test_matryoshka_dimensions_and_bad_inputs(models: dict[str, Path], tmp_path:
         plain.classify(TEXTS[0], use_tqdm=False)
     with pytest.raises(ValueError, match="runs as a pooling model"):
         plain.generate("the quick brown fox", use_tqdm=False)
+
+
+def test_qwen3_reranker_scores_yes_against_no_as_hf(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model_dir("qwen3")
+    tok = AutoTokenizer.from_pretrained(path)
+    no, yes = tok.convert_ids_to_tokens([100, 101])  # two tokens stand in for no / yes
+    ids = [100, 101]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pairs = [("<Query>: capital of France", "<Document>: Paris is the capital of France."),
+             ("<Query>: a poem", "<Document>: def add(a, b): return a + b")]
+    with torch.no_grad():
+        ref = []
+        for q, d in pairs:
+            enc = tok(q, d, return_tensors="pt")
+            logits = hf(**enc).logits[0, -1, ids]
+            ref.append(logits.softmax(-1)[1].item())
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": [no, yes], "is_original_qwen3_reranker": True}
+    llm = LLM(str(path), hf_overrides=overrides)
+    outs = llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
+    assert [o.outputs.score for o in outs] == pytest.approx(ref, abs=1e-5)

@@ -204,9 +204,9 @@ static void block_dots(const float *const *xs, int64_t rows, const float *W, int
  * For a decode step's rows of X (up to XROWS) storing a weight widened and reading it back cost
  * more than the products (measured against the scratch path below). Here each vector of codes is widened in
  * registers and multiplied straight into the rows' accumulators; the scale is applied once per
- * group (acc * s added into the row's total), the kind's default zero is subtracted from the
- * codes, and a stored zero enters as a per-group correction, s * (z - zdef) * sum(x over the
- * group), from the row sums of X computed once per call. Two weight rows per tile, so a single
+ * group (acc * s added into the row's total) and the zero (stored, or INT4's default 8) enters
+ * as a per-group correction, s * z * sum(x over the group), from the row sums of X computed
+ * once per call: one instruction less per vector than subtracting it from the codes. Two weight rows per tile, so a single
  * row of X still has two independent FMA chains; the rows of X pass FUSED_ROWS at a time over
  * the same two weight rows, which stay in L1, so each weight is read from memory once. */
 #define FUSED_ROWS 4
@@ -216,7 +216,6 @@ typedef __m512 vf;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSET(x) _mm512_set1_ps(x)
-#define VSUB(a, b) _mm512_sub_ps(a, b)
 #define VSUM(v) _mm512_reduce_add_ps(v)
 #else
 typedef __m256 vf;
@@ -224,7 +223,6 @@ typedef __m256 vf;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSET(x) _mm256_set1_ps(x)
-#define VSUB(a, b) _mm256_sub_ps(a, b)
 #define VSUM(v) hsum8(v)
 #endif
 
@@ -237,19 +235,14 @@ static inline __attribute__((always_inline)) void fused_tile(
     float tail[FUSED_ROWS][2];
     for (int m = 0; m < FUSED_ROWS; m++)
         for (int j = 0; j < 2; j++) tot[m][j] = VZERO(), tail[m][j] = 0.f;
-    const vf vz = VSET(zdef);
     for (int64_t g = 0, c0 = 0; c0 < K; g++, c0 += group) {
         const int64_t c1 = c0 + group < K ? c0 + group : K;
         vf acc[FUSED_ROWS][2];
         for (int m = 0; m < FUSED_ROWS; m++) acc[m][0] = acc[m][1] = VZERO();
         int64_t col = c0;
         for (; col + LANES <= c1; col += LANES) {
-            vf w0 = codes_vec(kind, c[0], col), w1 = w0;
-            if (kind == 1) w0 = VSUB(w0, vz);
-            if (two == 2) {
-                w1 = codes_vec(kind, c[1], col);
-                if (kind == 1) w1 = VSUB(w1, vz);
-            }
+            const vf w0 = codes_vec(kind, c[0], col);
+            const vf w1 = two == 2 ? codes_vec(kind, c[1], col) : w0;
             for (int m = 0; m < FUSED_ROWS; m++) {
                 if (m >= mt) break;
                 const vf x = VLOAD(xs[m] + col);
@@ -262,7 +255,7 @@ static inline __attribute__((always_inline)) void fused_tile(
             const vf vs = VSET(sc);
             for (int m = 0; m < mt; m++) tot[m][j] = VFMA(acc[m][j], vs, tot[m][j]);
             for (int64_t t = col; t < c1; t++) { /* a group's last columns short of a vector */
-                const float w = (code_scalar(kind, c[j], t) - (kind == 1 ? zdef : 0.f)) * sc;
+                const float w = code_scalar(kind, c[j], t) * sc;
                 for (int m = 0; m < mt; m++) tail[m][j] += xs[m][t] * w;
             }
         }
@@ -305,8 +298,8 @@ static void fused_rows(int kind, const float *X, const uint8_t *codes, const flo
         }
         }
     }
-    if (!Z) return;
-    /* stored zeros: y -= sum_g s_g * (z_g - zdef) * (sum of x over group g) */
+    if (!Z && zdef == 0.f) return;
+    /* the zeros: y -= sum_g s_g * z_g * (sum of x over group g), z_g stored or the default */
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * G));
     if (!xsum) return;
     for (int64_t m = 0; m < M; m++)
@@ -321,7 +314,7 @@ static void fused_rows(int kind, const float *X, const uint8_t *codes, const flo
         for (int64_t m = 0; m < M; m++) {
             float corr = 0.f;
             for (int64_t g = 0; g < G; g++)
-                corr += S[n * G + g] * (Z[n * G + g] - zdef) * xsum[m * G + g];
+                corr += S[n * G + g] * (Z ? Z[n * G + g] : zdef) * xsum[m * G + g];
             Y[m * N + n] -= corr;
         }
     free(xsum);

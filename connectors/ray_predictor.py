@@ -72,12 +72,14 @@ PLACEHOLDER = "batchgen: placeholder for a row an earlier attempt of this task a
 
 
 def _in_ray_job() -> bool:
-    """Whether this process is connected to Ray (a worker, or a driver after `ray.init`)."""
+    """Whether this process is a Ray worker (an actor or a task: where a task attempt can be
+    retried); a driver, with or without `ray.init`, is not."""
     try:
         import ray
+        from ray._private import worker
     except ImportError:
         return False
-    return ray.is_initialized()
+    return ray.is_initialized() and worker.global_worker.mode == worker.WORKER_MODE
 
 
 def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ class HoldingPredictor(BatchGenPredictor):
     never steps (its guests stay unfinished). -1 and not frozen: the plain predictor."""
 
     def __init__(self, *args: Any, hold_for_move_after: int = -1, frozen: bool = False,
-                 timeout_s: float = 60.0, **kwargs: Any) -> None:
+                 timeout_s: float = 600.0, **kwargs: Any) -> None:
         self.hold_after, self.frozen = hold_for_move_after, frozen
         self.deadline = time.monotonic() + timeout_s
         super().__init__(*args, **kwargs)

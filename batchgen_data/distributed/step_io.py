@@ -2,13 +2,14 @@
 
 A step's payload is what every rank needs to run its shard of the same forward: token ids,
 positions, the cache slot of each new token, each sequence's KV length and query length, the
-block tables (padded to one width) and the rows whose logits are sampled. Everything else a
+block tables (padded to one width), the rows whose logits are sampled and those whose logits
+give prompt logprobs (every rank joins those logits' gathers). Everything else a
 step involves (the scheduler's choices, sampling, stopping) stays on rank 0. KV copies (hold,
 resume, export, import) are a header and the block ids; their tensors follow as one collective.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,8 @@ class StepData:
     block_tables: torch.Tensor  # [num_seqs, width] int64, decodes first
     sample_index: torch.Tensor  # [S] int64
     num_decodes: int
+    # rows whose logits give prompt logprobs (`engine/prompt_logprobs.py`), [P] int64
+    prompt_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(header, payload)."""
@@ -35,16 +38,16 @@ class StepData:
         width = self.block_tables.shape[1] if n else 0
         payload = torch.cat([x.reshape(-1).to(torch.int64) for x in (
             self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_lens,
-            self.block_tables, self.sample_index)])
+            self.block_tables, self.sample_index, self.prompt_rows)])
         return header(RUN, payload.numel(), t, n, self.num_decodes, width,
-                      self.sample_index.numel()), payload
+                      self.sample_index.numel(), self.prompt_rows.numel()), payload
 
     @classmethod
     def unpack(cls, head: torch.Tensor, payload: torch.Tensor) -> "StepData":
-        t, n, nd, width, s = head[2:7].tolist()
-        sizes = [t, t, t, n, n, n * width, s]
-        ids, pos, slots, lens, qlens, tables, sample = payload.split(sizes)
-        return cls(ids, pos, slots, lens, qlens, tables.view(n, width), sample, nd)
+        t, n, nd, width, s, p = head[2:8].tolist()
+        sizes = [t, t, t, n, n, n * width, s, p]
+        ids, pos, slots, lens, qlens, tables, sample, prompt = payload.split(sizes)
+        return cls(ids, pos, slots, lens, qlens, tables.view(n, width), sample, nd, prompt)
 
 
 def header(command: int, payload_len: int, *numbers: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from batchgen_data.devices import device_scope
 from batchgen_data.distributed import step_io
+from batchgen_data.engine import prompt_logprobs
 from batchgen_data.distributed.launch import RankGroup
 from batchgen_data.engine.model_runner import ModelInput, ModelRunner
 from batchgen_data.kvcache.held_kv import KVCopy
@@ -62,16 +64,16 @@ class TPRunner(ModelRunner):
             raise _dead_error(self._dead) from exc
 
     def run(self, inp: ModelInput) -> torch.Tensor:
-        if inp.prompt_rows is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 "
-                             "yet (docs/parallel.md)")
         return self._guarded(self._run_all, inp)
 
     def _run_all(self, inp: ModelInput) -> torch.Tensor:
         m = inp.meta
+        prompt = torch.tensor(inp.prompt_rows.rows if inp.prompt_rows is not None else [],
+                              dtype=torch.int64)
         data = step_io.StepData(inp.input_ids.cpu(), inp.positions.cpu(), m.slot_mapping.cpu(),
                                 torch.tensor(m.seq_lens_host), torch.tensor(m.query_lens_host),
-                                m.block_tables.cpu(), inp.sample_index.cpu(), m.num_decodes)
+                                m.block_tables.cpu(), inp.sample_index.cpu(), m.num_decodes,
+                                prompt)
         self._send(*data.pack())
         return super().run(inp)
 
@@ -132,7 +134,7 @@ class TPRunner(ModelRunner):
                 return
             payload = control.broadcast(torch.empty(length, dtype=torch.int64))
             if command == step_io.RUN:
-                super().run(self._input(step_io.StepData.unpack(head, payload)))
+                self._follow(step_io.StepData.unpack(head, payload))
             elif command == step_io.READ_KV:
                 control.gather(self._read_local(payload.tolist(), int(head[2])))
             elif command == step_io.WRITE_KV:
@@ -142,6 +144,21 @@ class TPRunner(ModelRunner):
                 self._write_local(payload.tolist(), control.broadcast(full))
             else:
                 raise RuntimeError(f"unknown command {command} from rank 0")
+
+    @torch.inference_mode()
+    def _follow(self, d: step_io.StepData) -> None:
+        """Rank 0's `ModelRunner.run` from this rank's side: the forward, then the same logits
+        computations (prompt-logprob rows in the slices `prompt_logprobs.compute` takes, then
+        the sampled rows), whose gathers deliver to rank 0."""
+        with device_scope(self.device):
+            inp = self._input(d)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            rows = d.prompt_rows.to(self.device)
+            step = prompt_logprobs._ROWS_PER_SLICE  # (the slices rank 0 computes in)
+            for a in range(0, rows.numel(), step):
+                self.model.compute_logits(hidden[rows[a:a + step]])
+            if inp.sample_seqs:
+                self.model.compute_logits(hidden[inp.sample_index])
 
     def _input(self, d: step_io.StepData) -> ModelInput:
         dev = self.device

@@ -148,6 +148,19 @@ def test_export_from_tp1_continues_at_tp2_and_back(model_dirs: dict[str, Path]) 
         while one.has_unfinished():
             outs += one.step()
         assert list(outs[0].outputs[0].token_ids) == want
+        # prompt logprobs: the other ranks join the extra logits' gathers (a chunked prompt)
+        asks = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+        got = []
+        for engine in (one, two):
+            engine.reset_prefix_cache()
+            rid = engine.submit(PROMPTS[2], asks)
+            while engine.has_unfinished():
+                got += [o for o in engine.step() if o.request_id == rid]
+        ref, tp = (o.prompt_logprobs for o in got)
+        assert ref[0] is None and tp[0] is None and len(ref) == len(tp) == len(PROMPTS[2])
+        for a, b in zip(ref[1:], tp[1:]):
+            assert a.keys() == b.keys()
+            assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
     finally:
         two.runner.close()
 

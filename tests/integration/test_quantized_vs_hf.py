@@ -136,3 +136,21 @@ def test_quantized_layers_hold_the_stored_bytes_only(quantized) -> None:  # type
                    if t is not None and not t.is_mkldnn)
     # 4 bits a weight plus one fp32 scale per 32 (5 bits) against 32 bits
     assert proj_bytes(q) * 6 < proj_bytes(d)
+
+
+def test_offload_streams_the_quantized_layers(quantized) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    from batchgen_data.offload.store import layer_bytes
+
+    qdir, _ = quantized("llama", "int4_g32")
+    want = _greedy_ours(qdir)
+    with pytest.raises(ValueError, match="needs at least") as err:
+        LLM(str(qdir), max_model_len=256, weight_memory_bytes=1)
+    budget = int(re.search(r"needs at least (\d+)", str(err.value)).group(1))
+    llm = LLM(str(qdir), max_model_len=256, weight_memory_bytes=budget)
+    # a streamed layer's slot holds its stored (4-bit) bytes, not a dequantized copy
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.scheme is not None and qkv.weight is None
+    assert max(layer_bytes(llm.engine.runner.model, aligned=False)) < 64 * 64 * 4 * 3
+    assert _greedy_ours(qdir, weight_memory_bytes=budget) == want

@@ -192,6 +192,31 @@ def test_llm_front_door_then_a_killed_rank_fails_the_engine_fast(
         engine.runner.close()
 
 
+def test_stalled_rank_fails_the_engine_within_the_collective_timeout(
+        model_dirs: dict[str, Path]) -> None:
+    import os
+    import signal
+
+    torch.set_num_threads(1)
+    kw = dict(ENGINE_KW, collective_timeout_s=3.0)
+    engine = Engine.from_kwargs(str(model_dirs["llama"]), **kw)
+    proc = engine.runner.ranks.procs[0]
+    try:
+        engine.submit(PROMPTS[1], greedy(50))
+        engine.step()
+        os.kill(proc.pid, signal.SIGSTOP)  # alive but silent: only the timeout can tell
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stalled"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - t0 < 3.0 + 10.0
+        assert proc.poll() is not None  # a dead engine stops (kills) its stalled rank
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        engine.runner.close()
+
+
 def test_tp_size_the_heads_refuse_is_named_before_anything_starts(
         model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     from batchgen_data.distributed import launch

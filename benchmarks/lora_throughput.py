@@ -160,13 +160,14 @@ def main() -> None:
     ap.add_argument("--step-rows", type=int, default=32)
     ap.add_argument("--step-repeats", type=int, default=20)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF + peft baseline")
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no HF")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny sizes, no HF, no waiting for a quiet machine")
     ap.add_argument("--wait-quiet", type=float, default=120.0,
                     help="seconds to wait for the load average to drop under 1.5 first")
     args = ap.parse_args()
     if args.quick:
         args.adapters, args.rows_per_adapter, args.max_tokens = 2, 2, 4
-        args.repeats, args.step_rows, args.step_repeats, args.no_hf = 1, 4, 3, True
+        args.step_rows, args.step_repeats, args.no_hf = 4, 3, True
         args.prompt_len, args.wait_quiet = 16, 0.0
     load = wait_for_quiet(args.wait_quiet, below=1.5)
 

@@ -36,6 +36,7 @@ class LoRABatch:
     # every one of the `num_slots` slots has a segment, in order: the torch path uses the slot
     # stacks as they are instead of gathering the segments' slots
     whole: bool = False
+    padded: bool = True  # some segment is shorter than the longest (pad_mask has zeros)
 
     @classmethod
     def build(cls, token_slots: list[int], num_slots: int, device: torch.device,
@@ -57,7 +58,8 @@ class LoRABatch:
         whole = bool(seg_slots.numel() == num_slots
                      and torch.equal(seg_slots, torch.arange(num_slots)))
         return cls(rows.to(device), starts.to(device), seg_slots.to(device), longest,
-                   rows[pos].flatten().to(device), real.unsqueeze(-1).to(device, dtype), whole)
+                   rows[pos].flatten().to(device), real.unsqueeze(-1).to(device, dtype), whole,
+                   bool((counts < longest).any()))
 
 
 class LoRAContext:
@@ -119,7 +121,9 @@ class LoRADelta(nn.Module):
         xs = x2.index_select(0, batch.pad_idx).view(segs, batch.max_seg_len, -1)
         a = self.a if batch.whole else self.a.index_select(0, batch.seg_slots)  # [S, R, in]
         b = self.b if batch.whole else self.b.index_select(0, batch.seg_slots)  # [S, out, R]
-        h = torch.bmm(xs, a.transpose(1, 2)).mul_(batch.pad_mask)  # [S, Lmax, R]
+        h = torch.bmm(xs, a.transpose(1, 2))  # [S, Lmax, R]
+        if batch.padded:  # padding rows repeat a real row: their h must add nothing
+            h.mul_(batch.pad_mask)
         delta = torch.bmm(h, b.transpose(1, 2))  # [S, Lmax, out]
         y2.index_add_(0, batch.pad_idx, delta.view(-1, self.out_features))
         return y

@@ -55,3 +55,5 @@ def test_lora_arguments_are_taken() -> None:
     assert cfg.lora.enable_lora and cfg.lora.max_loras == 4 and cfg.lora.max_lora_rank == 32
     with pytest.raises(ValueError, match="max_lora_rank=0"):
         make_engine_config(None, enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="enable_lora=True: not supported together"):
+        make_engine_config(None, enable_lora=True, tensor_parallel_size=2)

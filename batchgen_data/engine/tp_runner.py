@@ -23,8 +23,8 @@ import torch
 
 from batchgen_data.devices import device_scope
 from batchgen_data.distributed import step_io
-from batchgen_data.engine import prompt_logprobs
 from batchgen_data.distributed.launch import RankGroup
+from batchgen_data.engine import prompt_logprobs
 from batchgen_data.engine.model_runner import ModelInput, ModelRunner
 from batchgen_data.kvcache.held_kv import KVCopy
 from batchgen_data.layers.backend import LayerBackend

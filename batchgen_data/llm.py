@@ -30,6 +30,9 @@ class LLM:
         trust = bool(engine_kwargs.get("trust_remote_code", False))
         self.engine: Any
         if pooling_api.uses_pooling(model, runner, trust, engine_kwargs.get("hf_overrides")):
+            if engine_kwargs.get("enable_lora"):
+                raise ValueError("enable_lora: LoRA adapters are for generation; this model "
+                                 "runs as a pooling model (docs/lora.md)")
             self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
         else:
             self.engine = Engine.from_kwargs(model, **engine_kwargs)

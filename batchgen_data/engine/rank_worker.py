@@ -31,6 +31,8 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_exit_when_rank0_goes, args=(sys.stdin.buffer,), daemon=True).start()
     # one process per device: share the CPU's cores between the ranks unless told
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // size))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)  # NCCL's collectives run on this rank's device
     ranks = launch.join(rank, size, port, device_type, timeout_s, expert_parallel)
     parts = build_parts(config, ranks)
     parts.runner.serve()

@@ -16,6 +16,7 @@ A failed collective (a rank died or stalled past `collective_timeout_s`) makes t
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -198,6 +199,9 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
                          f"{torch.cuda.device_count()} visible")
+    if device.type == "cpu" and config.num_threads is None:
+        # the ranks share the host's cores: this one takes its share, as the others do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     return launch.start(config, size, device.type, config.collective_timeout_s,
                         config.enable_expert_parallel)
 

@@ -34,6 +34,10 @@ _LAUNCHERS = {
     "fused_experts": "fused_moe",
     "lora_shrink": "lora",
     "lora_expand": "lora",
+    "quant_linear": "quant_matmul",
+    "per_token_group_quant_fp8": "quant_matmul",
+    "fp8_block_matmul": "quant_matmul",
+    "fp8_block_matmul_quantized": "quant_matmul",
 }
 
 __all__ = ["triton_available", *_LAUNCHERS]

@@ -300,3 +300,34 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, token_idx: to
         delta = h[starts[s]:starts[s + 1]].float() @ b[slot].float().T
         y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q float8_e4m3fn [M, K], scales fp32 [M, ceil(K / group)]): amax / 448 per token and
+    `group` columns."""
+    m, k = x.shape
+    g = -(-k // group)
+    xp = F.pad(x.float(), (0, g * group - k)).view(m, g, group)
+    scale = xp.abs().amax(-1).clamp(min=1e-10) / 448.0
+    q = (xp / scale[..., None]).view(m, -1)[:, :k].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     block: tuple[int, int]) -> torch.Tensor:
+    """FP8 W8A8 with block-scaled weights [N, K] (scales per `block` [rows, cols]) and dynamic
+    per-token-group activations: both dequantized in fp32, multiplied, cast to x's dtype."""
+    xq, xs = per_token_group_quant_fp8(x, block[1])
+    return fp8_block_matmul_quantized(xq, xs, weight, weight_scale, block, x.dtype)
+
+
+def fp8_block_matmul_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+                               weight_scale: torch.Tensor, block: tuple[int, int],
+                               out_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_block_matmul` on activations already quantized (e4m3 [M, K], scales [M, G])."""
+    n, k = weight.shape
+    bn, bk = block
+    cols = torch.arange(k, device=xq.device) // bk
+    xd = xq.float() * xs[:, cols]
+    wd = weight.float() * weight_scale.repeat_interleave(bn, 0)[:n][:, cols]
+    return (xd @ wd.t()).to(out_dtype)

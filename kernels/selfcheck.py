@@ -140,6 +140,33 @@ def case_moe(dtype: torch.dtype, tokens: int, dev: torch.device) -> float:
     return rel_err(got, want)
 
 
+def case_quant(dtype: torch.dtype, kind: str, rows: int, dev: torch.device) -> float:
+    """The weight-only quantized matmul (groups of 128) on a 4096 x 4096 weight."""
+    from batchgen_data.kernels import quant_linear, reference
+    from batchgen_data.kernels.cpu.quant import random_codes
+
+    gen = torch.Generator().manual_seed(rows)
+    n = k = 4096
+    codes = random_codes(kind, n, k, gen).to(dev)
+    scales = ((torch.rand(n, k // 128, generator=gen) + 0.5) / 64).to(dev)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
+    return rel_err(quant_linear(x, codes, scales, None, kind, 128),
+                   reference.quant_linear(x, codes, scales, None, kind, 128))
+
+
+def case_fp8_block(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
+    """FP8 W8A8, 128 x 128 weight blocks, per-token-group activation scales (DeepSeek-V3)."""
+    from batchgen_data.kernels import fp8_block_matmul, reference
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 2048, 7168
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(dev)
+    ws = (torch.rand(n // 128, k // 128, generator=gen) / 1000 + 1e-4).to(dev)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
+    return rel_err(fp8_block_matmul(x, w, ws, (128, 128)),
+                   reference.fp8_block_matmul(x, w, ws, (128, 128)))
+
+
 def case_graph_replay(dtype: torch.dtype, dev: torch.device) -> float:
     """A decode attention call captured in a CUDA graph, replayed on new inputs in the same
     buffers: equal to eager on those inputs (0.0 when bit-identical)."""
@@ -178,6 +205,13 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
         out.append(("norm/rotary/silu", dt, lambda dev, dt=dt: case_norm_rotary_act(dt, 128, dev)))
         for t in (1, 64, 512):
             out.append((f"fused_moe T={t}", dt, lambda dev, dt=dt, t=t: case_moe(dt, t, dev)))
+        for kind in ("int4", "int8", "fp8"):
+            for r in (1, 64):
+                out.append((f"quant_linear {kind} M={r}", dt,
+                            lambda dev, dt=dt, kind=kind, r=r: case_quant(dt, kind, r, dev)))
+        for r in (1, 64):
+            out.append((f"fp8_block_matmul M={r}", dt,
+                        lambda dev, dt=dt, r=r: case_fp8_block(dt, r, dev)))
     out.append(("cuda graph replay (decode)", torch.bfloat16,
                 lambda dev: case_graph_replay(torch.bfloat16, dev)))
     return out

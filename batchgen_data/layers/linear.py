@@ -35,7 +35,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.layout = current().linear
         self.scheme: quant.QuantScheme | None = None
-        self._c_quant = current().c_quant
+        self._c_quant, self._triton = current().c_quant, current().triton
         self._home, self._dtype = torch.empty(0).device, torch.get_default_dtype()
         # the weight in `layout` ("onednn", "panels") once loaded
         self.register_buffer("packed", None, persistent=False)
@@ -99,7 +99,7 @@ class Linear(nn.Module):
             if self.input_perm is not None:
                 x = x.index_select(-1, self.input_perm)
             out = quant.quant_matmul(x, self.qweight, self.weight_scale, self.weight_zero,
-                                     self.scheme, self._c_quant)
+                                     self.scheme, self._c_quant, self._triton)
             return out if self.bias is None else out.add_(self.bias)
         if self.layout == "rows":
             return rows_forward(x, self.weight, self.bias)

@@ -232,11 +232,11 @@ class FusedMoE(nn.Module):
             rows = slice(start, start + n)
             gate_up = quant.quant_matmul(xs[rows], self.w13[e], self.w13_scale[e],
                                          None if self.w13_zero is None else self.w13_zero[e],
-                                         self.scheme, self._c_quant)  # [n, 2I]
+                                         self.scheme, self._c_quant, self.triton)  # [n, 2I]
             inter = self.act(gate_up)  # [n, I]
             out[rows] = quant.quant_matmul(inter, self.w2[e], self.w2_scale[e],
                                            None if self.w2_zero is None else self.w2_zero[e],
-                                           self.scheme, self._c_quant)  # [n, H]
+                                           self.scheme, self._c_quant, self.triton)  # [n, H]
             start += n
         return _combine(x, out, weights, order, token_of)
 

@@ -7,9 +7,10 @@ asymmetric scheme, fp32 `zero` [N, G], one per `group` input columns (G = ceil(K
 A weight is w = (code - zero) * scale; block-scaled FP8 (128 x 128 blocks) keeps its block
 scales repeated per row, so fused projections can cut rows anywhere.
 
-Which matmul multiplies the stored form is decided once when the layer is built
-(`LayerBackend.c_quant`): the C kernel (`kernels/cpu/quant.py`, fp32 CPU) or the torch reference
-(dequantize, then `F.linear`; CUDA until its kernels exist). Either way a layer's forward stays
+Which matmul multiplies the stored form is decided once when the layer is built: the Triton
+kernel on the Triton backend (`kernels/quant_matmul.py: quant_linear`, weight-only), the C kernel
+(`kernels/cpu/quant.py`, fp32 CPU, `LayerBackend.c_quant`), or the torch reference (dequantize,
+then `F.linear`). Either way a layer's forward stays
 ``y = base(x)``, with only the base matmul replaced, so a LoRA delta can be added after it.
 
 Models are built with their Linear and expert weights *deferred* (`deferring()`: on the meta
@@ -133,10 +134,14 @@ def fill_rows(dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], start
 
 
 def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor | None, scheme: QuantScheme, c_kernel: bool
-                 ) -> torch.Tensor:
-    """x [..., k] times the stored weight's transpose: [..., n] in x's dtype."""
+                 zero: torch.Tensor | None, scheme: QuantScheme, c_kernel: bool,
+                 triton: bool = False) -> torch.Tensor:
+    """x [..., k] times the stored weight's transpose: [..., n] in x's dtype. `c_kernel` /
+    `triton`: the layer's backend (fixed when it was built)."""
     k = x.shape[-1]
+    if triton:  # the weight-only Triton kernel (W4A16 / W8A16 / FP8 weights)
+        from batchgen_data.kernels import quant_linear
+        return quant_linear(x.contiguous(), codes, scale, zero, scheme.kind, scheme.group(k))
     if c_kernel and x.dtype == torch.float32 and x.device.type == "cpu":
         from batchgen_data.kernels.cpu import quant as cpu_quant
         return cpu_quant.quant_linear(x, codes, scale, zero, scheme.kind, scheme.group(k))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-_TARGET = re.compile(r"(_proj|\.w[123])\.weight$")
+_TARGET = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
 FP8_MAX = 448.0
 
 

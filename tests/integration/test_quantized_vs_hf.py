@@ -1,7 +1,8 @@
 """Quantized checkpoints give HF `generate`'s greedy tokens on the dequantized weights (weight-only
 semantics, fp32, CPU): compressed-tensors pack-quantized INT4/INT8 (per channel, per group, a
 group size that does not divide the rows, asymmetric), float-quantized FP8 per channel,
-DeepSeek/Qwen-style FP8 with block scales, GPTQ (4/8 bits, act order) and AWQ (GEMM), for Llama, Qwen3 and Qwen3-MoE; on the C kernels
+DeepSeek/Qwen-style FP8 with block scales, GPTQ (4/8 bits, act order) and AWQ (GEMM), for Llama,
+Qwen3, Qwen3-MoE and DeepSeek-V3; on the C kernels
 (decode stack and per-layer), and on the torch path. Where HF loads the quantized checkpoint
 itself (compressed-tensors, symmetric), against that too."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from batchgen_data import LLM, SamplingParams
 from quant_checkpoints import write_quantized
+from test_deepseek_vs_hf import build_deepseek_model
 from test_moe_vs_hf import build_moe_model
 
 pytest.importorskip("compressed_tensors")
@@ -57,14 +59,18 @@ def quantized(tiny_model_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
 
     def make(arch: str, case: str) -> tuple[Path, Path]:
         if (arch, case) not in cache:
-            if arch == "qwen3_moe":
-                src = tmp_path_factory.mktemp("moe-src")
+            if arch in ("qwen3_moe", "deepseek_v3"):
+                src = tmp_path_factory.mktemp(f"{arch}-src")
                 llama = tiny_model_dir("llama")
                 for f in llama.iterdir():
                     if "token" in f.name or f.name == "special_tokens_map.json":
                         (src / f.name).write_bytes(f.read_bytes())
                 from transformers import AutoTokenizer
-                build_moe_model("qwen3_moe", src, len(AutoTokenizer.from_pretrained(llama)))
+                vocab = len(AutoTokenizer.from_pretrained(llama))
+                if arch == "qwen3_moe":
+                    build_moe_model("qwen3_moe", src, vocab)
+                else:
+                    build_deepseek_model("q_lora", src, vocab)
             else:
                 src = tiny_model_dir(arch)
             base = tmp_path_factory.mktemp(f"{arch}-{case}")
@@ -100,6 +106,12 @@ def test_qwen3_matches_hf_on_dequantized_weights(quantized, case: str) -> None: 
                                   "gptq4_g32", "awq_g32"])
 def test_qwen3_moe_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
     _check(quantized, "qwen3_moe", case)
+
+
+@pytest.mark.parametrize("case", ["fp8_block", "int8_channel"])
+def test_deepseek_v3_matches_hf_on_dequantized_weights(quantized, case: str) -> None:  # type: ignore[no-untyped-def]
+    # MLA's kv_b_proj has no quantized form here: it is dequantized once at load
+    _check(quantized, "deepseek_v3", case)
 
 
 @pytest.mark.parametrize("case", ["int4_g32", "fp8_block"])
@@ -154,3 +166,23 @@ def test_offload_streams_the_quantized_layers(quantized) -> None:  # type: ignor
     assert qkv.scheme is not None and qkv.weight is None
     assert max(layer_bytes(llm.engine.runner.model, aligned=False)) < 64 * 64 * 4 * 3
     assert _greedy_ours(qdir, weight_memory_bytes=budget) == want
+
+
+@pytest.mark.parametrize("case", ["int4_g24_asym", "fp8_block"])
+def test_triton_path_gives_the_same_tokens(quantized, case: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The Triton backend (forced onto CPU tensors, under the interpreter) multiplies the
+    stored form with the weight-only Triton kernel and gives the C path's tokens."""
+    pytest.importorskip("triton")
+    import batchgen_data.kernels as kernels
+    from batchgen_data.layers import backend
+
+    calls = []
+    real = kernels.quant_linear
+    monkeypatch.setattr(kernels, "quant_linear", lambda *a: calls.append(1) or real(*a))
+    want = _check(quantized, "llama", case)
+    qdir, _ = quantized("llama", case)
+    with backend.force_triton(True):
+        llm = LLM(str(qdir), max_model_len=256)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert calls and [list(o.outputs[0].token_ids) for o in outs] == [w[:4] for w in want[:2]]

@@ -4,6 +4,8 @@
 #   bash benchmarks/run_gpu.sh [ARGS]               # the throughput run (gpu_throughput.py ARGS)
 #   bash benchmarks/run_gpu.sh offload [MODEL ARGS] # issue 16: weights beyond device memory,
 #                                                   # MODEL llama8b (default) or qwen3moe
+#   bash benchmarks/run_gpu.sh quant                # issue 37 (optional): the quantized Triton
+#                                                   # matmuls against their references
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"
@@ -33,6 +35,15 @@ fi
 export PYTHONPATH="$SITE/site"
 (cd /tmp && "$PY" -c "import batchgen_data.engine.engine as e; print('engine from', e.__file__)") \
     || { echo "batchgen_data does not import from its installed layout"; exit 1; }
+
+if [ "${1:-}" = "quant" ]; then
+    # never part of the default run: kernels/quant_matmul.py has run only under the interpreter
+    timeout -k 5 300 "$PY" -m batchgen_data.kernels.selfcheck --quant \
+        --json "$OUT/quant_selfcheck.json" 2>&1 | tee "$OUT/quant_selfcheck.log"
+    rc=${PIPESTATUS[0]}
+    echo "quantized kernel self-check exit code: $rc (0 = all cases within tolerance)"
+    exit "$rc"
+fi
 
 if [ "${1:-}" = "offload" ]; then
     shift

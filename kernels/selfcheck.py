@@ -205,6 +205,16 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
         out.append(("norm/rotary/silu", dt, lambda dev, dt=dt: case_norm_rotary_act(dt, 128, dev)))
         for t in (1, 64, 512):
             out.append((f"fused_moe T={t}", dt, lambda dev, dt=dt, t=t: case_moe(dt, t, dev)))
+    out.append(("cuda graph replay (decode)", torch.bfloat16,
+                lambda dev: case_graph_replay(torch.bfloat16, dev)))
+    return out
+
+
+def quant_cases() -> list[tuple[str, torch.dtype, Callable[[torch.device], float]]]:
+    """The quantized matmuls (`--quant` only: not yet run on a device, so kept out of the
+    default check that `benchmarks/run_gpu.sh` starts with)."""
+    out: list[tuple[str, torch.dtype, Callable[[torch.device], float]]] = []
+    for dt in (torch.bfloat16, torch.float16):
         for kind in ("int4", "int8", "fp8"):
             for r in (1, 64):
                 out.append((f"quant_linear {kind} M={r}", dt,
@@ -212,8 +222,6 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
         for r in (1, 64):
             out.append((f"fp8_block_matmul M={r}", dt,
                         lambda dev, dt=dt, r=r: case_fp8_block(dt, r, dev)))
-    out.append(("cuda graph replay (decode)", torch.bfloat16,
-                lambda dev: case_graph_replay(torch.bfloat16, dev)))
     return out
 
 
@@ -221,13 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--json", default=None, help="also write the records here")
+    ap.add_argument("--quant", action="store_true",
+                    help="the quantized matmuls only (kernels/quant_matmul.py)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel self-check: no CUDA device here; nothing to check")
         return 2
     dev = torch.device("cuda")
     records: list[dict[str, Any]] = []
-    for name, dt, fn in cases(args.quick):
+    for name, dt, fn in quant_cases() if args.quant else cases(args.quick):
         rec: dict[str, Any] = {"case": name, "dtype": str(dt).replace("torch.", "")}
         t0 = time.perf_counter()
         try:

@@ -174,18 +174,24 @@ def main(argv: list[str] | None = None) -> None:
         requests = make_workload(workload, args.num_requests, args.seed, VOCAB_SIZE,
                                  FIRST_PLAIN_ID)
         runs: dict[str, list[tuple[float, list[list[int]]]]] = {n: [] for n, _, _ in systems}
+        # tokens per second of process CPU time: less sensitive to other jobs taking the cores
+        cpu_rate: dict[str, list[float]] = {n: [] for n, _, _ in systems}
         for round_ in range(args.repeat):  # interleaved: drifting load hits every system alike
             for name, s, _ in systems:
                 if name.startswith("hf") and round_ >= args.hf_repeat:
                     continue
                 if args.wait_quiet:
                     wait_for_quiet(args.wait_quiet)
+                cpu0 = time.process_time()
                 run = s.run(requests, 3600)
+                cpu_s = time.process_time() - cpu0
                 useful, _ = _useful_tokens(requests, run.outputs)
                 runs[name].append((useful / run.wall_s, run.outputs))
+                cpu_rate[name].append(useful / cpu_s)
                 print(f"  {name:<18} {workload:<8} {useful / run.wall_s:7.1f} tok/s "
                       f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
         base = statistics.median(t for t, _ in runs["ours_fp32"])
+        base_cpu = statistics.median(cpu_rate["ours_fp32"])
         for name, _, mem in systems:
             toks = [t for t, _ in runs[name]]
             q = name.split("_")[1] if name.startswith("hf") else name[len("ours_"):]
@@ -194,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                          "tok_s": round(statistics.median(toks), 1),
                          "tok_s_min": round(min(toks), 1), "tok_s_max": round(max(toks), 1),
                          "vs_ours_fp32": round(statistics.median(toks) / base, 2),
+                         "tok_per_cpu_s": round(statistics.median(cpu_rate[name]), 1),
+                         "cpu_vs_ours_fp32": round(statistics.median(cpu_rate[name]) / base_cpu,
+                                                   2),
                          "agree_vs_hf_deq": (_agreement(runs[name][0][1], ref[0][1])
                                              if ref and not name.startswith("hf") else None),
                          "weight_mib": round(mem["weight_bytes"] / 2**20, 1)

@@ -16,6 +16,12 @@ and on one (one thread, the per-rank compute of TP=2 without the split).
     .venv/bin/python benchmarks/tp_step.py --batch 1,8,32 --steps 20
 
 A device machine with fewer than two GPUs skips the TP=2 case with a line saying so.
+
+`--kv-move N` adds what re-splitting KV by heads costs (the data path of a re-partition,
+docs/parallel.md): N running sequences exported with their KV from a TP=1 engine and imported
+into a TP=2 engine, whose next step writes each rank's heads (`TPRunner.write_kv`); seconds per
+GB for the export and for the import + write (the write is the first step's time minus a
+plain decode step's).
 """
 from __future__ import annotations
 
@@ -101,6 +107,48 @@ def measure(path: Path, tp: int, per_rank: int, batch: int, prompt_len: int, ste
             "bcast_share": round(d["control_s"] / total_s, 3)}
 
 
+def kv_move(path: Path, n: int, prompt_len: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from batchgen_data import SamplingParams
+    from batchgen_data.engine.engine import Engine
+
+    kw = dict(device=device, max_num_seqs=n, enable_prefix_caching=False)
+    torch.set_num_threads(2)
+    # every prompt in the first step, so each sequence has KV to export
+    one = Engine.from_kwargs(str(path), num_threads=2,
+                             max_num_batched_tokens=max(2048, n * (prompt_len + 1)), **kw)
+    two = Engine.from_kwargs(str(path), tensor_parallel_size=2, num_threads=1, **kw)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        rids = [one.submit([(7 * i + j) % 290 + 5 for j in range(prompt_len)], params)
+                for i in range(n)]
+        one.step_until_decode()
+        two.submit(list(range(5, 5 + prompt_len)), params)  # warm-up: first steps are slow
+        while two.has_unfinished():
+            two.step()
+        t0 = time.perf_counter()
+        states = [one.export(r, include_kv=True) for r in rids]
+        export_s = time.perf_counter() - t0
+        nbytes = sum(k.numel() * k.element_size() * 2 for st in states
+                     for k, _ in st["seqs"][0]["kv"])
+        t0 = time.perf_counter()
+        for st in states:
+            two.import_(st)
+        two.step()  # writes every imported sequence's KV (each rank its heads), then decodes
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        two.step()
+        decode_s = time.perf_counter() - t0
+    finally:
+        two.runner.close()
+    gb = nbytes / 1e9
+    write_s = max(first_s - decode_s, 0.0)
+    return {"seqs": n, "kv_mb": round(nbytes / 1e6, 1), "export_s": round(export_s, 3),
+            "import_write_s": round(write_s, 3), "export_s_per_gb": round(export_s / gb, 2),
+            "import_write_s_per_gb": round(write_s / gb, 2)}
+
+
 def _counters(ranks: Any) -> dict[str, float]:
     if ranks is None:
         return dict.fromkeys(("model_bytes", "model_calls", "model_s", "control_bytes",
@@ -119,6 +167,8 @@ def main() -> None:
                     help="TPxTHREADS_PER_RANK, comma-separated (e.g. 1x2,2x1)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/batchgen-bench"))
+    ap.add_argument("--kv-move", type=int, default=0, metavar="N",
+                    help="also time N sequences' KV moved from a TP=1 to a TP=2 engine")
     args = ap.parse_args()
     path = model_dir(args.cache)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -142,9 +192,13 @@ def main() -> None:
             "model_kib_per_step", "bcast_kib_per_step", "collectives_per_step",
             "collective_share", "bcast_share"]
     print(format_table(rows, cols))
+    moved = None
+    if args.kv_move and any(tp == 2 for tp, _ in cases):  # (skipped where TP=2 is)
+        moved = kv_move(path, args.kv_move, args.prompt_len, args.device)
+        print(format_table([moved], list(moved)))
     print(json.dumps({"bench": "tp_step", "load_avg_1m": round(load, 2),
                       "prompt_len": args.prompt_len, "steps": args.steps, "model": MODEL,
-                      "rows": rows}))
+                      "rows": rows, "kv_move": moved}))
 
 
 if __name__ == "__main__":

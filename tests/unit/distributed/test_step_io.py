@@ -1,0 +1,27 @@
+"""A step's plain data survives its trip from rank 0 (distributed/step_io.py)."""
+from __future__ import annotations
+
+import torch
+
+from batchgen_data.distributed import step_io
+
+
+def test_step_data_round_trips() -> None:
+    data = step_io.StepData(
+        input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([3, 0, 1, 2, 9]),
+        slot_mapping=torch.tensor([11, 16, 17, 18, 41]), seq_lens=torch.tensor([4, 3, 10]),
+        query_lens=torch.tensor([1, 3, 1]), block_tables=torch.tensor([[2, 0], [4, 0], [9, 10]]),
+        sample_index=torch.tensor([0, 3, 4]), num_decodes=1, prompt_rows=torch.tensor([1, 2]))
+    head, payload = data.pack()
+    assert head.shape == (step_io.HEADER,) and int(head[0]) == step_io.RUN
+    assert int(head[1]) == payload.numel()
+    back = step_io.StepData.unpack(head, payload)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_lens",
+                 "block_tables", "sample_index", "prompt_rows"):
+        assert torch.equal(getattr(back, name), getattr(data, name)), name
+    assert back.num_decodes == 1
+
+
+def test_header_carries_a_command_and_its_numbers() -> None:
+    head = step_io.header(step_io.WRITE_KV, 3, 17)
+    assert head.tolist() == [step_io.WRITE_KV, 3, 17, 0, 0, 0, 0, 0]

@@ -89,6 +89,11 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
     dtype = pick_dtype(config.dtype, device, hf_config)
     plan = quantization_plan(path, hf_config, config.quantization)  # checked before building
+    if plan is not None and offload_requested(config) and config.stream_experts \
+            and any(".experts." in m for m in plan.modules):
+        raise ValueError("quantized MoE experts do not stream per expert (their scales would "
+                         "have to move with the codes): pass stream_experts=False to stream "
+                         "whole layers")
     if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (engine/tp_runner.py)
         ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
         device = tp_runner.rank_device(device, ranks.rank)
@@ -153,6 +158,10 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
     stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
     return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)
+
+
+def offload_requested(config: EngineConfig) -> bool:
+    return config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
 
 
 def quantization_plan(path: Path, hf_config: Any, requested: str | None

@@ -160,6 +160,9 @@ def main() -> None:
     ap.add_argument("--step-rows", type=int, default=32)
     ap.add_argument("--step-repeats", type=int, default=20)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF + peft baseline")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for every system (1 on a loaded box: a busy neighbour "
+                         "stalls each multi-threaded small op for milliseconds)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny sizes, no HF, no waiting for a quiet machine")
     ap.add_argument("--wait-quiet", type=float, default=120.0,
@@ -170,6 +173,8 @@ def main() -> None:
         args.step_rows, args.step_repeats, args.no_hf = 4, 3, True
         args.prompt_len, args.wait_quiet = 16, 0.0
     load = wait_for_quiet(args.wait_quiet, below=1.5)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from batchgen_data.models.loader import resolve_model_path
 
@@ -179,6 +184,8 @@ def main() -> None:
     loras = [LoRARequest(f"adapter{a}", a + 1, str(p)) for a, p in enumerate(paths)]
     kw = dict(max_num_seqs=max(64, args.step_rows), max_model_len=args.prompt_len
               + max(args.max_tokens, args.step_repeats + 8) + 16)
+    if args.threads:
+        kw["num_threads"] = args.threads
     llm = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               **kw)
     vocab = llm.engine.vocab_size
@@ -243,7 +250,7 @@ def main() -> None:
                         "range_s": spread(walls["hf_peft"]), "rows_per_s": n_rows / med["hf_peft"]})
     print(f"# {n_rows} rows over {args.adapters} adapters (rank {args.rank}), prompt "
           f"{args.prompt_len}, {args.max_tokens} tokens each; medians of {args.repeats}; "
-          f"load average at start {load:.1f}")
+          f"{torch.get_num_threads()} threads; load average at start {load:.1f}")
     print(format_table(records, ["system", "completion_s", "range_s", "rows_per_s"]))
     steps = [
         {"step": f"{rows} rows over {min(rows, args.adapters)} adapters", "ms": 1e3 * lora_step},
@@ -256,7 +263,8 @@ def main() -> None:
     summary = {
         "benchmark": "lora_throughput", "rows": n_rows, "adapters": args.adapters,
         "rank": args.rank, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "load_at_start": round(load, 2),
+        "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "load_at_start": round(load, 2), "load_at_end": round(os.getloadavg()[0], 2),
         "completion_s": {k: round(v, 3) for k, v in med.items()},
         "speedup_vs_one_at_a_time": round(med["one_at_a_time"] / med["mixed"], 2),
         "speedup_vs_hf_peft": round(med["hf_peft"] / med["mixed"], 2) if "hf_peft" in med

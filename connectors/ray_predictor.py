@@ -88,9 +88,10 @@ def default_device_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     try:
         import ray
 
-        gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        worker = _in_ray_job()  # a driver (even after ray.init) has no assigned resources
+        gpus = [str(g) for g in ray.get_gpu_ids()] if worker else []
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0) \
-            if ray.is_initialized() else 1.0
+            if worker else 1.0
     except ImportError:
         gpus, cpus = [], 1.0
     kw["device"] = pick_device(kw.get("device", "auto"), gpus, env.cuda_visible_devices())

@@ -107,3 +107,4 @@ def no_adapters(row: Mapping[str, Any], value_of: Callable[[Any], Any] = lambda 
     if value_of(row.get(LORA_COLUMN)) is not None:
         raise ValueError("the row names a LoRA adapter (lora column) but the engine was "
                          "started without enable_lora=True")
+

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import random
 import time
 from collections.abc import Callable, Container, Iterable
@@ -30,6 +29,7 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.token_draw import sample_seed
+from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.prompt_checks import first_bad_token
@@ -95,24 +95,12 @@ class Engine:
         """ValueError unless this engine can run `lora_request` (enable_lora, the adapter
         readable and fitting the model); its weights are then in host memory. Thread-safe:
         connectors call it on their row threads."""
-        if lora_request is None:
-            return
-        if self.runner.lora is None:
-            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}"
-                             ": this engine was started without enable_lora=True")
-        self.runner.lora.check(lora_request)
+        check_adapter(self.runner.lora, lora_request)
 
     def lora_names(self) -> AdapterNames | None:
         """How rows name adapters here (a `lora` column, a row's `model`), or None without
         enable_lora (batchgen_data/lora_request.py)."""
-        lora = self.config.lora
-        if not lora.enable_lora:
-            return None
-        from batchgen_data.models.default_model import DEFAULT_MODEL
-
-        model = str(self.config.model or DEFAULT_MODEL)
-        return AdapterNames(lora.dynamic_lora_loading_path,
-                            frozenset({model, os.path.basename(os.path.normpath(model))}))
+        return adapter_names_for(self.config)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,

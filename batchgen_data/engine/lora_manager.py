@@ -13,9 +13,10 @@ the step's `LoRABatch`, which the adapted layers read through the shared `LoRACo
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +24,7 @@ from batchgen_data.config import LoRAConfig
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.linear import Linear
 from batchgen_data.layers.lora import LoRABatch, LoRAContext, LoRADelta
-from batchgen_data.lora_request import LoRARequest
+from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.models.lora_adapter import AdapterWeights, TargetShape, load_adapter
 
 if TYPE_CHECKING:
@@ -187,3 +188,27 @@ def attach(model: torch.nn.Module, runner: "ModelRunner", config: "EngineConfig"
         raise ValueError("enable_lora with streamed weights (cpu_offload_gb, "
                          "weight_memory_bytes) is not supported yet")
     return LoRAManager(model, config.lora, runner.backend)
+
+
+def adapter_names_for(config: Any) -> AdapterNames | None:
+    """How rows name adapters for an engine of `config` (`EngineConfig`): a `lora` column, or
+    a row's `model` under its `dynamic_lora_loading_path`; None without enable_lora."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    from batchgen_data.models.default_model import DEFAULT_MODEL
+
+    model = str(config.model or DEFAULT_MODEL)
+    return AdapterNames(lora.dynamic_lora_loading_path,
+                        frozenset({model, os.path.basename(os.path.normpath(model))}))
+
+
+def check_adapter(manager: Any, lora_request: LoRARequest | None) -> None:
+    """ValueError unless an engine with this LoRA `manager` (None: started without
+    enable_lora) can run `lora_request`."""
+    if lora_request is None:
+        return
+    if manager is None:
+        raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r}"
+                         ": this engine was started without enable_lora=True")
+    manager.check(lora_request)

@@ -95,7 +95,7 @@ class Engine:
         """ValueError unless this engine can run `lora_request` (enable_lora, the adapter
         readable and fitting the model); its weights are then in host memory. Thread-safe:
         connectors call it on their row threads."""
-        check_adapter(self.runner.lora, lora_request)
+        check_adapter(getattr(self.runner, "lora", None), lora_request)
 
     def lora_names(self) -> AdapterNames | None:
         """How rows name adapters here (a `lora` column, a row's `model`), or None without

@@ -160,6 +160,7 @@ class EmulatedRunner:
     def __init__(self, cost: CostModel, spec: EmulatedSpec) -> None:
         self.cost = cost
         self.spec = spec
+        self.lora = None  # ModelRunner's LoRA manager: no adapters here
         self.modelled_s = 0.0  # modelled seconds of all steps (slowdown included)
         self.slept_s = 0.0
         # overhead: wall time between two steps of a busy engine (schedule, sample, coroutines,

@@ -36,6 +36,15 @@ def cache_dir() -> Path:
     return base / "batchgen_data"
 
 
+def model_cache_dir() -> Path:
+    """Where models given as URLs (``file://``, ``s3://``, any fsspec URL) are copied, once per
+    node (``batchgen_data/models/sources.py``): ``$BATCHGEN_MODEL_CACHE_DIR`` when set (point it
+    at a local disk, e.g. ``/local_disk0/batchgen_models`` on Databricks), else
+    ``cache_dir()/models``."""
+    explicit = _get_str("BATCHGEN_MODEL_CACHE_DIR")
+    return Path(explicit).expanduser() if explicit is not None else cache_dir() / "models"
+
+
 def cuda_visible_devices() -> str | None:
     """``$CUDA_VISIBLE_DEVICES`` as set (None when unset); "" means no GPU is visible."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -74,6 +83,14 @@ def cpu_moe_kernel() -> bool:
     ``0``, ``false``, ``no`` or ``off`` keep the MoE layers' experts on torch's grouped matmuls
     instead of one C call per layer (default on). Read when a model is built."""
     return _get_flag("BATCHGEN_CPU_MOE_KERNEL", default=True)
+
+
+def kernel_checks() -> bool:
+    """``$BATCHGEN_KERNEL_CHECKS``: debug mode of the Triton launchers, which then check every
+    argument's type, shape, dtype, layout and device before launching (default off: the checks
+    cost microseconds of host time per launch, and a step launches hundreds). Read once, when
+    the kernels are first imported."""
+    return _get_flag("BATCHGEN_KERNEL_CHECKS", default=False)
 
 
 def _get_flag(name: str, default: bool) -> bool:

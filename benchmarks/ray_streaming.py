@@ -17,13 +17,18 @@ capacity), which isolates what the connector and Ray add; `--engine default` run
 default model on CPU.
 
 `--case long-first` is the issue-40 check of the one-line usage: one input batch of 24 rows whose
-first row is the long one (1,800 output tokens) among 23 short rows, a tiny random Llama, one
-actor, `ds.map_batches(BatchGenPredictor, fn_constructor_kwargs=..., concurrency=1,
-batch_size=24, num_cpus=0.5)` as written (no subclass, no extra call) then `iter_batches`. Arms,
+first row is the long one (16,000 output tokens: long enough in time to dominate the job, whose
+engine start-up is ~8 s on a 2-core box) among 23 short rows, a tiny random Llama, one actor,
+`ds.map_batches(BatchGenPredictor, fn_constructor_kwargs=..., concurrency=1, batch_size=24,
+num_cpus=0.5)` as written (no subclass, no extra call) then `iter_batches`. Arms,
 alternating within one run: `completion` (the defaults: completion order) and `ordered`
 (`stream="ordered"`). For each it reports when the first row and the median row reached the
 consumer as a fraction of the job (from `iter_batches` to the last row, engine start-up
-included), a table and one JSON line.
+included), how long after the row before it the last row arrived, a table and one JSON line.
+The consumer reads with `prefetch_batches=0` (`--prefetch-batches`): Ray's default prefetch
+holds each block until the next one arrives, so a row is timed by its successor and the last row
+by the end of the job (measured: a row yielded, then 3 s to the task's end, reached
+`iter_batches` 3 s late with prefetch 1 and 0.1 s late with 0).
 
     python benchmarks/ray_streaming.py --engine fake
     python benchmarks/ray_streaming.py --engine default --rows 96 --long-tokens 96
@@ -197,8 +202,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "gen_tok_s": round(sum(n for *_, n in arrivals) / total, 1)}
 
 
+LONG_FIRST_TOKENS = 16_000
 LONG_FIRST_COLUMNS = ["repeat", "arm", "first_row_frac", "median_row_frac", "first_row_s",
-                      "median_row_s", "job_s"]
+                      "median_row_s", "job_s", "last_gap_s"]
 
 
 def tiny_model(max_len: int) -> str:
@@ -228,14 +234,15 @@ def run_long_first(arm: str, model: str, args: argparse.Namespace) -> dict[str, 
                                                num_cpus=0.5)
     t0 = time.time()
     arrivals: list[float] = []
-    for b in ds.iter_batches(batch_size=None):
+    for b in ds.iter_batches(batch_size=None, prefetch_batches=args.prefetch_batches):
         arrivals += [time.time() - t0] * len(b["id"])
     assert len(arrivals) == len(rows), (len(arrivals), len(rows))
     job = max(arrivals)
     first, median = min(arrivals), statistics.median(arrivals)
     return {"arm": arm, "first_row_frac": round(first / job, 3),
             "median_row_frac": round(median / job, 3), "first_row_s": round(first, 2),
-            "median_row_s": round(median, 2), "job_s": round(job, 2)}
+            "median_row_s": round(median, 2), "job_s": round(job, 2),
+            "last_gap_s": round(arrivals[-1] - arrivals[-2], 2)}
 
 
 def main_long_first(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -248,9 +255,10 @@ def main_long_first(args: argparse.Namespace) -> list[dict[str, Any]]:
     print_report(records, LONG_FIRST_COLUMNS)
     summary: dict[str, Any] = {"case": "long-first", "rows": args.batch_size,
                                "long_tokens": args.long_tokens,
+                               "prefetch_batches": args.prefetch_batches,
                                "short_tokens": args.short_tokens, "repeats": args.repeats}
     for arm in ("completion", "ordered"):
-        for col in ("first_row_frac", "median_row_frac", "job_s"):
+        for col in ("first_row_frac", "median_row_frac", "job_s", "last_gap_s"):
             vals = [r[col] for r in records if r["arm"] == arm]
             summary[f"{arm}_{col}_median"] = statistics.median(vals)
             summary[f"{arm}_{col}_range"] = [min(vals), max(vals)]
@@ -262,7 +270,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", choices=["long-tail", "long-first"], default="long-tail")
     ap.add_argument("--repeats", type=int, default=3, help="--case long-first: runs per arm")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="--case long-first")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="--case long-first (default: room for the long row)")
+    ap.add_argument("--prefetch-batches", type=int, default=0,
+                    help="--case long-first: iter_batches' prefetch (Ray's default, 1, holds "
+                         "each block until the next one arrives, the last until the job ends)")
     ap.add_argument("--engine", choices=["fake", "default"], default="fake")
     ap.add_argument("--model", default=None, help="model dir for --engine default (None: embedded)")
     ap.add_argument("--rows", type=int, default=128)
@@ -288,7 +300,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if "--batch-size" not in given:
             args.batch_size = 24
         if "--long-tokens" not in given:
-            args.long_tokens = 1800
+            args.long_tokens = LONG_FIRST_TOKENS
+        if args.max_model_len is None:
+            args.max_model_len = max(2048, args.long_tokens + 64)
         if "--short-tokens" not in given:
             args.short_tokens = 16
     if __name__ != "__main__":  # imported (tests): ship the classes by value to the actors

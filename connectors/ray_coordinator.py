@@ -240,10 +240,14 @@ class Coordinator:
 
 
 def get_coordinator(name: str, **options: Any) -> Any:
-    """The job's coordinator handle, created on first use (`get_if_exists`)."""
+    """The job's coordinator handle, created on first use (`get_if_exists`), on the head node
+    when there is one: a worker node lost mid-job must not take it along (engines would then
+    run without migration until the job ends, tests/integration/test_ray_two_nodes.py)."""
     import ray
 
-    actor = ray.remote(Coordinator).options(
-        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_restarts=0, max_concurrency=1)
-    return actor.remote(**options)
+    opts: dict[str, Any] = dict(name=name, namespace=NAMESPACE, get_if_exists=True,
+                                lifetime="detached", num_cpus=0, max_restarts=0,
+                                max_concurrency=1)
+    if ray.cluster_resources().get("node:__internal_head__"):
+        opts["resources"] = {"node:__internal_head__": 0.001}
+    return ray.remote(Coordinator).options(**opts).remote(**options)

@@ -60,6 +60,9 @@ class BatchGenProcessorConfig:
     sampling_params: SamplingParams | Mapping[str, Any] | None = None  # defaults for every row
     num_cpus: float = 0.5  # below 1, so actors never starve read tasks on small machines
     num_gpus: float = 0.0
+    # custom Ray resources each engine actor asks for (map_batches' `resources`): e.g. one unit
+    # of a resource every node has once, for one engine per node (docs/cluster-ray.md)
+    resources: Mapping[str, float] | None = None
     # True: rows leave as they finish (exactly once under task retries through the emitted-rows
     # record, docs/guarantees.md); False: each input batch whole, in order; "ordered": one row
     # at a time in input order
@@ -125,6 +128,9 @@ class BatchGenProcessorConfig:
             raise ValueError(f"window_depth={self.window_depth!r}: must be > 0")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus={self.num_cpus!r}, num_gpus={self.num_gpus!r}: must be >= 0")
+        if self.resources is not None and any(
+                not isinstance(v, (int, float)) or v < 0 for v in dict(self.resources).values()):
+            raise ValueError(f"resources={self.resources!r}: amounts must be numbers >= 0")
         make_engine_config(self.model_source, **self.all_engine_kwargs)  # TypeError on typos
         if self.task_type != "generate":
             from batchgen_data.connectors.pooling_rows import check_task, default_pooling_params
@@ -183,6 +189,8 @@ class BatchGenProcessorConfig:
                                   fn_constructor_kwargs=self.constructor_kwargs(job_id))
         if self.num_gpus:
             kw["num_gpus"] = self.num_gpus
+        if self.resources:
+            kw["resources"] = dict(self.resources)
         if self.accelerator_type is not None:
             kw["accelerator_type"] = self.accelerator_type
         if self.runtime_env is not None:

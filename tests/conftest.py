@@ -11,6 +11,8 @@ from typing import Callable, Iterator
 
 import pytest
 
+from local_ray import start_local_ray
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run on CPU tensors only under the interpreter; it must be set before import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -130,10 +132,7 @@ def hf_model() -> Callable[[Path], object]:
 def ray_local() -> Iterator[None]:
     """A local 2-CPU Ray with Ray Data's progress output off."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir="/tmp/ray")
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
+    if not ray.is_initialized():  # a module that used another cluster may have restarted it
+        start_local_ray()
     yield
     ray.shutdown()

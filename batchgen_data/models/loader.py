@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen_data.layers import quant
+from batchgen_data.layers import kv_quant, quant
+from batchgen_data.layers.attention import Attention
 from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.models import moe_weights, tp_shards
+from batchgen_data.models import moe_weights, sources, tp_shards
 from batchgen_data.models.quant_formats import Collector, QuantPlan
 from batchgen_data.models.registry import resolve_architecture
 
@@ -24,6 +25,8 @@ def resolve_model_path(model: str | None) -> Path:
     if model is None:
         from batchgen_data.models.default_model import default_model_dir
         return default_model_dir()
+    if sources.is_url(model):  # file:// or any fsspec URL: copied once per node, then local
+        return sources.local_copy(model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -35,7 +38,8 @@ def resolve_model_path(model: str | None) -> Path:
     except Exception:
         pass
     raise ValueError(f"model={model!r}: not a local model directory (and not in the local HF "
-                     "cache); pass a directory with config.json and *.safetensors")
+                     "cache); pass a directory with config.json and *.safetensors, or a URL "
+                     "such as file:///shared/models/x or s3://bucket/x (models/sources.py)")
 
 
 def load_config(path: Path, trust_remote_code: bool) -> Any:
@@ -196,10 +200,48 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
         tensor = tp_shards.rank_slice(model, target, shard, tensor)  # this rank's part (TP)
         _copy_rows(model, params, target, slice(start, start + sizes[shard]), tensor, key)
         return {f"{target}#{shard}"}
+    if _load_kv_scale(model, name, tensor, key):
+        return set()
     if not _holds(model, params, name):
         raise ValueError(f"unexpected weight {key!r} in checkpoint")
     _copy_rows(model, params, name, None, tp_shards.rank_slice(model, name, 0, tensor), key)
     return {name}
+
+
+# an FP8 KV cache's scales as checkpoints name them (vLLM's `maybe_remap_kv_scale_name`):
+# compressed-tensors' self_attn.k_scale / v_scale, the older self_attn.kv_scale (both), and
+# AutoFP8's k_proj / v_proj output_scale
+_KV_SCALE = re.compile(r"^(.*\.self_attn)\.(?:attn\.)?(k_scale|v_scale|kv_scale|"
+                       r"k_proj\.output_scale|v_proj\.output_scale)$")
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: Any, key: str) -> bool:
+    """Whether `name` is a KV scale of one of the model's attention layers; if so it is now
+    that layer's `kv_scales` (used when the cache is FP8, layers/kv_quant.py). A scale per
+    head or channel becomes its largest value: one per tensor here, and the largest never
+    overflows e4m3 where the finer ones did not."""
+    m = _KV_SCALE.match(name)
+    if m is None or not isinstance(tensor, torch.Tensor):
+        return False
+    try:
+        attn = model.get_submodule(f"{m.group(1)}.attn")
+    except AttributeError:
+        return False
+    if not isinstance(attn, Attention):
+        return False
+    value = float(tensor.float().max()) if tensor.numel() else float("nan")
+    k, v = attn.kv_scales.k, attn.kv_scales.v
+    if m.group(2) == "kv_scale":  # one scale for both
+        k = v = value
+    elif m.group(2)[0] == "k":
+        k = value
+    else:
+        v = value
+    try:
+        attn.kv_scales = kv_quant.KVScales(k, v)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint tensor {key!r}: {exc}") from None
+    return True
 
 
 def _quantized_owner(model: nn.Module, name: str) -> nn.Module | None:

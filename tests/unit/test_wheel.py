@@ -20,10 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# source folder -> the package it installs as (pyproject's package-dir)
-SOURCE_ROOTS = {"batchgen_data": "batchgen_data", "kernels": "batchgen_data.kernels",
-                "connectors": "batchgen_data.connectors"}
+from wheel_site import ROOT, SOURCE_ROOTS, build_wheel, install_wheel
 
 
 def source_packages() -> set[str]:
@@ -49,23 +46,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of the sources (the checkout stays untouched), installed
     with pip into a target folder."""
     work = tmp_path_factory.mktemp("wheel")
-    src = work / "src"
-    src.mkdir()
-    for name in (*SOURCE_ROOTS, "pyproject.toml", "README.md"):
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
-        else:
-            shutil.copy(path, src / name)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"),
-                    str(src)], check=True, timeout=300, capture_output=True)
-    (wheel,) = (work / "dist").glob("batchgen_data-*.whl")
-    site = work / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
-                    str(wheel)], check=True, timeout=300, capture_output=True)
-    return site
+    return install_wheel(build_wheel(work), work / "site")
 
 
 _ISOLATE = """

@@ -46,13 +46,15 @@ def test_fixed_and_autoscaling_pools() -> None:
     assert pool.max_tasks_in_flight_per_actor == 2 and pool.max_concurrent_calls_per_actor == 2
     assert kw["batch_size"] == 16 and kw["batch_format"] == "pyarrow"
     assert kw["fn_constructor_kwargs"]["migration_options"]["job_id"] == "j"
-    assert "num_gpus" not in kw and "accelerator_type" not in kw
+    assert "num_gpus" not in kw and "accelerator_type" not in kw and "resources" not in kw
     scaling = BatchGenProcessorConfig(concurrency=(1, 4), num_gpus=1, accelerator_type="H100",
-                                      runtime_env={"env_vars": {"A": "1"}}).map_batches_kwargs()
+                                      runtime_env={"env_vars": {"A": "1"}},
+                                      resources={"engine": 1}).map_batches_kwargs()
     pool = scaling["compute"]
     assert (pool.min_size, pool.max_size) == (1, 4)
     assert scaling["num_gpus"] == 1 and scaling["accelerator_type"] == "H100"
     assert scaling["runtime_env"] == {"env_vars": {"A": "1"}}
+    assert scaling["resources"] == {"engine": 1}  # one engine per node (docs/cluster-ray.md)
     # one actor, no migration: Ray's own default queueing is left alone
     single = BatchGenProcessorConfig(concurrency=1).map_batches_kwargs()["compute"]
     assert single.max_tasks_in_flight_per_actor is None
@@ -62,7 +64,9 @@ def test_fixed_and_autoscaling_pools() -> None:
 
 @pytest.mark.parametrize("bad", [dict(concurrency=0), dict(concurrency=(3, 2)),
                                  dict(concurrency=(1, 2, 3)), dict(batch_size=0),
-                                 dict(max_concurrent_batches=0), dict(num_gpus=-1)])
+                                 dict(max_concurrent_batches=0), dict(num_gpus=-1),
+                                 dict(resources={"engine": -1}),
+                                 dict(resources={"engine": "one"})])
 def test_bad_values_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         BatchGenProcessorConfig(**bad)

@@ -10,7 +10,11 @@ Workload (uniform): `--adapters` random rank-`--rank` adapters of q/k/v/o and ga
 * ours, one adapter at a time: the same engine, one `generate` per adapter (what a user does
   without multi-LoRA: a job per adapter, each waiting for the last);
 * HF + peft: the adapters loaded into one `PeftModel`, `set_adapter` then one left-padded
-  `generate` of that adapter's rows, adapter by adapter.
+  `generate` of that adapter's rows, adapter by adapter;
+* the ceiling: the same rows on the base model (an engine without enable_lora, no adapters),
+  all in one `generate` against one `generate` per adapter's group of rows. No LoRA engine can
+  gain more from batching the groups together than the base model does on this machine (where
+  a step's cost grows with its rows, e.g. a CPU's compute-bound decode, that is little).
 Each is run `--repeats` times round-robin; the table shows medians (and min-max).
 
 Step time: `--step-rows` rows decoding, one step timed `--step-repeats` times (median): rows
@@ -86,7 +90,7 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
             for _ in range(args.adapters * args.rows_per_adapter)]
 
 
-def ours_mixed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest],
+def ours_mixed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
                sp: SamplingParams) -> tuple[float, list[list[int]]]:
     llm.engine.reset_prefix_cache()
     start = time.perf_counter()
@@ -95,7 +99,7 @@ def ours_mixed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest],
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
-def ours_one_at_a_time(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest],
+def ours_one_at_a_time(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
                        sp: SamplingParams) -> tuple[float, list[list[int]]]:
     llm.engine.reset_prefix_cache()
     tokens: dict[int, list[int]] = {}
@@ -205,7 +209,11 @@ def main() -> None:
         hf.eval()
     names = [f"adapter{a}" for a in range(args.adapters)]
 
-    walls: dict[str, list[float]] = {"mixed": [], "one_at_a_time": [], "hf_peft": []}
+    base_llm = LLM(args.model, **kw)
+    no_adapter = [None] * args.adapters
+    ours_mixed(base_llm, prompts[: 2 * args.adapters], no_adapter, sp)  # warm-up
+    walls: dict[str, list[float]] = {"mixed": [], "one_at_a_time": [], "hf_peft": [],
+                                     "base_mixed": [], "base_one_at_a_time": []}
     same_tokens = True
     for _ in range(args.repeats):  # round-robin: a neighbour's load falls on all alike
         t, mixed_tokens = ours_mixed(llm, prompts, loras, sp)
@@ -213,6 +221,9 @@ def main() -> None:
         t, single_tokens = ours_one_at_a_time(llm, prompts, loras, sp)
         walls["one_at_a_time"].append(t)
         same_tokens &= mixed_tokens == single_tokens
+        walls["base_mixed"].append(ours_mixed(base_llm, prompts, no_adapter, sp)[0])
+        walls["base_one_at_a_time"].append(ours_one_at_a_time(base_llm, prompts, no_adapter,
+                                                              sp)[0])
         if hf is not None:
             walls["hf_peft"].append(hf_peft_switching(hf, prompts, names, args.max_tokens))
 
@@ -223,7 +234,7 @@ def main() -> None:
     engines = {"lora": llm, "lora_engine_no_adapter": LLM(args.model, enable_lora=True,
                                                           max_loras=args.adapters,
                                                           max_lora_rank=args.rank, **kw),
-               "base": LLM(args.model, **kw)}
+               "base": base_llm}
     fast = engines["base"].engine.runner.cpu_stack is not None
     if fast:  # the per-layer path the LoRA steps take, without the adapters
         os.environ["BATCHGEN_CPU_DECODE_STACK"] = "0"
@@ -248,6 +259,10 @@ def main() -> None:
     if "hf_peft" in med:
         records.append({"system": "HF + peft, switching adapters", "completion_s": med["hf_peft"],
                         "range_s": spread(walls["hf_peft"]), "rows_per_s": n_rows / med["hf_peft"]})
+    for key, name in (("base_mixed", "ceiling: base model, all rows at once"),
+                      ("base_one_at_a_time", "ceiling: base model, one group at a time")):
+        records.append({"system": name, "completion_s": med[key], "range_s": spread(walls[key]),
+                        "rows_per_s": n_rows / med[key]})
     print(f"# {n_rows} rows over {args.adapters} adapters (rank {args.rank}), prompt "
           f"{args.prompt_len}, {args.max_tokens} tokens each; medians of {args.repeats}; "
           f"{torch.get_num_threads()} threads; load average at start {load:.1f}")
@@ -269,6 +284,9 @@ def main() -> None:
         "speedup_vs_one_at_a_time": round(med["one_at_a_time"] / med["mixed"], 2),
         "speedup_vs_hf_peft": round(med["hf_peft"] / med["mixed"], 2) if "hf_peft" in med
         else None,
+        # the same ratio for the base model: what batching the groups buys on this machine
+        "base_model_all_at_once_vs_one_group_at_a_time":
+            round(med["base_one_at_a_time"] / med["base_mixed"], 2),
         "same_tokens_mixed_and_one_at_a_time": same_tokens,
         "step_ms": {"lora": round(1e3 * lora_step, 2), "lora_engine_no_adapter":
                     round(1e3 * none_step, 2), "base": round(1e3 * base_step, 2),

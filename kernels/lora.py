@@ -8,6 +8,10 @@ each adapter's delta to the base layer's output without a loop over rows or adap
 * `lora_shrink`: h[i] = x[token_idx[i]] @ a[slot(i)]^T   (x [T, K], a [L, R, K] → h [N, R]);
 * `lora_expand`: y[token_idx[i]] += h[i] @ b[slot(i)]^T  (b [L, O, R], y [T, O], in place).
 
+The layers (`layers/lora.py`) stack a fused layer's shards in `a`, so one shrink serves q|k|v,
+and call the expand once per shard on column slices of h and y, with b a transposed view of
+their B^T [L, R, O] (any strides: no block-diagonal B to store or multiply).
+
 One program owns a block of one segment's rows and a tile of output columns, so each weight
 tile it reads belongs to one adapter; rows of different segments never share a program, so the
 expand's read-add-write of `y` needs no atomics (`token_idx` has each row once).
@@ -58,7 +62,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, starts_ptr, slots_ptr,
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, starts_ptr, slots_ptr,
-                   n_out, r_dim, stride_hm, stride_bl, stride_bn, stride_ym,
+                   n_out, r_dim, stride_hm, stride_bl, stride_bn, stride_br, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     seg, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -74,7 +78,8 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, starts_ptr, slots_ptr,
     n_ok = offs_n < n_out
     offs_r = tl.arange(0, BLOCK_R)
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_r[None, :]  # [M, R]
-    b_ptrs = b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None]  # [R, N]
+    b_ptrs = (b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn
+              + offs_r[:, None] * stride_br)  # [R, N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, r_dim, BLOCK_R):
         r_ok = offs_r < r_dim - r0
@@ -82,7 +87,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, starts_ptr, slots_ptr,
         bv = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(hv, bv, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * stride_br
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -147,7 +152,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, token_idx: to
                 ) -> torch.Tensor:
     """In place: y[token_idx[i]] += h[i] @ b[slot]^T for the segment of i; returns y.
 
-    y [T, O] (stride 1 in the last dim); h [N, R] contiguous; b [L, O, R] contiguous; all one
+    y [T, O] and h [N, R] (stride 1 in the last dim: a fused layer's shard is a column slice
+    of both); b [L, O, R] of any strides (B^T stored [L, R, O] is passed transposed); all one
     dtype; the segments as for `lora_shrink`. fp32 accumulation, one rounding into y."""
     check_tensor("y", y, 2, _FLOATS)
     check_tensor("h", h, 2, _FLOATS)
@@ -159,8 +165,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, token_idx: to
     if h.shape[0] != token_idx.shape[0]:
         raise ValueError(f"h has {h.shape[0]} rows, token_idx {token_idx.shape[0]}")
     check_last_dim_contiguous("y", y)
-    check_contiguous("h", h)
-    check_contiguous("b", b)
+    check_last_dim_contiguous("h", h)
     _segments(token_idx, seg_starts, seg_slots, max_seg_len, _expand_kernel, y)
     n, n_out, r_dim = h.shape[0], b.shape[1], b.shape[2]
     if n == 0 or seg_slots.shape[0] == 0:
@@ -171,7 +176,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, token_idx: to
     block_r = _tile(r_dim, 16, 32)
     grid = (seg_slots.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, block_n))
     _expand_kernel[grid](h, b, y, token_idx, seg_starts, seg_slots, n_out, r_dim,
-                         h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+                         h.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
                          DOT_PRECISION="ieee" if fp32 else "tf32")
     return y

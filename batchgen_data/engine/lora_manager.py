@@ -44,6 +44,17 @@ def _adaptable(model: torch.nn.Module) -> None:
         raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
 
 
+def _kernel(backend: LayerBackend) -> str:
+    if backend.triton:
+        return "triton"
+    if backend.device.type == "cpu" and backend.dtype == torch.float32:
+        from batchgen_data.kernels.cpu import lora as cpu_lora
+
+        if cpu_lora.available():
+            return "c"
+    return "torch"
+
+
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: LoRAConfig,
                  backend: LayerBackend) -> None:
@@ -51,6 +62,7 @@ class LoRAManager:
         self.config = config
         self.ctx = LoRAContext()
         self.device, self.dtype = backend.device, backend.dtype
+        self.kernel = _kernel(backend)  # how every adapted layer adds its deltas
         # (layer index, fused layer name) → its slots
         self.deltas: dict[tuple[int, str], LoRADelta] = {}
         dense: set[int] = set()
@@ -88,7 +100,7 @@ class LoRAManager:
         shards = getattr(linear, "shard_sizes", [linear.out_features])
         delta = LoRADelta(self.ctx, linear.in_features, shards, self.config.max_loras,
                           self.config.max_lora_rank, backend.device, backend.dtype,
-                          backend.triton)
+                          self.kernel)
         linear.lora = delta
         self.deltas[(i, name)] = delta
 

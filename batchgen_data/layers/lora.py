@@ -2,16 +2,19 @@
 
 A `Linear` computes its base product (whatever its stored format); with `lora` set it then
 adds y += (x A^T) B^T for the rows of each adapter (`Linear.forward`, the one hook). Every
-adapted layer keeps `max_loras` device slots of its A and B: A [slots, R, in], B [slots, out, R],
-B scaled by the adapter's alpha / r at load (models/lora_adapter.py). A fused layer (q|k|v,
-gate|up) stacks its shards' A along R, each shard `max_rank` wide, and keeps B block-diagonal,
-so one shrink and one expand serve all of its shards.
+adapted layer keeps `max_loras` device slots: A [slots, shards x R, in] and B^T
+[slots, R, out], B scaled by the adapter's alpha / r at load (models/lora_adapter.py). A fused
+layer (q|k|v, gate|up) stacks its shards' A, each `max_rank` rows, so one shrink serves all of
+its shards; shard i's output columns of B^T take h's columns [i R, i R + R) (no block-diagonal
+zeros to multiply or store).
 
 Which rows run under which slot is the step's `LoRABatch`, set on the shared `LoRAContext` by
 the runner before the forward (engine/lora_manager.py); without one a layer adds nothing. The
 product is done per adapter segment, never per row: on CUDA by the segmented gather-matmul
-kernels (`kernels/lora.py`), elsewhere by two batched matmuls over the segments padded to the
-longest (the padding rows' h is zeroed, so they add exactly 0).
+kernels (`kernels/lora.py`: one shrink, one expand per shard); on an fp32 CPU by one C call
+that reads the rows in place (`kernels/cpu/lora.py`, also called by the C decode stack);
+otherwise by plain matmuls when every row has one adapter, else batched matmuls over the
+segments padded to the longest (the padding rows' h is zeroed, so they add exactly 0).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class LoRABatch:
     # stacks as they are instead of gathering the segments' slots
     whole: bool = False
     padded: bool = True  # some segment is shorter than the longest (pad_mask has zeros)
+    # every row of the step under this one slot (rows in order): plain matmuls in the torch path
+    single_slot: int | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], num_slots: int, device: torch.device,
@@ -57,9 +62,11 @@ class LoRABatch:
         pos = starts[:-1].unsqueeze(1) + torch.minimum(within, counts.unsqueeze(1) - 1)
         whole = bool(seg_slots.numel() == num_slots
                      and torch.equal(seg_slots, torch.arange(num_slots)))
+        single = int(seg_slots[0]) if rows.numel() == slots.numel() and counts.numel() == 1 \
+            else None
         return cls(rows.to(device), starts.to(device), seg_slots.to(device), longest,
                    rows[pos].flatten().to(device), real.unsqueeze(-1).to(device, dtype), whole,
-                   bool((counts < longest).any()))
+                   bool((counts < longest).any()), single)
 
 
 class LoRAContext:
@@ -70,37 +77,52 @@ class LoRAContext:
 
 
 class LoRADelta(nn.Module):
-    """The adapters' slots of one linear layer of `in_features` → `shard_sizes` outputs."""
+    """The adapters' slots of one linear layer of `in_features` → `shard_sizes` outputs.
+
+    `kernel` (chosen once, when the manager attaches it): "triton" (CUDA), "c" (fp32 CPU with
+    the C kernel, `kernels/cpu/lora.py`) or "torch"."""
 
     def __init__(self, ctx: LoRAContext, in_features: int, shard_sizes: list[int],
                  max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 triton: bool) -> None:
+                 kernel: str) -> None:
         super().__init__()
+        assert kernel in ("triton", "c", "torch"), kernel
         self.ctx = ctx
         self.in_features, self.shard_sizes = in_features, list(shard_sizes)
         self.out_features = sum(shard_sizes)
         self.max_rank = max_rank
+        ends = [sum(shard_sizes[:i + 1]) for i in range(len(shard_sizes))]
+        self.shard_bounds = list(zip([0] + ends[:-1], ends))  # [(out0, out1)] per shard
         width = max_rank * len(shard_sizes)
+        # A [slots, shards x R, in]: one shrink for every shard of a fused layer
         self.register_buffer("a", torch.zeros(max_loras, width, in_features, device=device,
                                               dtype=dtype), persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, self.out_features, width,
-                                              device=device, dtype=dtype), persistent=False)
-        self.triton = triton
+        # B^T [slots, R, out]: shard i's columns take h's columns [i R, i R + R). Its rows are
+        # padded by 16 (a view of [slots, R, out + 16]): rows a multiple of 4 KiB apart (out =
+        # 3072) fall into one L1 set, which halved the C expand's speed
+        self.register_buffer("bt", torch.zeros(max_loras, max_rank, self.out_features + 16,
+                                               device=device, dtype=dtype)[..., :-16],
+                             persistent=False)
+        self.kernel = kernel
+        self._c = None
+        if kernel == "c":
+            from batchgen_data.kernels.cpu.lora import LoRASlots
+
+            self._c = LoRASlots(self.a, self.bt, max_rank, ends)
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill `slot` with an adapter's (A [r, in], scaled B [out_shard, r]) per shard; shards
         it does not adapt stay zero."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
-        out0 = 0
-        for i, size in enumerate(self.shard_sizes):
+        self.bt[slot].zero_()
+        for i, (out0, out1) in enumerate(self.shard_bounds):
             if i in shards:
                 a, b = shards[i]
                 r, col = a.shape[0], i * self.max_rank
-                assert a.shape == (r, self.in_features) and b.shape == (size, r), (a.shape, b.shape)
+                assert a.shape == (r, self.in_features) and b.shape == (out1 - out0, r), \
+                    (a.shape, b.shape)
                 self.a[slot, col:col + r].copy_(a)
-                self.b[slot, out0:out0 + size, col:col + r].copy_(b)
-            out0 += size
+                self.bt[slot, :r, out0:out1].copy_(b.T)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [..., out] (the base output) with each adapter's delta added in place."""
@@ -109,22 +131,51 @@ class LoRADelta(nn.Module):
             return y
         x2 = x.reshape(-1, self.in_features)  # [T, in]
         y2 = y.view(-1, self.out_features)  # [T, out]
-        if self.triton:
-            from batchgen_data.kernels import lora_expand, lora_shrink
-
-            h = lora_shrink(x2, self.a, batch.token_idx, batch.seg_starts, batch.seg_slots,
-                            batch.max_seg_len)
-            lora_expand(y2, h, self.b, batch.token_idx, batch.seg_starts, batch.seg_slots,
-                        batch.max_seg_len)
-            return y
-        segs = batch.seg_slots.shape[0]
-        xs = x2.index_select(0, batch.pad_idx).view(segs, batch.max_seg_len, -1)
-        a = self.a if batch.whole else self.a.index_select(0, batch.seg_slots)  # [S, R, in]
-        b = self.b if batch.whole else self.b.index_select(0, batch.seg_slots)  # [S, out, R]
-        h = torch.bmm(xs, a.transpose(1, 2))  # [S, Lmax, R]
-        if batch.padded:  # padding rows repeat a real row: their h must add nothing
-            h.mul_(batch.pad_mask)
-        delta = torch.bmm(h, b.transpose(1, 2))  # [S, Lmax, out]
-        y2.index_add_(0, batch.pad_idx, delta.view(-1, self.out_features))
+        if self._c is not None:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            self._c.add_(x2, y2, batch.token_idx, batch.seg_starts, batch.seg_slots)
+        elif self.kernel == "triton":
+            self._triton(x2, y2, batch)
+        elif batch.single_slot is not None:
+            self._one_adapter(x2, y2, batch.single_slot)
+        else:
+            self._segments(x2, y2, batch)
         return y
 
+    def _triton(self, x2: torch.Tensor, y2: torch.Tensor, batch: LoRABatch) -> None:
+        from batchgen_data.kernels import lora_expand, lora_shrink
+
+        h = lora_shrink(x2, self.a, batch.token_idx, batch.seg_starts, batch.seg_slots,
+                        batch.max_seg_len)  # [N, shards x R]
+        r = self.max_rank
+        for i, (out0, out1) in enumerate(self.shard_bounds):  # one expand per shard's block
+            lora_expand(y2[:, out0:out1], h[:, i * r:(i + 1) * r],
+                        self.bt[:, :, out0:out1].transpose(1, 2), batch.token_idx,
+                        batch.seg_starts, batch.seg_slots, batch.max_seg_len)
+
+    def _one_adapter(self, x2: torch.Tensor, y2: torch.Tensor, slot: int) -> None:
+        # every row under one adapter, in order: plain matmuls, no gather or scatter
+        h = x2 @ self.a[slot].T  # [T, shards x R]
+        r = self.max_rank
+        if len(self.shard_bounds) == 1:
+            y2.addmm_(h, self.bt[slot])
+            return
+        # one add of the shards' products side by side: an addmm_ into each column slice of y
+        # was slower than the padded bmm path at 4 rows
+        y2.add_(torch.cat([h[:, i * r:(i + 1) * r] @ self.bt[slot, :, out0:out1]
+                           for i, (out0, out1) in enumerate(self.shard_bounds)], -1))
+
+    def _segments(self, x2: torch.Tensor, y2: torch.Tensor, batch: LoRABatch) -> None:
+        segs = batch.seg_slots.shape[0]
+        xs = x2.index_select(0, batch.pad_idx).view(segs, batch.max_seg_len, -1)
+        a = self.a if batch.whole else self.a.index_select(0, batch.seg_slots)  # [S, W, in]
+        bt = self.bt if batch.whole else self.bt.index_select(0, batch.seg_slots)  # [S, R, out]
+        h = torch.bmm(xs, a.transpose(1, 2))  # [S, Lmax, W]
+        if batch.padded:  # padding rows repeat a real row: their h must add nothing
+            h.mul_(batch.pad_mask)
+        r = self.max_rank
+        parts = [torch.bmm(h[:, :, i * r:(i + 1) * r], bt[:, :, out0:out1])
+                 for i, (out0, out1) in enumerate(self.shard_bounds)]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # [S, Lmax, out]
+        y2.index_add_(0, batch.pad_idx, delta.view(-1, self.out_features))

@@ -97,8 +97,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_decode_stack_workspace.restype = i64
     lib.bg_decode_stack_f32.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr,
                                         i64, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_float, c_int, c_int]
+                                        ctypes.c_float, ctypes.c_float, c_int, ptr, c_int]
     lib.bg_decode_stack_f32.restype = c_int
+    lib.bg_decode_stack_lora_slots.argtypes = []
+    lib.bg_decode_stack_lora_slots.restype = i64
     lib.bg_rows_gemm_supported.argtypes = []
     lib.bg_rows_gemm_supported.restype = c_int
     lib.bg_rows_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
@@ -115,6 +117,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_quant_gemm_f32.restype = c_int
     lib.bg_quant_dequant_f32.argtypes = [ptr] * 3 + [ctypes.c_float, ptr] + [i64] * 3 + [c_int] * 2
     lib.bg_quant_dequant_f32.restype = c_int
+    lib.bg_lora_supported.argtypes = []
+    lib.bg_lora_supported.restype = c_int
+    lib.bg_lora_f32.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
+                                ptr, i64, c_int]
+    lib.bg_lora_f32.restype = c_int
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,17 +51,26 @@ def requests(paths: list[Path]) -> list[LoRARequest]:
     return [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mixed_batch_matches_peft_applied_and_merged(arch: str, tiny_model_dir, hf_model,
-                                                     adapters) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("arch, kernel", [("llama", None), ("qwen3", None), ("llama", "torch")])
+def test_mixed_batch_matches_peft_applied_and_merged(arch: str, kernel: str | None,
+                                                     tiny_model_dir, hf_model, adapters,
+                                                     monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:  # type: ignore[no-untyped-def]
     path = tiny_model_dir(arch)
     base = hf_model(path)
     paths = adapters(arch)
     reqs = requests(paths)
     prompts = prompts_for(base.config.vocab_size, 10, seed=3)
     loras = [None if i % 5 == 4 else reqs[i % 4] for i in range(len(prompts))]
+    if kernel is not None:  # the layers' torch path (no C kernel): the C stack takes no LoRA step
+        from batchgen_data.engine import lora_manager
+
+        monkeypatch.setattr(lora_manager, "_kernel", lambda backend: kernel)
     llm = LLM(str(path), enable_lora=True, max_loras=4, max_lora_rank=16, block_size=4)
     got = greedy(llm, prompts, 12, loras)
+    stack = llm.engine.runner.cpu_stack
+    if stack is not None:  # its LoRA decode steps ran in the C stack, unless the layers' kernel
+        assert (stack.lora_steps > 0) == (kernel is None)  # is not the stack's
     for merged in (False, True):
         models = {None: base, **{r.lora_int_id: hf_lora_model(base, paths[r.lora_int_id - 1],
                                                                 merged) for r in reqs}}

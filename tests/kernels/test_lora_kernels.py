@@ -54,3 +54,22 @@ def test_launchers_refuse_bad_arguments() -> None:
         lora_shrink(x, torch.randn(2, 16, 8), tok, starts, slots[:1], 4)
     with pytest.raises(ValueError, match="dtype"):
         lora_shrink(x.half(), a, tok, starts, slots[:1], 4)
+
+
+def test_expand_takes_one_shard_of_a_fused_layer() -> None:
+    # B^T stored [L, R, O] and passed transposed; h and y column slices (q|k|v's k shard)
+    tok, starts, seg_slots, longest = _segments(20, [2, 0], [7, 9])
+    bt = torch.randn(3, 8, 40)  # [L, R, q + k + v] with q 24, k 8, v 8
+    h_all = torch.randn(16, 3 * 8)  # [N, shards x R]
+    y = torch.randn(20, 40)
+    got = lora_expand(y.clone()[:, 24:32], h_all[:, 8:16], bt[:, :, 24:32].transpose(1, 2),
+                      tok, starts, seg_slots, longest)
+    want = reference.lora_expand(y.clone()[:, 24:32], h_all[:, 8:16].contiguous(),
+                                 bt[:, :, 24:32].transpose(1, 2).contiguous(), tok, starts,
+                                 seg_slots, longest)
+    assert_close(got, want)
+    whole = y.clone()
+    lora_expand(whole[:, 24:32], h_all[:, 8:16], bt[:, :, 24:32].transpose(1, 2), tok, starts,
+                seg_slots, longest)
+    assert torch.equal(whole[:, :24], y[:, :24]) and torch.equal(whole[:, 32:], y[:, 32:])
+    assert_close(whole[:, 24:32], want)

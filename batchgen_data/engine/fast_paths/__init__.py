@@ -5,7 +5,8 @@ hidden states as the model's own forward for them:
     cuda_graphs.DecodeGraphs         captured CUDA graphs of decode steps (Triton path on CUDA)
     cpu_decode_stack.CpuDecodeStack  a decode step's whole layer stack as one C call (fp32 CPU)
 `build_fast_paths` picks those that can run for a model and its cache; `ModelRunner.run` asks
-them, in order, in one place, and runs the model's forward when none applies.
+them, in order, in one place, and runs the model's forward when none applies. A step with LoRA
+adapters (`ModelInput.lora`) goes to a path only if it adds their deltas (the C stack does).
 """
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most
 `PANEL_MAX_ROWS` of them, with the linear layers in the panel layout or all quantized
-(`layers/quant.py`; the stack calls the same quantized-weight kernel). Other steps, models it
+(`layers/quant.py`; the stack calls the same quantized-weight kernel). Steps whose rows run
+under LoRA adapters too, when every adapted layer adds its deltas with the C kernel
+(`layers/lora.py`, kernel "c"): the stack calls that kernel after each linear, on the same
+rows, so those steps too are bit for bit the per-layer path's. Other steps, models it
 cannot take (a backend without the C kernels or the panel layout, a model class other than the Llama family), or
 ``BATCHGEN_CPU_DECODE_STACK=0`` (a test hook) keep the per-layer path.
 """
@@ -69,7 +72,10 @@ class CpuDecodeStack:
         self.table = torch.tensor(rows, dtype=torch.int64)
         assert self.table.shape[1] == lib.bg_decode_stack_layer_slots()
         self._kv_caches = kv_caches  # the table points into them (and into self.model)
+        self._lora_table: torch.Tensor | None | bool = False  # False: not looked at yet
+        self._lora_rank = 0
         self.steps = 0  # decode steps this stack served
+        self.lora_steps = 0  # of which with LoRA adapters
 
     def _linear(self, lin: Linear) -> list[int]:
         # [plain weight, panels, bias]: the stack runs the panel kernel (use_panels = 1), or
@@ -131,9 +137,30 @@ class CpuDecodeStack:
         return cls(model, kv_caches)
 
     def applies(self, inp: ModelInput) -> bool:
-        """A pure-decode step of at most `max_rows` sequences."""
+        """A pure-decode step of at most `max_rows` sequences (with adapters: when every
+        adapted layer has the C kernel's slots)."""
         rows = inp.input_ids.shape[0]
-        return inp.meta.num_decodes == rows and 0 < rows <= self.max_rows
+        return (inp.meta.num_decodes == rows and 0 < rows <= self.max_rows
+                and (inp.lora is None or self.lora_table() is not None))
+
+    def lora_table(self) -> torch.Tensor | None:
+        """[layers, LORA_SLOTS]: the adapters' slots of q|k|v, o, gate|up and down (A's address,
+        B^T's address and row stride), or None when some layer's deltas are not the C kernel's (no LoRA: never
+        asked). The slots are filled in place, so the addresses hold for the engine's life."""
+        if self._lora_table is False:
+            deltas = [[lin.lora for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                      for layer in self.model.layers]
+            flat = [d for row in deltas for d in row]
+            self._lora_table = None
+            if all(d is not None and d.kernel == "c" for d in flat) \
+                    and len({d.max_rank for d in flat}) == 1:
+                self._lora_rank = flat[0].max_rank
+                self._lora_table = torch.tensor(
+                    [[p for d in row for p in (d.a.data_ptr(), d.bt.data_ptr(), d.bt.stride(1))]
+                     for row in deltas], dtype=torch.int64)
+                assert self._lora_table.shape[1] == self.lib.bg_decode_stack_lora_slots()
+        return self._lora_table  # type: ignore[return-value]
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor:
@@ -148,6 +175,13 @@ class CpuDecodeStack:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.seq_lens.to(torch.int32).contiguous()
+        lora = None
+        if inp.lora is not None:  # {table, R, tok, seg_starts, seg_slots, S}
+            table, b = self.lora_table(), inp.lora
+            assert table is not None
+            lora = torch.tensor([table.data_ptr(), self._lora_rank, b.token_idx.data_ptr(),
+                                 b.seg_starts.data_ptr(), b.seg_slots.data_ptr(),
+                                 b.seg_slots.shape[0]], dtype=torch.int64)
         work = torch.empty(self.lib.bg_decode_stack_workspace(
             rows, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate),
             dtype=torch.float32)
@@ -158,13 +192,14 @@ class CpuDecodeStack:
             work.data_ptr(), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             self.block_size, float(s.eps), self.scale,
             2 if self.quant else 1,  # quantized weights, else the panel layout
-            torch.get_num_threads())
+            None if lora is None else lora.data_ptr(), torch.get_num_threads())
         if rc == -3:
             raise ValueError("decode step with a position, cache slot or sequence length out of "
                              "range for the CPU decode stack")
         if rc != 0:
             raise RuntimeError(f"CPU decode stack failed (code {rc})")
         self.steps += 1
+        self.lora_steps += lora is not None
         return x
 
 

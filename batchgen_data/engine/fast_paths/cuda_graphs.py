@@ -138,9 +138,11 @@ class DecodeGraphs:
                 self._replay[b], self._out[b] = capture(forward, pool)
 
     def applies(self, inp: ModelInput) -> bool:
-        """A pure-decode step that one of the captured sizes holds."""
+        """A pure-decode step that one of the captured sizes holds, without LoRA adapters (the
+        graphs hold no deltas)."""
         n, meta = inp.input_ids.shape[0], inp.meta
-        return (meta.num_decodes == n and meta.block_tables.shape[1] <= self.max_blocks
+        return (inp.lora is None and meta.num_decodes == n
+                and meta.block_tables.shape[1] <= self.max_blocks
                 and padded_size(n, self.sizes) is not None)
 
     def run(self, inp: ModelInput) -> torch.Tensor:

@@ -14,6 +14,8 @@
  * The matmuls are the small-row kernel (small_gemm.c) or, when `use_panels`, the panel kernel
  * (panel_gemm.c) on the panel copies, or the quantized-weight kernel (quant_gemm.c); attention is paged_decode.c; norms, the rotation and SiLU
  * are norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
+ * With `lora` (a step whose rows run under LoRA adapters), each linear's output then gets its
+ * adapters' deltas from lora.c, as `Linear.forward` adds them after the base product.
  * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/engine/fast_paths/cpu_decode_stack.py.
  */
 #include <math.h>
@@ -32,6 +34,10 @@ void bg_add_rms_norm_f32(const float *x, const float *residual, const float *wei
 void bg_rotate_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim,
                    int64_t token_stride, const float *cos_sin, const int64_t *positions);
 void bg_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I, int num_threads);
+int bg_lora_f32(const float *X, int64_t ldx, float *Y, int64_t ldy, int64_t K, const float *A,
+                const float *BT, int64_t ldb, int64_t R, int64_t nshards,
+                const int64_t *shard_ends, const int64_t *tok, const int64_t *seg_starts,
+                const int64_t *seg_slots, int64_t S, int num_threads);
 int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                         const int32_t *tables, const int32_t *seq_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -56,6 +62,26 @@ int64_t bg_decode_stack_workspace(int64_t M, int64_t H, int64_t nH, int64_t nKV,
 }
 
 #define F(slot) ((const float *)(uintptr_t)L[slot])
+
+/* The LoRA deltas of a step: {table, R, tok, seg_starts, seg_slots, S} as int64s, the table
+ * LORA_SLOTS int64s per layer: for each of q|k|v, o, gate|up and down the address of A
+ * [slots, shards R, in], of B^T [slots, R, ldb] and ldb (0s where a layer has none); the rest
+ * as for bg_lora_f32. */
+enum { L_QKV, L_O, L_GU, L_DOWN, LORA_MODULES };
+enum { LORA_SLOTS = 3 * LORA_MODULES };
+
+int64_t bg_decode_stack_lora_slots(void) { return LORA_SLOTS; }
+
+static int lora_add(const int64_t *lora, int64_t l, int module, const float *X, float *Y,
+                    int64_t K, int64_t nshards, const int64_t *ends, int nt) {
+    if (!lora) return 0;
+    const int64_t *T = (const int64_t *)(uintptr_t)lora[0] + l * LORA_SLOTS + 3 * module;
+    if (!T[0]) return 0;
+    return bg_lora_f32(X, K, Y, ends[nshards - 1], K, (const float *)(uintptr_t)T[0],
+                       (const float *)(uintptr_t)T[1], T[2], lora[1], nshards, ends,
+                       (const int64_t *)(uintptr_t)lora[2], (const int64_t *)(uintptr_t)lora[3],
+                       (const int64_t *)(uintptr_t)lora[4], lora[5], nt);
+}
 
 /* use_panels: 0 the small-row kernel on the plain weight, 1 the panel kernel, 2 quantized
  * weights (quant_gemm.c), whose W slot then points at a descriptor of int64s
@@ -84,6 +110,7 @@ static int linear(const float *X, const float *W, const float *panel, const floa
  * positions, slots: [M] int64 (slot = block * block_size + offset in the paged cache);
  * tables [M, table_width], seq_lens [M] int32 (KV length after this step, this token included);
  * cos_sin [max_positions, D]; work: bg_decode_stack_workspace(...) floats.
+ * lora: NULL (no adapters), or the step's LoRA descriptor (see lora_add).
  * Returns 0; -1 when a kernel failed (allocation), -2 unsupported shape, -3 a position or slot
  * out of range (nothing written then). */
 int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *final_norm,
@@ -92,7 +119,7 @@ int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *
                         const float *cos_sin, int64_t max_positions, int64_t num_slots,
                         float *work, int64_t H, int64_t nH, int64_t nKV, int64_t D, int64_t I,
                         int64_t block_size, float eps, float scale, int use_panels,
-                        int num_threads) {
+                        const int64_t *lora, int num_threads) {
     if (M <= 0 || D % 2 || nKV <= 0 || nH % nKV) return -2;
     for (int64_t t = 0; t < M; ++t) {
         if (positions[t] < 0 || positions[t] >= max_positions) return -3;
@@ -103,6 +130,7 @@ int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *
     float *res = work, *h = res + M * H, *o = h + M * H, *qkv = o + M * H;
     float *q = qkv + M * QKV, *attn = q + M * QD, *gu = attn + M * QD, *act = gu + M * 2 * I;
     const int nt = num_threads;
+    const int64_t qkv_ends[3] = {QD, QD + KVD, QKV}, h_ends[1] = {H}, gu_ends[2] = {I, 2 * I};
 
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t *L = layers + l * LAYER_SLOTS;
@@ -112,7 +140,8 @@ int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *
         } else {
             bg_add_rms_norm_f32(o, res, F(S_IN_NORM), eps, h, res, M, H, nt);
         }
-        if (linear(h, F(S_QKV_W), F(S_QKV_PANEL), F(S_QKV_B), qkv, M, QKV, H, use_panels, nt))
+        if (linear(h, F(S_QKV_W), F(S_QKV_PANEL), F(S_QKV_B), qkv, M, QKV, H, use_panels, nt)
+            || lora_add(lora, l, L_QKV, h, qkv, H, 3, qkv_ends, nt))
             return -1;
         if (L[S_Q_NORM]) { /* Qwen3: RMSNorm over each q and k head, before the rotation */
             for (int64_t t = 0; t < M; ++t) {
@@ -133,13 +162,16 @@ int bg_decode_stack_f32(const int64_t *layers, int64_t num_layers, const float *
         const int rc = bg_paged_decode_f32(q, k_cache, v_cache, tables, seq_lens, attn, M, nH,
                                            nKV, D, block_size, table_width, scale, nt);
         if (rc) return rc;
-        if (linear(attn, F(S_O_W), F(S_O_PANEL), F(S_O_B), o, M, H, QD, use_panels, nt))
+        if (linear(attn, F(S_O_W), F(S_O_PANEL), F(S_O_B), o, M, H, QD, use_panels, nt)
+            || lora_add(lora, l, L_O, attn, o, QD, 1, h_ends, nt))
             return -1;
         bg_add_rms_norm_f32(o, res, F(S_POST_NORM), eps, h, res, M, H, nt);
-        if (linear(h, F(S_GU_W), F(S_GU_PANEL), F(S_GU_B), gu, M, 2 * I, H, use_panels, nt))
+        if (linear(h, F(S_GU_W), F(S_GU_PANEL), F(S_GU_B), gu, M, 2 * I, H, use_panels, nt)
+            || lora_add(lora, l, L_GU, h, gu, H, 2, gu_ends, nt))
             return -1;
         bg_silu_mul_f32(gu, act, M, I, nt);
-        if (linear(act, F(S_DOWN_W), F(S_DOWN_PANEL), F(S_DOWN_B), o, M, H, I, use_panels, nt))
+        if (linear(act, F(S_DOWN_W), F(S_DOWN_PANEL), F(S_DOWN_B), o, M, H, I, use_panels, nt)
+            || lora_add(lora, l, L_DOWN, act, o, I, 1, h_ends, nt))
             return -1;
     }
     bg_add_rms_norm_f32(o, res, final_norm, eps, x, res, M, H, nt);

@@ -1,14 +1,16 @@
 """The one-call CPU decode step (`engine/fast_paths/cpu_decode_stack.py`,
 `kernels/cpu/csrc/decode_stack.c`) against the per-layer path it stands in for, on tiny Llama /
-Qwen2 / Qwen3 models."""
+Qwen2 / Qwen3 models, with and without LoRA adapters."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from batchgen_data import LLM, SamplingParams
+from batchgen_data import LLM, LoRARequest, SamplingParams
 from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.kernels.cpu import linear as cpu_linear
 
@@ -118,3 +120,50 @@ def test_stack_needs_fp32(tiny_model_dir) -> None:  # type: ignore[no-untyped-de
     assert llm.engine.runner.cpu_stack is None
     runner = llm.engine.runner
     assert CpuDecodeStack.build(runner.model, runner.kv_caches, runner.backend) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lora_step_matches_the_per_layer_path(arch: str, tiny_model_dir, tmp_path: Path
+                                              ) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "integration"))
+    from lora_adapters import write_adapter
+
+    path = tiny_model_dir(arch)
+    loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(path, tmp_path / f"a{i}", seed=i,
+                                                           rank=4 * (i + 1))))
+             for i in range(2)]
+    llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=6,
+              block_size=4)
+    eng = llm.engine
+    rng = random.Random(0)
+    which = [loras[0], None, loras[1], loras[0], None, loras[1]]  # adapters and base rows
+    for i, lr in enumerate(which):
+        prompt = [rng.randrange(3, eng.vocab_size) for _ in range(3 + 5 * i)]
+        eng.submit(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                   lora_request=lr)
+    eng.step_until_decode()
+    eng.step()
+    runner, stack = eng.runner, eng.runner.cpu_stack
+    assert stack.lora_steps > 0  # the engine's own LoRA decode steps went through it
+    inp = runner.prepare(eng.schedule_decode())
+    assert inp.lora is not None and stack.applies(inp)
+    kv0 = runner.kv.clone()
+    with torch.inference_mode():
+        got = stack.run(inp)
+        kv_got = runner.kv.clone()
+        runner.kv.copy_(kv0)
+        runner.lora.ctx.batch = inp.lora
+        want = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+        runner.lora.ctx.batch = None
+        kv_want = runner.kv.clone()
+        runner.kv.copy_(kv0)
+        base = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+    # the same kernels (the C LoRA kernel after each linear) on the same rows: bit for bit
+    assert torch.equal(got, want)
+    assert torch.equal(kv_got, kv_want)  # k and v come out of the adapted q|k|v
+    adapted = torch.zeros(got.shape[0], dtype=torch.bool)
+    adapted[inp.lora.token_idx] = True
+    assert not adapted.all() and adapted.any()
+    assert torch.equal(got[~adapted], base[~adapted])  # base rows: the base model's states
+    assert not torch.equal(got[adapted], base[adapted])  # the deltas were added

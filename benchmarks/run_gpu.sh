@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh offload [MODEL ARGS] # issue 16: weights beyond device memory,
 #                                                   # MODEL llama8b (default) or qwen3moe
 #   bash benchmarks/run_gpu.sh quant                # issue 37 (optional): the quantized Triton
-#                                                   # matmuls against their references
+#                                                   # matmuls and FP8 KV cache kernels against
+#                                                   # their references
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _checks
 from ._checks import check_contiguous, check_same_dtype, check_shape, check_tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,11 +25,17 @@ def check_attention_args(
     num_seqs: int,
     scale: float,
 ) -> int:
-    """Validate the paged cache, block tables and lengths against q; return the GQA group size."""
+    """Validate the paged cache, block tables and lengths against q (debug mode only,
+    ``_checks.ENABLED``); return the GQA group size."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    check_tensor("k_cache", k_cache, 4, _FLOATS)
-    check_tensor("v_cache", v_cache, 4, _FLOATS)
-    check_same_dtype(["q", "k_cache", "v_cache"], [q, k_cache, v_cache])
+    if not _checks.ENABLED:
+        return num_heads // k_cache.shape[2]
+    check_tensor("k_cache", k_cache, 4, _FLOATS + (torch.float8_e4m3fn,))
+    check_tensor("v_cache", v_cache, 4, _FLOATS + (torch.float8_e4m3fn,))
+    if k_cache.dtype == torch.float8_e4m3fn:  # an FP8 cache: codes and scales, any q dtype
+        check_same_dtype(["k_cache", "v_cache"], [k_cache, v_cache])
+    else:
+        check_same_dtype(["q", "k_cache", "v_cache"], [q, k_cache, v_cache])
     check_shape("v_cache", v_cache, k_cache.shape)
     check_contiguous("k_cache", k_cache)
     check_contiguous("v_cache", v_cache)

@@ -11,6 +11,12 @@ keep a flash-attention online softmax in float32 (log2 domain, ``exp2``).
   partial (max, sum, acc) triples. With one split the first kernel writes the output directly.
 * Prefill: one program owns ``BLOCK_M`` new tokens of one (sequence, query head); the new tokens
   are the last ``q_len`` of ``seq_len`` (cached prefix first), with a causal mask.
+
+An FP8 cache (float8_e4m3fn codes, per-tensor ``k_scale`` / ``v_scale``:
+`batchgen_data/layers/kv_quant.py`) is read as bytes and widened in registers: the 7 magnitude
+bits shifted into an fp16's exponent and mantissa give ``code / 256`` exactly (subnormals too,
+on any GPU and under the interpreter), then q's dtype for the dots. ``256 * k_scale`` folds into
+the score scale and ``256 * v_scale`` into the output, so no dequantized tile is ever rounded.
 """
 
 from __future__ import annotations
@@ -23,25 +29,44 @@ from ._checks import check_device, check_last_dim_contiguous, check_tensor, tile
 from ._attention_checks import check_attention_args, pick_num_splits
 
 _LOG2E = 1.4426950408889634
+_FP8_UNIT = 256.0  # `_e4m3_over_256` gives code / 256
+
+
+@triton.jit
+def _e4m3_over_256(b):
+    """float8_e4m3fn bit patterns (int32) -> their values / 256 as fp16, exactly: sign to bit
+    15, the 4 exponent and 3 mantissa bits to fp16's (exponent bias 15 = 7 + 8)."""
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_kv(ptr, off, mask, like, FP8: tl.constexpr):
+    """A K or V tile in the dtype of `like` (q): codes / 256 for an FP8 cache (bytes)."""
+    if FP8:  # (one return: the compiler would type both branches' returns)
+        x = _e4m3_over_256(tl.load(ptr + off, mask=mask, other=0).to(tl.int32)).to(like.dtype)
+    else:
+        x = tl.load(ptr + off, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, s_mask, m_i, l_i, acc,
                  kv_head, num_kv_heads, head_dim, block_size, scale_log2,
-                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step: q [M, BLOCK_D] against KV tokens ``offs_n`` [N]."""
     dims = tl.arange(0, BLOCK_D)
     block_id = tl.load(bt_row_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     slot = block_id * block_size + offs_n % block_size  # [N]
     kv_off = slot[:, None] * (num_kv_heads * head_dim) + kv_head * head_dim + dims[None, :]
     kv_mask = n_mask[:, None] & (dims[None, :] < head_dim)
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
+    k = _load_kv(k_cache_ptr, kv_off, kv_mask, q, FP8)  # [N, BLOCK_D]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [N, BLOCK_D]
+    v = _load_kv(v_cache_ptr, kv_off, kv_mask, q, FP8)  # [N, BLOCK_D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
@@ -53,9 +78,10 @@ def _decode_kernel(
     part_acc_ptr,  # [S, H, NUM_SPLITS, D] float32, unnormalised
     part_m_ptr, part_l_ptr,  # [S, H, NUM_SPLITS] float32
     scale_log2, num_kv_heads, head_dim, block_size, tokens_per_split,
-    stride_qs, stride_qh, stride_bt,
+    stride_qs, stride_qh, stride_bt, v_factor,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -79,11 +105,13 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, bt_ptr + seq * stride_bt, offs_n, n_mask,
             n_mask[None, :], m_i, l_i, acc, kv_head, num_kv_heads, head_dim, block_size,
-            scale_log2, BLOCK_D, DOT_PRECISION)
+            scale_log2, BLOCK_D, DOT_PRECISION, FP8)
     num_heads = num_kv_heads * GROUP
     row = seq * num_heads + heads  # [BLOCK_G] index into [S, H]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if FP8:
+            out = out * v_factor
         tl.store(out_ptr + row[:, None] * head_dim + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -95,8 +123,9 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, head_dim,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, head_dim, v_factor,
     NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # flattened (seq, head)
     sp = tl.arange(0, BLOCK_SPLITS)
@@ -110,6 +139,8 @@ def _decode_merge_kernel(
     acc = tl.load(part_acc_ptr + acc_off, mask=acc_mask, other=0.0)  # [BLOCK_SPLITS, BLOCK_D]
     total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    if FP8:
+        out = out * v_factor
     tl.store(out_ptr + row * head_dim + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < head_dim)
 
@@ -118,9 +149,9 @@ def _decode_merge_kernel(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
     scale_log2, num_heads, num_kv_heads, head_dim, block_size,
-    stride_qt, stride_qh, stride_bt,
+    stride_qt, stride_qh, stride_bt, v_factor,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -151,8 +182,10 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, bt_ptr + seq * stride_bt, offs_n, n_mask, s_mask,
             m_i, l_i, acc, kv_head, num_kv_heads, head_dim, block_size, scale_log2,
-            BLOCK_D, DOT_PRECISION)
+            BLOCK_D, DOT_PRECISION, FP8)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * v_factor
     tl.store(out_ptr + (q_rows[:, None] * num_heads + head) * head_dim + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
@@ -160,6 +193,18 @@ def _prefill_kernel(
 def _dot_precision(dtype: torch.dtype) -> str:
     # tf32 would cost float32 callers ~1e-3 relative error; they asked for float32 for a reason.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fp8_factors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float
+                 ) -> tuple[bool, torch.Tensor, torch.Tensor, float, float]:
+    """(fp8, the caches as the kernels read them, the score factor, the output factor)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return False, k_cache, v_cache, 1.0, 1.0
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, (int, float)) or not 0 < s < float("inf"):
+            raise ValueError(f"{name} must be a positive finite float, got {s!r}")
+    return (True, k_cache.view(torch.uint8), v_cache.view(torch.uint8),
+            _FP8_UNIT * float(k_scale), _FP8_UNIT * float(v_scale))
 
 
 def paged_decode_attention(
@@ -170,11 +215,14 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its whole cached context.
 
     q: ``[S, H, D]`` (stride 1 in the last dim); k_cache, v_cache: ``[num_blocks, block_size,
-    Hkv, D]`` contiguous, q's dtype; block_tables: int32 ``[S, max_blocks]``; seq_lens: int32
+    Hkv, D]`` contiguous, q's dtype or float8_e4m3fn (then K = code * k_scale, V = code *
+    v_scale; the scales are ignored otherwise); block_tables: int32 ``[S, max_blocks]``; seq_lens: int32
     ``[S]``, the KV length including the new token (already written to the cache); a sequence
     with length 0 gets a zero output. ``num_splits``: split-K factor, chosen from the shapes when
     None. Returns a new contiguous ``[S, H, D]`` tensor of q's dtype.
@@ -186,6 +234,7 @@ def paged_decode_attention(
     names = ["q", "k_cache", "v_cache", "block_tables", "seq_lens"]
     check_device(_decode_kernel, names, [q, k_cache, v_cache, block_tables, seq_lens])
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    fp8, k_cache, v_cache, k_factor, v_factor = _fp8_factors(k_cache, v_cache, k_scale, v_scale)
     if num_seqs == 0:
         return out
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -202,15 +251,16 @@ def paged_decode_attention(
         part_acc = part_m = part_l = out  # never touched on the single-split path
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, num_kv_heads, head_dim, block_size, tokens_per_split,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        scale * k_factor * _LOG2E, num_kv_heads, head_dim, block_size, tokens_per_split,
+        q.stride(0), q.stride(1), block_tables.stride(0), v_factor,
         GROUP=group, NUM_SPLITS=splits, BLOCK_G=tile(group), BLOCK_N=block_n,
-        BLOCK_D=tile(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_D=tile(head_dim), DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8,
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs * num_heads,)](
-            out, part_acc, part_m, part_l, head_dim,
+            out, part_acc, part_m, part_l, head_dim, v_factor,
             NUM_SPLITS=splits, BLOCK_SPLITS=tile(splits, 1), BLOCK_D=tile(head_dim, 1),
+            FP8=fp8,
         )
     return out
 
@@ -224,6 +274,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a flattened varlen batch of new tokens over the paged cache.
 
@@ -231,7 +283,7 @@ def paged_prefill_attention(
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 ``[S+1]``), which are the last ``q_len`` of its
     ``seq_lens[i]`` tokens (int32 ``[S]``); their K/V must already be in the cache.
     ``max_seqlen_q``: at least the largest ``q_len`` (a smaller value leaves rows unwritten);
-    pass it to avoid a device-to-host sync.
+    pass it to avoid a device-to-host sync. An FP8 cache: as `paged_decode_attention`.
     Returns a new contiguous ``[T, H, D]`` tensor of q's dtype.
     """
     check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32))
@@ -246,6 +298,7 @@ def paged_prefill_attention(
     tensors = [q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens]
     check_device(_prefill_kernel, names, tensors)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    fp8, k_cache, v_cache, k_factor, v_factor = _fp8_factors(k_cache, v_cache, k_scale, v_scale)
     if num_seqs == 0 or num_tokens == 0:
         return out
     if max_seqlen_q is None:
@@ -258,9 +311,9 @@ def paged_prefill_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * _LOG2E, num_heads, num_kv_heads, head_dim, block_size,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        scale * k_factor * _LOG2E, num_heads, num_kv_heads, head_dim, block_size,
+        q.stride(0), q.stride(1), block_tables.stride(0), v_factor,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=tile(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8,
     )
     return out

@@ -56,20 +56,35 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """In place: ``cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t]`` for every slot != -1."""
+    """In place: ``cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t]`` for every slot != -1; an
+    FP8 cache takes ``fp8_codes(k[t], k_scale)``."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = fp8_codes(k, k_scale), fp8_codes(v, v_scale)
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence: ``[length, Hkv, D]`` in float32."""
+def fp8_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 codes of ``x / scale``: x times the fp32 reciprocal, clamped to +-448, rounded to
+    nearest even (the FP8 KV cache's rounding, `batchgen_data/layers/kv_quant.py`)."""
+    inv = float(torch.tensor(1.0 / scale, dtype=torch.float32))
+    return (x.float() * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+               scale: float = 1.0) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence: ``[length, Hkv, D]`` in float32 (an FP8
+    cache's codes times `scale`)."""
     block_size = cache.shape[1]
     pos = torch.arange(length, device=cache.device)
     slots = block_table.long()[pos // block_size] * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots].float()
+    rows = cache.view(-1, *cache.shape[2:])[slots].float()
+    return rows * scale if cache.dtype == torch.float8_e4m3fn else rows
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -92,6 +107,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q ``[S, H, D]`` attends to all ``seq_lens[i]`` cached tokens -> ``[S, H, D]``.
 
@@ -99,8 +116,8 @@ def paged_decode_attention(
     """
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for i, length in enumerate(seq_lens.tolist()):
-        k = _gather_kv(k_cache, block_tables[i], length)
-        v = _gather_kv(v_cache, block_tables[i], length)
+        k = _gather_kv(k_cache, block_tables[i], length, k_scale)
+        v = _gather_kv(v_cache, block_tables[i], length, v_scale)
         mask = torch.ones((1, length), dtype=torch.bool, device=q.device)
         out[i] = _attend(q[i : i + 1], k, v, scale, mask)[0]
     return out.to(q.dtype)
@@ -115,6 +132,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen attention; q rows of sequence i are its last ``q_len`` tokens -> ``[T, H, D]``.
 
@@ -127,8 +146,8 @@ def paged_prefill_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[i], length)
-        v = _gather_kv(v_cache, block_tables[i], length)
+        k = _gather_kv(k_cache, block_tables[i], length, k_scale)
+        v = _gather_kv(v_cache, block_tables[i], length, v_scale)
         q_pos = torch.arange(length - q_len, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, N]
         out[start:end] = _attend(q[start:end], k, v, scale, mask)

@@ -167,6 +167,51 @@ def case_fp8_block(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
                    reference.fp8_block_matmul(x, w, ws, (128, 128)))
 
 
+def case_fp8_kv_write(dtype: torch.dtype, dev: torch.device) -> float:
+    """The FP8 KV cache's write: e4m3 codes of k / k_scale, v / v_scale; 0.0 when every code
+    is torch's (the kernel rounds by integer arithmetic, no fp8 type)."""
+    from batchgen_data.kernels import reference, write_kv_cache
+
+    gen = torch.Generator().manual_seed(8)
+    k = (torch.randn(300, 4, 128, generator=gen) * 30).to(dtype).to(dev)
+    v = (torch.randn(300, 4, 128, generator=gen) * 0.01).to(dtype).to(dev)
+    slots = torch.randperm(64 * 16, generator=gen)[:300].to(dev)
+    caches = [torch.zeros(64, 16, 4, 128, dtype=torch.float8_e4m3fn, device=dev)
+              for _ in range(4)]
+    write_kv_cache(k, v, caches[0], caches[1], slots, 0.37, 0.004)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots, 0.37, 0.004)
+    return float(sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                     for a, b in ((caches[0], caches[2]), (caches[1], caches[3]))))
+
+
+def case_fp8_kv_attention(dtype: torch.dtype, prefill: bool, dim: int, dev: torch.device
+                          ) -> float:
+    """Decode or prefill attention over an FP8 cache (codes widened in registers, per-tensor
+    scales) against the reference's dequantize-then-attend."""
+    from batchgen_data.kernels import paged_decode_attention, paged_prefill_attention, reference
+
+    gen = torch.Generator().manual_seed(dim + prefill)
+    lens = [2048, 300, 37, 1]
+    k, v, tables, seq_lens = _paged(4, lens, 2, dim, 16, torch.float32, dev, gen)
+    k, v = (k * 40).clamp(-448, 448).to(torch.float8_e4m3fn), (v * 0.1).to(torch.float8_e4m3fn)
+    ks, vs, scale = 0.05, 3.0, dim ** -0.5
+    if not prefill:
+        q = torch.randn(4, 8, dim, generator=gen).to(dtype).to(dev)
+        got = paged_decode_attention(q, k, v, tables, seq_lens, scale, k_scale=ks, v_scale=vs)
+        want = reference.paged_decode_attention(q, k, v, tables, seq_lens, scale,
+                                                k_scale=ks, v_scale=vs)
+        return rel_err(got, want)
+    q_lens = [256, 64, 37, 1]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=dev)
+    q = torch.randn(sum(q_lens), 8, dim, generator=gen).to(dtype).to(dev)
+    got = paged_prefill_attention(q, k, v, tables, cu, seq_lens, scale, max_seqlen_q=256,
+                                  k_scale=ks, v_scale=vs)
+    want = reference.paged_prefill_attention(q, k, v, tables, cu, seq_lens, scale,
+                                             k_scale=ks, v_scale=vs)
+    return rel_err(got, want)
+
+
 def case_graph_replay(dtype: torch.dtype, dev: torch.device) -> float:
     """A decode attention call captured in a CUDA graph, replayed on new inputs in the same
     buffers: equal to eager on those inputs (0.0 when bit-identical)."""
@@ -211,10 +256,17 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
 
 
 def quant_cases() -> list[tuple[str, torch.dtype, Callable[[torch.device], float]]]:
-    """The quantized matmuls (`--quant` only: not yet run on a device, so kept out of the
-    default check that `benchmarks/run_gpu.sh` starts with)."""
+    """The quantized matmuls and the FP8 KV cache's kernels (`--quant` only: not yet run on a
+    device, so kept out of the default check that `benchmarks/run_gpu.sh` starts with)."""
     out: list[tuple[str, torch.dtype, Callable[[torch.device], float]]] = []
     for dt in (torch.bfloat16, torch.float16):
+        out.append(("fp8 kv write (codes differing)", dt,
+                    lambda dev, dt=dt: case_fp8_kv_write(dt, dev)))
+        for d in (64, 128):
+            for pre in (False, True):
+                out.append((f"fp8 kv {'prefill' if pre else 'decode'} D={d}", dt,
+                            lambda dev, dt=dt, pre=pre, d=d: case_fp8_kv_attention(dt, pre, d,
+                                                                                   dev)))
         for kind in ("int4", "int8", "fp8"):
             for r in (1, 64):
                 out.append((f"quant_linear {kind} M={r}", dt,
@@ -243,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             err = fn(dev)
             torch.cuda.synchronize(dev)
-            tol = 0.0 if name.startswith("cuda graph") else TOLERANCE[dt]
+            tol = 0.0 if name.startswith(("cuda graph", "fp8 kv write")) else TOLERANCE[dt]
             rec.update(rel_err=float(f"{err:.3g}"), tol=tol, ok=err <= tol)
         except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:300],

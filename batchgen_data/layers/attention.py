@@ -6,6 +6,12 @@ paged cache. The `Attention` layer picks its implementation when it is built: th
 kernels on CUDA; on an fp32 CPU with its kernels, decodes in a small compiled C kernel
 (`batchgen_data.kernels.cpu.attention`) that reads the paged cache directly; otherwise (and for
 prefill chunks) a torch reference that gathers each sequence's blocks and runs dense attention.
+
+An FP8 cache (float8_e4m3fn, `kv_cache_dtype="fp8"`; `layers/kv_quant.py`) is written as e4m3
+codes with this layer's `kv_scales` and read dequantized by every path: the Triton kernels and
+the C decode kernel widen the codes in registers, the torch path dequantizes what it gathers,
+and a prefill chunk without a cached prefix attends over its own K/V rounded through e4m3 too,
+so every path attends over the values the cache holds.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
+from batchgen_data.layers import kv_quant
 from batchgen_data.layers.backend import current
 
 
@@ -46,6 +53,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # an FP8 cache's scales (the checkpoint's, else 1.0; models/loader.py sets them)
+        self.kv_scales = kv_quant.KVScales()
         b = current()
         self.c_decode = b.c_attention
         self._forward = _attention_triton if b.triton else _attention_torch
@@ -59,30 +68,38 @@ class Attention(nn.Module):
         if k_cache.device != q.device:
             there = k_cache.device
             out = _attention_torch(q.to(there), k.to(there), v.to(there), k_cache, v_cache, meta,
-                                   self.scale, self.c_decode and there.type == "cpu")
+                                   self.scale, self.c_decode and there.type == "cpu",
+                                   self.kv_scales)
             return out.to(q.device)
-        return self._forward(q, k, v, k_cache, v_cache, meta, self.scale, self.c_decode)
+        return self._forward(q, k, v, k_cache, v_cache, meta, self.scale, self.c_decode,
+                             self.kv_scales)
 
 
-def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type: ignore[no-untyped-def]
+def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # type: ignore[no-untyped-def]
     from batchgen_data.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
-    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    # kvs: the FP8 scales, ignored by the kernels for a cache of q's dtype
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kvs.k, kvs.v)
     nd = meta.num_decodes
     out = torch.empty_like(q)
     if nd:
         out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                          meta.seq_lens[:nd], scale)
+                                          meta.seq_lens[:nd], scale, k_scale=kvs.k,
+                                          v_scale=kvs.v)
     if q.shape[0] > nd:
         out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
                                            meta.cu_seqlens_q, meta.seq_lens[nd:], scale,
-                                           max_seqlen_q=meta.max_prefill_len)
+                                           max_seqlen_q=meta.max_prefill_len, k_scale=kvs.k,
+                                           v_scale=kvs.v)
     return out
 
 
-def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type: ignore[no-untyped-def]
+def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # type: ignore[no-untyped-def]
     num_kv = k_cache.shape[2]
     head_dim = k_cache.shape[3]
+    fp8 = kv_quant.is_fp8(k_cache)
+    if fp8:  # the codes; what every read below gives back is code * scale
+        k, v = kv_quant.quantize(k, kvs.inv_k), kv_quant.quantize(v, kvs.inv_v)
     k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
     nd = meta.num_decodes
@@ -90,9 +107,9 @@ def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type:
     if nd and c_decode:
         from batchgen_data.kernels.cpu import attention as cpu_attention
         outs.append(cpu_attention.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens[:nd], scale))
+                                               meta.seq_lens[:nd], scale, kvs.k, kvs.v))
     elif nd:
-        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale))
+        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale, kvs))
     start = nd
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_host[nd:], meta.seq_lens_host[nd:])):
         qs = q[start:start + qlen]
@@ -103,6 +120,9 @@ def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode):  # type:
             blocks = meta.block_tables[nd + i, :nblk].long()
             ks = k_cache[blocks].view(-1, num_kv, head_dim)[:slen]
             vs = v_cache[blocks].view(-1, num_kv, head_dim)[:slen]
+        if fp8:
+            ks = kv_quant.dequantize(ks, kvs.k, q.dtype)
+            vs = kv_quant.dequantize(vs, kvs.v, q.dtype)
         outs.append(_prefill_one(qs, ks, vs, scale))
         start += qlen
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -126,13 +146,17 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float,
+                  kvs: kv_quant.KVScales = kv_quant.KVScales()) -> torch.Tensor:
     # q [B, H, D]. Gather each sequence's KV blocks (one index_select of whole blocks) and let
     # SDPA read them strided: this moves KV once instead of three times.
     nd, num_kv, head_dim = meta.num_decodes, k_cache.shape[2], k_cache.shape[3]
     blocks = meta.decode_blocks
     keys = k_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
     vals = v_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
+    if kv_quant.is_fp8(k_cache):
+        keys = kv_quant.dequantize(keys, kvs.k, q.dtype)
+        vals = kv_quant.dequantize(vals, kvs.v, q.dtype)
     # The query heads that share a KV head attend to the same keys under the same mask, so they
     # go in as that KV head's "query rows": plain attention, no GQA expansion of K/V
     # (~35% faster than enable_gqa at 32 sequences on the CPU).

@@ -61,6 +61,8 @@ class LayerBackend:
     CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "rows",
     "onednn" or "panels" (see layers/linear.py). `c_quant`: quantized weights multiplied by the
     C kernel that widens them inside the product (fp32 CPU, AVX2; layers/quant.py).
+    `kv_cache_dtype`: the paged KV cache's dtype when it is not the model's (float8_e4m3fn:
+    `kv_cache_dtype="fp8"`, layers/kv_quant.py; every attention path above reads it).
     """
 
     device: torch.device
@@ -72,6 +74,12 @@ class LayerBackend:
     c_rows: bool = False
     linear: str = "plain"
     c_quant: bool = False
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the runner allocates the paged KV cache in."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def torch_decode_attention(self) -> bool:
@@ -81,13 +89,22 @@ class LayerBackend:
 
     @classmethod
     def choose(cls, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
-               head_dim: int | None = None) -> "LayerBackend":
+               head_dim: int | None = None, kv_cache_dtype: str | None = "auto"
+               ) -> "LayerBackend":
         """The backend for a model on `device` in `dtype`; `cpu_kernels=False` keeps the CPU on
-        torch. The ``BATCHGEN_CPU_*`` variables can turn single CPU kernels off (test hooks)."""
+        torch; `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (ValueError
+        naming any other value, before anything is allocated). The ``BATCHGEN_CPU_*``
+        variables can turn single CPU kernels off (test hooks)."""
+        from batchgen_data.layers import kv_quant
+
+        if (kv_cache_dtype or "auto") not in kv_quant.NAMES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of "
+                             f"{tuple(kv_quant.NAMES)} (docs/quantization.md)")
+        kv = kv_quant.NAMES[kv_cache_dtype or "auto"]
         if use_triton(device):
-            return cls(device, dtype, triton=True)
+            return cls(device, dtype, triton=True, kv_cache_dtype=kv)
         if device.type != "cpu" or not cpu_kernels:
-            return cls(device, dtype)
+            return cls(device, dtype, kv_cache_dtype=kv)
         from batchgen_data.kernels.cpu import attention, linear, moe, ops, quant
 
         fp32 = dtype == torch.float32
@@ -104,7 +121,7 @@ class LayerBackend:
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
                    c_moe=fp32 and moe.available(),
                    c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),
-                   linear=layout, c_quant=fp32 and quant.available())
+                   linear=layout, c_quant=fp32 and quant.available(), kv_cache_dtype=kv)
 
 
 _current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)

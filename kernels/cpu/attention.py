@@ -7,10 +7,14 @@ between the query heads of its KV group. At 5-32 sequences this made decode atte
 1.2-1.7x faster in our runs (`lab/scripts/cpu_floor.py` times both).
 
 The kernel is built on first use by `build.library()` (the system C compiler, cached per CPU).
-No compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` (a test hook) or a non-fp32
-cache: the layer keeps the torch path (`batchgen_data.layers.backend` decides).
+No compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` (a test hook) or a model
+that is not fp32: the layer keeps the torch path (`batchgen_data.layers.backend` decides). An
+FP8 cache (float8_e4m3fn codes with a per-layer `k_scale` / `v_scale`, `layers/kv_quant.py`)
+runs `bg_paged_decode_fp8`: the same loops, each code widened in registers.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -19,15 +23,26 @@ from batchgen_data.kernels.cpu import build as cpu_kernels
 
 def supports(head_dim: int) -> bool:
     """Whether decode attention with heads of `head_dim` runs in the C kernel here (the library
-    built; the caller checks that the cache is fp32 on the CPU)."""
+    built; the caller checks that q is fp32 on the CPU, the cache fp32 or FP8)."""
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.bg_paged_decode_supports(head_dim))
 
 
+def _fp8_kernel(lib: ctypes.CDLL) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = lib.bg_paged_decode_fp8
+    if fn.argtypes is None:  # declared here, on first use
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        fn.argtypes = [ptr] * 6 + [i64] * 6 + [f32] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D] fp32; caches [num_blocks, block_size, Hkv, D]; tables [B, W] and lens [B]
-    int32. Returns [B, H, D]. Call only when `supports(head_dim)`."""
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q [B, H, D] fp32; caches [num_blocks, block_size, Hkv, D] fp32, or both float8_e4m3fn
+    (K = code * k_scale, V = code * v_scale); tables [B, W] and lens [B] int32. Returns
+    [B, H, D]. Call only when `supports(head_dim)`."""
     lib = cpu_kernels.library()
     assert lib is not None
     q = q.contiguous()
@@ -40,13 +55,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_heads % num_kv or k_cache.shape[3] != head_dim or tables.shape[0] != num_seqs:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
                          f"tables {tuple(tables.shape)}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype \
+            or not (fp8 or k_cache.dtype == torch.float32):
+        raise ValueError(f"the CPU attention kernel takes fp32 q and fp32 or float8_e4m3fn "
+                         f"caches; got q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    rc = lib.bg_paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), num_seqs, num_heads, num_kv, head_dim, k_cache.shape[1], tables.shape[1],
-        float(scale), torch.get_num_threads())
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv, head_dim,
+            k_cache.shape[1], tables.shape[1], float(scale))
+    if fp8:
+        rc = _fp8_kernel(lib)(*args, float(k_scale), float(v_scale), torch.get_num_threads())
+    else:
+        rc = lib.bg_paged_decode_f32(*args, torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"head_dim={head_dim} is not supported by the CPU attention kernel")
     if rc != 0:

@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     from batchgen_data.kernels import (activation, attention, fused_moe, kv_cache, moe_align,
                                        rmsnorm, rotary)
 
-    FP32_SCALARS = {"scale_log2", "eps"}
+    FP32_SCALARS = {"scale_log2", "eps", "v_factor", "inv_k_scale", "inv_v_scale"}
 
     def compile_sm90(fn, pointers, constexprs, **options):
         # Unlisted non-constexpr args are int32 scalars, as the launchers pass them.
@@ -44,16 +44,20 @@ _SCRIPT = textwrap.dedent(
                        options=options)
 
     # bf16 is the CUDA default dtype; fp16 where a kernel's dots or casts differ by dtype
+    # and each attention kernel over an FP8 KV cache too (e4m3 codes read as bytes)
     for dt in ("bf16", "fp16"):
-        attn = dict(q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt, out_ptr=dt,
-                    bt_ptr="i32", seq_lens_ptr="i32", cu_seqlens_ptr="i32",
-                    part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32")
-        compile_sm90(attention._decode_kernel, attn, dict(
-            GROUP=4, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
-        compile_sm90(attention._decode_merge_kernel, attn,
-                     dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128))
-        compile_sm90(attention._prefill_kernel, attn, dict(
-            GROUP=3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"))
+        for fp8 in (False, True):
+            cache = "u8" if fp8 else dt
+            attn = dict(q_ptr=dt, k_cache_ptr=cache, v_cache_ptr=cache, out_ptr=dt,
+                        bt_ptr="i32", seq_lens_ptr="i32", cu_seqlens_ptr="i32",
+                        part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32")
+            compile_sm90(attention._decode_kernel, attn, dict(
+                GROUP=4, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128,
+                DOT_PRECISION="tf32", FP8=fp8))
+            compile_sm90(attention._decode_merge_kernel, attn,
+                         dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128, FP8=fp8))
+            compile_sm90(attention._prefill_kernel, attn, dict(
+                GROUP=3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32", FP8=fp8))
         moe = dict(a_ptr=dt, b_ptr=dt, c_ptr=dt, weights_ptr="fp32", sorted_ptr="i32",
                    expert_ids_ptr="i32", total_ptr="i32")
         for gated, block_m in ((True, 16), (False, 64)):  # gate/up at decode, down at prefill
@@ -72,10 +76,11 @@ _SCRIPT = textwrap.dedent(
     compile_sm90(rotary._rotary_kernel,
                  dict(q_ptr="bf16", k_ptr="bf16", pos_ptr="i64", cache_ptr="fp32"),
                  dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64))
-    compile_sm90(kv_cache._write_kv_kernel,
-                 dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr="bf16", v_cache_ptr="bf16",
-                      slot_ptr="i64"),
-                 dict(BLOCK_H=8, BLOCK_D=128))
+    for cache in ("bf16", "u8"):  # a bf16 cache, an FP8 one (codes rounded in the kernel)
+        compile_sm90(kv_cache._write_kv_kernel,
+                     dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache,
+                          slot_ptr="i64"),
+                     dict(BLOCK_H=8, BLOCK_D=128, FP8=cache == "u8"))
     compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
                  dict(BLOCK=1024))
     print("ok")

@@ -32,7 +32,8 @@ def test_no_ops_are_accepted() -> None:
     ({"tensor_parallel_size": 2, "cpu_offload_gb": 1}, "cpu_offload_gb=1: not supported"),
     ({"enable_chunked_prefill": False}, "always computes prompts in chunks"),
     ({"quantization": "bitsandbytes"}, "quantized"),
-    ({"kv_cache_dtype": "fp8"}, "FP8 KV"),
+    ({"calculate_kv_scales": True}, "never computed from the first batch"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "only e4m3"),
     ({"revision": "main"}, "nothing is downloaded"),
 ])
 def test_refused_values_say_why(kw: dict, words: str) -> None:

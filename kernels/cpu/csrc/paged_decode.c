@@ -16,6 +16,12 @@
  *   seq_lens [num_seqs]               int32 tokens to attend to (the new one included)
  *   out      [num_seqs, num_heads, head_dim]
  * Returns 0, -1 when a buffer could not be allocated, -2 for an unsupported head size.
+ *
+ * bg_paged_decode_fp8 reads an FP8 cache (float8_e4m3fn codes, uint8 here; one k_scale and one
+ * v_scale per layer: batchgen_data/layers/kv_quant.py). Each code is widened in registers to
+ * code / 256, exactly (the sign and 7 magnitude bits placed as an fp16's and converted, or the
+ * same value built from fp32 bits in the portable path); 256 * k_scale folds into the query's
+ * pre-scale and 256 * v_scale into the output, so the loops are the fp32 kernel's.
  * Built and loaded by kernels/cpu/attention.py (plain C: no torch headers, so the
  * build takes well under a second).
  */
@@ -35,9 +41,20 @@
 
 #include "vec_exp.h"
 
-/* Asks for the next block (n floats from p) into L2 while the current one is worked on. */
-static inline void prefetch_l2(const float *p, int64_t n) {
-    for (int64_t off = 0; off < n; off += 16) _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
+/* Asks for the next block (n bytes from p) into L2 while the current one is worked on. */
+static inline void prefetch_l2(const void *p, int64_t n) {
+    for (int64_t off = 0; off < n; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+}
+
+/* 16 lanes of a row: fp32 as stored, or 16 e4m3 codes widened to code / 256 (exact: the sign
+ * to bit 15 and the magnitude bits to bits 7..13 make the fp16 of code / 256). */
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_fp8(const uint8_t *p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(h);
 }
 
 /* The 16 lane sums of v[0..15], as one vector (lane t = sum of v[t]): a transpose-and-add
@@ -61,20 +78,20 @@ static inline __m512 lane_sums16(const __m512 *v) {
 
 /* Vector form: scores 16 tokens at a time (a tree of lane sums), a vector exp, and value rows
  * accumulated into two register sets (even/odd tokens) so the FMAs do not wait on each other. */
-#define DEFINE_CHUNK(D)                                                                          \
-static void chunk_##D(const float *qs, const float *k_cache, const float *v_cache,              \
+#define DEFINE_CHUNK(D, NAME, T)                                                                 \
+static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cache,             \
                       const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
                       int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
                       float *scores, float *part_m, float *part_l, float *part_acc) {          \
     enum { NV = D / 16 };                                                                       \
     const int64_t n = t1 - t0;                                                                  \
     for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const float *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
         const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
         if (b0 + block_size < t1)                                                               \
-            prefetch_l2(k_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride); \
+            prefetch_l2(k_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride * (int64_t)sizeof(T)); \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
-            const float *k_head = kb + (hq / group) * D;                                        \
+            const T *k_head = kb + (hq / group) * D;                                        \
             __m512 qv[NV];                                                                      \
             for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qs + hq * D + 16 * c);         \
             float *sh = scores + hq * CHUNK_TOKENS + (b0 - t0);                                 \
@@ -82,19 +99,19 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
             for (; i + 16 <= m; i += 16) {                                                      \
                 __m512 acc[16];                                                                 \
                 for (int u = 0; u < 16; ++u) {                                                  \
-                    const float *k = k_head + (i + u) * row;                                    \
-                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                        \
+                    const T *k = k_head + (i + u) * row;                                    \
+                    __m512 a = _mm512_mul_ps(qv[0], load16_##NAME(k));                        \
                     for (int c = 1; c < NV; ++c)                                                \
-                        a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);             \
+                        a = _mm512_fmadd_ps(qv[c], load16_##NAME(k + 16 * c), a);             \
                     acc[u] = a;                                                                 \
                 }                                                                               \
                 _mm512_storeu_ps(sh + i, lane_sums16(acc));                                     \
             }                                                                                   \
             for (; i < m; ++i) {                                                                \
-                const float *k = k_head + i * row;                                              \
-                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                            \
+                const T *k = k_head + i * row;                                              \
+                __m512 a = _mm512_mul_ps(qv[0], load16_##NAME(k));                            \
                 for (int c = 1; c < NV; ++c)                                                    \
-                    a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);                 \
+                    a = _mm512_fmadd_ps(qv[c], load16_##NAME(k + 16 * c), a);                 \
                 sh[i] = _mm512_reduce_add_ps(a);                                                \
             }                                                                                   \
         }                                                                                       \
@@ -120,12 +137,12 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
         memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
     }                                                                                           \
     for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const float *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
         const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
         if (b0 + block_size < t1)                                                               \
-            prefetch_l2(v_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride); \
+            prefetch_l2(v_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride * (int64_t)sizeof(T)); \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
-            const float *v_head = vb + (hq / group) * D;                                        \
+            const T *v_head = vb + (hq / group) * D;                                        \
             const float *ph = scores + hq * CHUNK_TOKENS + (b0 - t0);                           \
             float *dst = part_acc + hq * D;                                                     \
             __m512 a0[NV], a1[NV];                                                              \
@@ -136,17 +153,17 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
             int64_t i = 0;                                                                      \
             for (; i + 2 <= m; i += 2) {                                                        \
                 const __m512 p0 = _mm512_set1_ps(ph[i]), p1 = _mm512_set1_ps(ph[i + 1]);        \
-                const float *v0 = v_head + i * row, *v1 = v0 + row;                             \
+                const T *v0 = v_head + i * row, *v1 = v0 + row;                             \
                 for (int c = 0; c < NV; ++c) {                                                  \
-                    a0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);           \
-                    a1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), a1[c]);           \
+                    a0[c] = _mm512_fmadd_ps(p0, load16_##NAME(v0 + 16 * c), a0[c]);           \
+                    a1[c] = _mm512_fmadd_ps(p1, load16_##NAME(v1 + 16 * c), a1[c]);           \
                 }                                                                               \
             }                                                                                   \
             if (i < m) {                                                                        \
                 const __m512 p0 = _mm512_set1_ps(ph[i]);                                        \
-                const float *v0 = v_head + i * row;                                             \
+                const T *v0 = v_head + i * row;                                             \
                 for (int c = 0; c < NV; ++c)                                                    \
-                    a0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);           \
+                    a0[c] = _mm512_fmadd_ps(p0, load16_##NAME(v0 + 16 * c), a0[c]);           \
             }                                                                                   \
             for (int c = 0; c < NV; ++c)                                                        \
                 _mm512_storeu_ps(dst + 16 * c, _mm512_add_ps(a0[c], a1[c]));                    \
@@ -154,22 +171,39 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
     }                                                                                           \
 }
 #else /* portable C: the compiler vectorises the inner loops */
-#define DEFINE_CHUNK(D)                                                                          \
-static void chunk_##D(const float *qs, const float *k_cache, const float *v_cache,              \
+/* A key or value row as fp32: stored so (no copy), or e4m3 codes widened to code / 256 into
+ * `tmp` (normals from their fp32 bits, subnormals as m * 2^-17). */
+static inline const float *row_f32(const float *p, float *tmp, int64_t n) {
+    (void)tmp;
+    (void)n;
+    return p;
+}
+static inline const float *row_fp8(const uint8_t *p, float *tmp, int64_t n) {
+    for (int64_t d = 0; d < n; ++d) {
+        const uint32_t mag = p[d] & 0x7Fu;
+        union { uint32_t u; float f; } nb = {(mag << 20) + (112u << 23)};
+        const float r = (mag >> 3) ? nb.f : (float)(mag & 7u) * 7.62939453125e-06f;
+        tmp[d] = (p[d] & 0x80u) ? -r : r;
+    }
+    return tmp;
+}
+#define DEFINE_CHUNK(D, NAME, T)                                                                 \
+static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cache,             \
                       const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
                       int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
                       float *scores, float *part_m, float *part_l, float *part_acc) {          \
     const int64_t n = t1 - t0;                                                                  \
     for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const float *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
         const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
-            const float *k_head = kb + (hq / group) * D;                                        \
+            const T *k_head = kb + (hq / group) * D;                                        \
             float qv[D];                                                                        \
             for (int64_t d = 0; d < D; ++d) qv[d] = qs[hq * D + d];                             \
             float *sh = scores + hq * CHUNK_TOKENS + (b0 - t0);                                 \
             for (int64_t i = 0; i < m; ++i) {                                                   \
-                const float *k = k_head + i * row;                                              \
+                float kr[D];                                                                    \
+                const float *k = row_##NAME(k_head + i * row, kr, D);                           \
                 float acc = 0.0f;                                                               \
                 _Pragma("omp simd reduction(+:acc)")                                            \
                 for (int64_t d = 0; d < D; ++d) acc += qv[d] * k[d];                            \
@@ -188,17 +222,18 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
         memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
     }                                                                                           \
     for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const float *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
+        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
         const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
-            const float *v_head = vb + (hq / group) * D;                                        \
+            const T *v_head = vb + (hq / group) * D;                                        \
             const float *ph = scores + hq * CHUNK_TOKENS + (b0 - t0);                           \
             float acc[D];                                                                       \
             float *dst = part_acc + hq * D;                                                     \
             for (int64_t d = 0; d < D; ++d) acc[d] = dst[d];                                    \
             for (int64_t i = 0; i < m; ++i) {                                                   \
                 const float p = ph[i];                                                          \
-                const float *v = v_head + i * row;                                              \
+                float vr[D];                                                                    \
+                const float *v = row_##NAME(v_head + i * row, vr, D);                           \
                 _Pragma("omp simd")                                                             \
                 for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];                             \
             }                                                                                   \
@@ -207,21 +242,28 @@ static void chunk_##D(const float *qs, const float *k_cache, const float *v_cach
     }                                                                                           \
 }
 #endif
-DEFINE_CHUNK(16)
-DEFINE_CHUNK(32)
-DEFINE_CHUNK(64)
-DEFINE_CHUNK(128)
-DEFINE_CHUNK(256)
+DEFINE_CHUNK(16, f32, float)
+DEFINE_CHUNK(32, f32, float)
+DEFINE_CHUNK(64, f32, float)
+DEFINE_CHUNK(128, f32, float)
+DEFINE_CHUNK(256, f32, float)
+DEFINE_CHUNK(16, fp8, uint8_t)
+DEFINE_CHUNK(32, fp8, uint8_t)
+DEFINE_CHUNK(64, fp8, uint8_t)
+DEFINE_CHUNK(128, fp8, uint8_t)
+DEFINE_CHUNK(256, fp8, uint8_t)
 
 int bg_paged_decode_supports(int64_t head_dim) {
     return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
-int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+/* The kernel over either cache: `fp8` says which chunk functions read it; the query rows are
+ * pre-scaled by scale * q_factor and the output by out_factor (1 and 1 for fp32). */
+static int paged_decode(const float *q, const void *k_cache, const void *v_cache, int fp8,
                         const int32_t *tables, const int32_t *seq_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t table_width,
-                        float scale, int num_threads) {
+                        float scale, float q_factor, float out_factor, int num_threads) {
     if (!bg_paged_decode_supports(head_dim)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
@@ -243,7 +285,8 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
         const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0;
         first_task[s + 1] = first_task[s] + (len + chunk - 1) / chunk;
     }
-    for (int64_t i = 0; i < num_seqs * num_heads * head_dim; ++i) qscaled[i] = q[i] * scale;
+    const float qs_factor = scale * q_factor;
+    for (int64_t i = 0; i < num_seqs * num_heads * head_dim; ++i) qscaled[i] = q[i] * qs_factor;
     const int64_t tasks = first_task[num_seqs];
     float *part = (float *)malloc(sizeof(float) * (size_t)((tasks > 0 ? tasks : 1) * num_heads * (head_dim + 2)));
     if (part == NULL) {
@@ -279,14 +322,25 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
             const int32_t *table = tables + s * table_width;
             float *pm = part_m + task * num_heads, *pl = part_l + task * num_heads;
             float *pa = part_acc + task * num_heads * head_dim;
-#define RUN_CHUNK(D) chunk_##D(qs, k_cache, v_cache, table, t0, t1, num_heads, group, row, \
-                               block_size, block_stride, scores, pm, pl, pa)
-            switch (head_dim) {
-                case 16: RUN_CHUNK(16); break;
-                case 32: RUN_CHUNK(32); break;
-                case 64: RUN_CHUNK(64); break;
-                case 128: RUN_CHUNK(128); break;
-                default: RUN_CHUNK(256); break;
+#define RUN_CHUNK(D, NAME, T) chunk_##NAME##_##D(qs, (const T *)k_cache, (const T *)v_cache, \
+                               table, t0, t1, num_heads, group, row, block_size, block_stride, \
+                               scores, pm, pl, pa)
+            if (fp8) {
+                switch (head_dim) {
+                    case 16: RUN_CHUNK(16, fp8, uint8_t); break;
+                    case 32: RUN_CHUNK(32, fp8, uint8_t); break;
+                    case 64: RUN_CHUNK(64, fp8, uint8_t); break;
+                    case 128: RUN_CHUNK(128, fp8, uint8_t); break;
+                    default: RUN_CHUNK(256, fp8, uint8_t); break;
+                }
+            } else {
+                switch (head_dim) {
+                    case 16: RUN_CHUNK(16, f32, float); break;
+                    case 32: RUN_CHUNK(32, f32, float); break;
+                    case 64: RUN_CHUNK(64, f32, float); break;
+                    case 128: RUN_CHUNK(128, f32, float); break;
+                    default: RUN_CHUNK(256, f32, float); break;
+                }
             }
 #undef RUN_CHUNK
         }
@@ -308,7 +362,7 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
                 const float *a = part_acc + (c * num_heads + hq) * head_dim;
                 for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
             }
-            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+            const float inv = denom > 0.0f ? out_factor / denom : 0.0f;
             for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
         }
     }
@@ -316,4 +370,25 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
     free(qscaled);
     free(first_task);
     return failed ? -1 : 0;
+}
+
+int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, const int32_t *seq_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t table_width,
+                        float scale, int num_threads) {
+    return paged_decode(q, k_cache, v_cache, 0, tables, seq_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, table_width, scale, 1.0f, 1.0f,
+                        num_threads);
+}
+
+/* The same over an FP8 cache: K = code * k_scale, V = code * v_scale. */
+int bg_paged_decode_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                        const int32_t *tables, const int32_t *seq_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t table_width,
+                        float scale, float k_scale, float v_scale, int num_threads) {
+    return paged_decode(q, k_cache, v_cache, 1, tables, seq_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, table_width, scale,
+                        256.0f * k_scale, 256.0f * v_scale, num_threads);
 }

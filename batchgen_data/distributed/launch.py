@@ -53,13 +53,14 @@ class RankGroup:
     def size(self) -> int:
         return self.tp.size
 
-    def agree_min(self, key: str, value: int) -> int:
-        """The smallest `value` over the ranks (e.g. KV blocks each device can hold)."""
+    def agree_min(self, key: str, value: int, limit_s: float | None = None) -> int:
+        """The smallest `value` over the ranks (e.g. KV blocks each device can hold); rank 0
+        waits at most `limit_s` (None: while the workers live)."""
         self.store.set(f"{key}/{self.rank}", str(value))
         if self.rank != 0:
             return int(self.store.get(f"{key}/final"))
         keys = [f"{key}/{r}" for r in range(1, self.size)]
-        self._wait_for(keys, f"the ranks' {key}")
+        self._wait_for(keys, f"the ranks' {key}", limit_s)
         best = min([value] + [int(self.store.get(k)) for k in keys])
         self.store.set(f"{key}/final", str(best))
         return best
@@ -102,8 +103,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def start(config: Any, size: int, device_type: str, timeout_s: float,
-          expert_parallel: bool = False) -> RankGroup:
-    """Rank 0: start ranks 1..size-1 with `config` and join the groups."""
+          expert_parallel: bool = False, role: str = "rank") -> RankGroup:
+    """Rank 0: start ranks 1..size-1 with `config` and join the groups. `role`: "rank", a
+    shard of one TP engine (both groups now); "engine", an engine of its own that may join a
+    TP group later (engine/partition.py: the control group now, the model group at the join,
+    `model_group`)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -115,20 +119,23 @@ def start(config: Any, size: int, device_type: str, timeout_s: float,
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", _WORKER_MODULE, str(rank), str(size), str(store.port),
-                 device_type, str(timeout_s), str(int(expert_parallel))],
+                 device_type, str(timeout_s), str(int(expert_parallel)), role],
                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
         assert proc.stdin is not None
         proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
         proc.stdin.flush()
         procs.append(proc)
         logs.append(log)
-    group = RankGroup(TensorParallel(), TensorParallel(), store, timeout, procs, logs)
+    group = RankGroup(TensorParallel(0, size), TensorParallel(0, size), store, timeout, procs,
+                      logs)
     weakref.finalize(group, _stop, procs)  # workers never outlive their engine
     try:
         group._wait_for([f"joined/{r}" for r in range(1, size)], "the ranks to start",
                         limit_s=max(timeout_s, 60.0))
-        group.control, group.tp = _groups(store, 0, size, device_type, timeout, timeout,
-                                          expert_parallel)
+        group.control = _control_group(store, 0, size, timeout)
+        if role == "rank":
+            group.tp = _model_group(store, "model", 0, size, device_type, timeout,
+                                    expert_parallel)
     except BaseException:
         _stop(procs)
         raise
@@ -136,15 +143,24 @@ def start(config: Any, size: int, device_type: str, timeout_s: float,
 
 
 def join(rank: int, size: int, port: int, device_type: str, timeout_s: float,
-         expert_parallel: bool = False) -> RankGroup:
-    """Rank `rank` > 0: join rank 0's store and groups."""
+         expert_parallel: bool = False, role: str = "rank") -> RankGroup:
+    """Rank `rank` > 0: join rank 0's store and groups (`start`'s `role`)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=_FOREVER)
     store.set(f"joined/{rank}", "1")
-    control, model = _groups(store, rank, size, device_type, _FOREVER, timeout, expert_parallel)
+    control = _control_group(store, rank, size, _FOREVER)
+    model = (_model_group(store, "model", rank, size, device_type, timeout, expert_parallel)
+             if role == "rank" else TensorParallel(rank, size))
     return RankGroup(model, control, store, timeout)
+
+
+def model_group(ranks: RankGroup, tag: str, device_type: str) -> TensorParallel:
+    """Every rank: a new model group over the ranks' store (keys under `tag`, fresh for each
+    join), for ranks started with role "engine" when they join one TP engine."""
+    return _model_group(ranks.store, f"model-{tag}", ranks.rank, ranks.size, device_type,
+                        ranks.timeout)
 
 
 def read_config(stream: Any) -> Any:
@@ -153,22 +169,26 @@ def read_config(stream: Any) -> Any:
     return pickle.loads(stream.read(n))
 
 
-def _groups(store: Any, rank: int, size: int, device_type: str, control_timeout: timedelta,
-            model_timeout: timedelta, expert_parallel: bool = False
-            ) -> tuple[TensorParallel, TensorParallel]:
+def _control_group(store: Any, rank: int, size: int, timeout: timedelta) -> TensorParallel:
     import torch.distributed as dist
 
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size,
-                                    _gloo_options(control_timeout))
+                                    _gloo_options(timeout))
+    return TensorParallel(rank, size, control, timeout)
+
+
+def _model_group(store: Any, prefix: str, rank: int, size: int, device_type: str,
+                 timeout: timedelta, expert_parallel: bool = False) -> TensorParallel:
+    import torch.distributed as dist
+
     if device_type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = model_timeout
-        model: Any = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size, opts)
+        opts._timeout = timeout
+        model: Any = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
     else:
-        model = dist.ProcessGroupGloo(dist.PrefixStore("model", store), rank, size,
-                                      _gloo_options(model_timeout))
-    return (TensorParallel(rank, size, control, control_timeout),
-            TensorParallel(rank, size, model, model_timeout, expert_parallel))
+        model = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
+                                      _gloo_options(timeout))
+    return TensorParallel(rank, size, model, timeout, expert_parallel)
 
 
 def _gloo_options(timeout: timedelta) -> Any:

@@ -9,7 +9,8 @@ ranks' partial results; logits arrive whole on rank 0, which alone samples. On t
 KV leaves and enters the group with every KV head (`read_kv` gathers the ranks' heads, a
 replicated head taken once; `write_kv` hands each rank its heads), so what hold, export and
 import see is the same at any `tensor_parallel_size`: a sequence exported from a one-device
-engine continues in a TP group, and back.
+engine continues in a TP group, and back. An FP8 cache's codes cross as bytes; every rank
+loads the same per-layer scales, so its heads' codes mean the same everywhere.
 
 A failed collective (a rank died or stalled past `collective_timeout_s`) makes the engine dead:
 `EngineDeadError` naming the rank and the end of its log, now and on every later call.
@@ -84,7 +85,8 @@ class TPRunner(ModelRunner):
     def _read_all(self, block_ids: list[int], num_tokens: int) -> KVCopy:
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         self._send(step_io.header(step_io.READ_KV, blocks.numel(), num_tokens), blocks)
-        parts = self.ranks.control.gather(self._read_local(block_ids, num_tokens))
+        parts = self.ranks.control.gather(_wire(self._read_local(block_ids, num_tokens)))
+        parts = [p.view(self.kv.dtype) for p in parts]
         s = self.model.shape
         if s.total_kv_heads < self.ranks.size:  # replicated: one copy of each head
             parts = [parts[j * self.ranks.size // s.total_kv_heads]
@@ -97,10 +99,16 @@ class TPRunner(ModelRunner):
 
     def _write_all(self, block_ids: list[int], kv: KVCopy) -> None:
         blocks = torch.tensor(block_ids, dtype=torch.int64)
-        full = torch.stack([torch.stack(layer) for layer in kv]).to(self.dtype).contiguous()
+        full = torch.stack([torch.stack(layer) for layer in kv]).to(self.kv.dtype).contiguous()
         self._send(step_io.header(step_io.WRITE_KV, blocks.numel(), full.shape[2]), blocks)
-        self.ranks.control.broadcast(full)
+        self.ranks.control.broadcast(_wire(full))
         self._write_local(block_ids, full)
+
+    def release(self) -> None:
+        """Rank 0: end this TP engine but keep the other ranks' processes, which return from
+        `serve` (a re-partition back into separate engines, engine/partition.py)."""
+        self._guarded(self.ranks.control.broadcast, step_io.header(step_io.STOP, 0))
+        self._dead = "tensor-parallel engine was re-partitioned into separate engines"
 
     def close(self) -> None:
         """Rank 0: stop the other ranks (they also stop when this process ends)."""
@@ -137,12 +145,13 @@ class TPRunner(ModelRunner):
             if command == step_io.RUN:
                 self._follow(step_io.StepData.unpack(head, payload))
             elif command == step_io.READ_KV:
-                control.gather(self._read_local(payload.tolist(), int(head[2])))
+                control.gather(_wire(self._read_local(payload.tolist(), int(head[2]))))
             elif command == step_io.WRITE_KV:
                 s = self.model.shape
                 full = torch.empty(s.num_layers, 2, int(head[2]), s.total_kv_heads, s.head_dim,
-                                   dtype=self.dtype)
-                self._write_local(payload.tolist(), control.broadcast(full))
+                                   dtype=self.kv.dtype)
+                control.broadcast(_wire(full))  # in place
+                self._write_local(payload.tolist(), full)
             else:
                 raise RuntimeError(f"unknown command {command} from rank 0")
 
@@ -163,13 +172,18 @@ class TPRunner(ModelRunner):
 
     def _input(self, d: step_io.StepData) -> ModelInput:
         dev = self.device
-        tables = d.block_tables.tolist()
-        meta = self._metadata(tables, d.slot_mapping.tolist(), d.seq_lens.tolist(),
-                              d.query_lens.tolist(), d.num_decodes)
+        meta = self._metadata(d.block_tables.numpy(), d.slot_mapping.numpy(),
+                              d.seq_lens.numpy(), d.query_lens.numpy(), d.num_decodes)
         return ModelInput(input_ids=d.input_ids.to(dev), positions=d.positions.to(dev),
                           meta=meta, sample_index=d.sample_index.to(dev),
                           sample_seqs=[None] * d.sample_index.numel(),  # type: ignore[list-item]
                           order=[])
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the collectives carry it: an FP8 cache's codes as their bytes (gloo has no
+    float8 type), the same memory."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.device
@@ -177,12 +191,25 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
     """Rank 0: check that this model and config can run at `config.tensor_parallel_size`
     (ValueError naming the value, before anything loads), then start the other ranks."""
     from batchgen_data.distributed import launch
+
+    size = config.tensor_parallel_size
+    check_tp(config, hf_config, quantized, device, size)
+    if device.type == "cpu" and config.num_threads is None:
+        # the ranks share the host's cores: this one takes its share, as the others do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return launch.start(config, size, device.type, config.collective_timeout_s,
+                        config.enable_expert_parallel)
+
+
+def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
+             size: int) -> None:
+    """ValueError naming `tensor_parallel_size` when this model and config cannot run as
+    `size` ranks (from the HF config alone: before anything starts or loads)."""
     from batchgen_data.layers.parallel import check_shape
     from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
     from batchgen_data.models.llama import DecoderForCausalLM
     from batchgen_data.models.registry import resolve_architecture
 
-    size = config.tensor_parallel_size
     cls = resolve_architecture(hf_config)
     if not issubclass(cls, DecoderForCausalLM) or issubclass(cls, DeepseekV3ForCausalLM):
         raise ValueError(f"tensor_parallel_size={size}: the Llama-family decoders (Llama, "
@@ -199,11 +226,6 @@ def start_ranks(config: Any, hf_config: Any, quantized: bool, device: torch.devi
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
                          f"{torch.cuda.device_count()} visible")
-    if device.type == "cpu" and config.num_threads is None:
-        # the ranks share the host's cores: this one takes its share, as the others do
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    return launch.start(config, size, device.type, config.collective_timeout_s,
-                        config.enable_expert_parallel)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -105,6 +105,17 @@ class TensorParallel:
                    local.numel() * local.element_size(), t0)
         return out[0] if out else []
 
+    def all_gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `local` (same shape everywhere) on every rank, in rank order."""
+        if self.size == 1:
+            return [local]
+        t0 = time.perf_counter()
+        local = local.contiguous()
+        out = [[torch.empty_like(local) for _ in range(self.size)]]
+        self._wait(self.group.allgather(out, [local]), "all-gather",
+                   local.numel() * local.element_size(), t0)
+        return out[0]
+
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
         """Logits [N, padded_vocab / size] of this rank's vocabulary rows -> on rank 0 the whole
         [N, vocab]; other ranks get their own slice back (nobody reads it)."""

@@ -1,0 +1,130 @@
+"""Re-shard a loaded model's weights in memory, both ways (a re-partition, engine/partition.py).
+
+`narrow_into(shard, full)`: a rank's model (built under `parallel.sharding`, its parameters
+still plain and unfilled) takes its slice of every weight of the full model held in this
+process, the same slice the loader would have cut from the checkpoint (`tp_shards.rank_slice`,
+q|k|v and gate|up shard by shard); each full weight is dropped once copied, so what the
+process holds goes from the full weights to its shard (at most one shard's worth above the
+full weights on the way). `gather_into(full, shard, all_gather)`: the reverse, every rank
+taking every rank's slice of each weight (one all-gather per parameter) and putting it back
+where `rank_slice` took it from. Which entries rank r holds is found by applying `rank_slice`,
+as rank r, to tensors of indices, so the reverse can never disagree with the forward cut: a
+head replicated on several ranks is written once per copy (the same values), the vocabulary's
+padding rows and the zero biases of ranks > 0 are skipped.
+
+Weights packed for the CPU kernels (`layers/linear.py` "panels", "onednn") are read back in
+their plain [out, in] form first; both models are `finalize`d by the caller. Dense decoders
+only: MoE experts and quantized weights are refused before a re-partition starts.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from batchgen_data.layers import parallel
+from batchgen_data.models import tp_shards
+
+_FUSED = ("qkv_proj", "gate_up_proj")
+
+
+def plain_weight(module: nn.Module, leaf: str) -> torch.Tensor:
+    """`module.<leaf>` in its plain form ([out, in] for a weight), whatever its layout."""
+    packed = getattr(module, "packed", None)
+    if leaf != "weight" or packed is None:
+        return getattr(module, leaf).detach()
+    from batchgen_data.kernels.cpu import linear as cpu_linear
+
+    rows = getattr(module, "out_features", None) or module.vocab
+    if getattr(module, "layout", "panels") == "panels":  # [ceil(out / 48), in, 48]
+        return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:rows]
+    # oneDNN's blocked layout is opaque: multiply the identity (exact: one product per entry)
+    cols = module.in_features
+    eye = torch.eye(cols, dtype=packed.dtype)
+    return cpu_linear.onednn_linear(eye, packed, None).t().contiguous()[:rows]
+
+
+def _drop(module: nn.Module, leaf: str) -> None:
+    setattr(module, leaf, None)
+    if leaf == "weight" and getattr(module, "packed", None) is not None:
+        module.packed = None
+
+
+def _pieces(full_module: nn.Module, name: str, tensor: torch.Tensor
+            ) -> list[tuple[int, torch.Tensor]]:
+    """(checkpoint shard index, full tensor piece) of a parameter: q, k, v (or gate, up) of a
+    fused layer apart, anything else whole."""
+    layer = name.rpartition(".")[0].rpartition(".")[2]
+    if layer not in _FUSED:
+        return [(0, tensor)]
+    return list(enumerate(tensor.split(full_module.shard_sizes, dim=0)))
+
+
+def narrow_into(shard: nn.Module, full: nn.Module) -> None:
+    """Fill every parameter of `shard` with its slice of `full`'s (see the module docstring)."""
+    with torch.no_grad():
+        for name, param in list(shard.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            src_module = full.get_submodule(owner)
+            src = plain_weight(src_module, leaf)
+            parts = [tp_shards.rank_slice(shard, name, i, piece)
+                     for i, piece in _pieces(src_module, name, src)]
+            local = parts[0] if len(parts) == 1 else torch.cat(parts)
+            assert local.shape == param.shape, (name, local.shape, param.shape)
+            param.copy_(local)
+            del src, parts, local
+            _drop(src_module, leaf)
+
+
+def _as_rank(shard: nn.Module, rank: int) -> SimpleNamespace:
+    """What `rank_slice` reads of a model, as rank `rank` of the same group would have it."""
+    shape = copy.copy(shard.shape)
+    shape.tp = parallel.TensorParallel(rank, shape.tp.size)
+    return SimpleNamespace(shape=shape)
+
+
+def _where(view: object, name: str, i: int, shape: torch.Size
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """1-based indices into a full piece of `shape` of the rows (and columns) rank `view`
+    keeps, 0 where its slice holds padding or zeros instead."""
+    n0 = shape[0]
+    rows = torch.arange(1, n0 + 1)
+    if len(shape) == 1:
+        return tp_shards.rank_slice(view, name, i, rows), None  # type: ignore[arg-type]
+    assert len(shape) == 2, (name, shape)
+    r = tp_shards.rank_slice(view, name, i, rows.view(n0, 1).expand(shape))  # type: ignore
+    c = tp_shards.rank_slice(view, name, i,  # type: ignore[arg-type]
+                             torch.arange(1, shape[1] + 1).view(1, -1).expand(shape))
+    return r[:, 0], c[0] if c.numel() else c.new_zeros(0)
+
+
+def gather_into(full: nn.Module, shard: nn.Module,
+                all_gather: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
+    """Fill every parameter of `full` from every rank's `shard` (`all_gather(local)`: each
+    rank's `local`, in rank order, on every rank)."""
+    size = shard.shape.tp.size
+    views = [_as_rank(shard, r) for r in range(size)]
+    with torch.no_grad():
+        for name, param in list(full.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            here = shard.get_submodule(owner)
+            every = all_gather(plain_weight(here, leaf).contiguous())
+            _drop(here, leaf)
+            pieces = _pieces(full.get_submodule(owner), name, param.data)
+            for r in range(size):  # each rank's slice: its pieces one after the other
+                start = 0
+                for i, piece in pieces:
+                    rows, cols = _where(views[r], name, i, piece.shape)
+                    n = rows.numel()
+                    got = every[r][start:start + n]
+                    start += n
+                    keep = rows > 0
+                    if cols is None:
+                        piece[rows[keep] - 1] = got[keep]
+                    else:
+                        ck = cols > 0
+                        piece[(rows[keep] - 1).unsqueeze(1), cols[ck] - 1] = got[keep][:, ck]
+            del every

@@ -1,0 +1,116 @@
+"""Re-partition on the CPU (engine/partition.py; gloo, two processes, one thread each): two
+one-device engines join into one TP=2 engine mid-job when the policy says so, split back, and
+join again, every sequence kept and every greedy token equal to HF `generate` (fp32); a rank
+killed during a switch fails the group with EngineDeadError within a bounded time.
+
+Each group starts a second process holding a whole engine (~15-40 s on a busy 2-core box).
+Rank 0 waits at most `collective_timeout_s` on every collective and handshake.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen_data import SamplingParams
+from batchgen_data.engine.driver import EngineDeadError
+from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+from batchgen_data.outputs import RequestOutput
+
+from tests.conftest import build_tiny_model, build_tokenizer
+from tests.integration.test_tensor_parallel import hf_greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# (prompt, max_tokens): three short rows and a tail of three long ones, spread over both
+ROWS = [([5, 6, 7, 8, 9, 10, 11], 6), ([40, 41, 42], 8), (list(range(60, 90)), 7),
+        ([7, 300, 12, 99, 5], 30), (list(range(100, 113)), 26), ([3, 1, 4, 1, 5, 9, 2], 34)]
+LATE = [([11, 22, 33], 12), (list(range(200, 219)), 10)]  # submitted to the wide engine
+KW = dict(num_threads=1, device="cpu", block_size=4, max_num_batched_tokens=32,
+          collective_timeout_s=30.0)
+
+
+def _model(tmp_path: Path, arch: str, **overrides: int) -> Path:
+    tok = build_tokenizer(tmp_path)
+    build_tiny_model(arch, tmp_path, vocab_size=len(tok) + 3, **overrides)
+    return tmp_path
+
+
+def _want(path: Path, rows: list[tuple[list[int], int]]) -> list[list[int]]:
+    return [hf_greedy(path, [p], n)[0] for p, n in rows]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_join_split_and_join_again_keep_every_sequence_and_token(tmp_path: Path) -> None:
+    """Qwen2 with one KV head (replicated at TP=2: the KV re-split writes it on both ranks),
+    a tied head and an odd vocabulary (403: padded)."""
+    torch.set_num_threads(1)
+    path = _model(tmp_path, "qwen2", num_key_value_heads=1)
+    want = _want(path, ROWS + LATE)
+    policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
+    group = EngineGroup.from_kwargs(str(path), policy=policy, **KW)
+    outs: dict[str, RequestOutput] = {}
+
+    def collect(got: list[RequestOutput]) -> None:
+        for o in got:
+            assert o.request_id not in outs  # never emitted twice
+            outs[o.request_id] = o
+
+    try:
+        ids = [group.submit(p, greedy(n)) for p, n in ROWS]
+        assert sorted(group.where.values()) == [0, 0, 0, 1, 1, 1]  # both engines hold rows
+        while group.width == 1:  # the policy joins once the tail is 3 sequences
+            collect(group.step())
+            assert group.has_unfinished()
+        join = group.switches[0]
+        assert join.direction == "join" and join.seqs == 3 and join.kv_bytes > 0
+        model = group.engine.runner.model
+        assert model.shape.tp.size == 2 and model.shape.num_kv_heads == 1
+        assert model.layers[0].self_attn.qkv_proj.out_features == (2 + 1 + 1) * 16
+        assert set(group.where.values()) == {0}
+        for _ in range(3):
+            collect(group.step())
+        ids += [group.submit(p, greedy(n)) for p, n in LATE]  # new work for the wide engine
+        split = group.split()
+        assert split.seqs == 5 and group.width == 1
+        assert set(group.where.values()) == {0, 1}  # spread over both engines again
+        assert group.engine.runner.model.layers[0].self_attn.qkv_proj.out_features == \
+            (4 + 1 + 1) * 16  # whole weights again (all-gathered)
+        while group.has_unfinished():  # ... and the policy joins again for the tail
+            collect(group.step())
+        assert [s.direction for s in group.switches] == ["join", "split", "join"]
+    finally:
+        group.close()
+    assert sorted(outs) == sorted(ids)  # no sequence lost
+    assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
+    assert all(outs[i].outputs[0].finish_reason == "length" for i in ids)
+
+
+def test_a_rank_killed_during_the_switch_fails_the_group_fast(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    path = _model(tmp_path, "llama", num_key_value_heads=2)
+    group = EngineGroup.from_kwargs(str(path), **KW)
+
+    def kill_in_reshard(phase: str) -> None:
+        if phase == "reshard":
+            group.ranks.procs[0].kill()
+
+    try:
+        for p, n in ROWS[:4]:
+            group.submit(p, greedy(n))
+        for _ in range(3):
+            group.step()
+        group.on_phase = kill_in_reshard
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1 exited"):
+            group.repartition()
+        assert time.monotonic() - t0 < 20.0
+        with pytest.raises(EngineDeadError):  # and stays dead
+            group.step()
+    finally:
+        group.close()

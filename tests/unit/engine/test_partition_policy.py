@@ -1,0 +1,74 @@
+"""The re-partition policy from load reports alone, and what an engine group refuses before any
+process starts (engine/partition.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchgen_data.config import make_engine_config
+from batchgen_data.distributed import launch
+from batchgen_data.engine.partition import EngineGroup, PartitionPolicy, _spread
+from batchgen_data.placement import EngineLoad
+
+
+def load(running: int, remaining: int, step_s: float = 0.05, waiting: int = 0) -> EngineLoad:
+    return EngineLoad(0, waiting, running, 0, remaining, 100, 100, 256, 16,
+                      decode_step_s=step_s)
+
+
+def test_join_needs_a_short_tail_nothing_queued_and_a_saving_that_pays() -> None:
+    p = PartitionPolicy(join_below_seqs=4, wide_step_ratio=0.6, switch_s=2.0)
+    # 2 + 1 sequences, ~200 tokens left each: 200 x 0.05 s x 0.4 = 4 s saved > 2 s
+    assert p.should_join([load(2, 400), load(1, 200)])
+    assert not p.should_join([load(4, 800), load(1, 200)])  # 5 live: not the tail yet
+    assert not p.should_join([load(2, 400, waiting=1), load(1, 200)])  # rows still queued
+    assert not p.should_join([load(2, 100), load(1, 50)])  # 50 steps x 0.02 s = 1 s < 2 s
+    assert p.should_join([load(2, 400, step_s=0.0), load(1, 200)])  # the slowest measured
+    assert not p.should_join([load(2, 400, step_s=0.0), load(1, 200, step_s=0.0)])  # none yet
+    assert not p.should_join([load(0, 0), load(0, 0)])  # nothing left
+    assert not PartitionPolicy(wide_step_ratio=1.1).should_join([load(1, 9999)])  # not faster
+
+
+def test_split_when_work_queues_behind_the_wide_engine() -> None:
+    p = PartitionPolicy(split_above_seqs=8)
+    assert p.should_split(load(8, 800, waiting=4))
+    assert not p.should_split(load(12, 800))  # nothing waiting
+    assert not p.should_split(load(2, 800, waiting=3))  # few: the wide engine serves them
+
+
+def test_split_spreads_requests_by_kv_tokens() -> None:
+    def state(rid: str, n: int) -> dict:
+        return {"request_id": rid, "prompt_token_ids": [1] * n,
+                "seqs": [{"output_token_ids": []}]}
+
+    share = _spread([state("a", 100), state("b", 60), state("c", 50), state("d", 5)], 2)
+    assert [[s["request_id"] for s in part] for part in share] == [["a", "d"], ["b", "c"]]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensor_parallel_size=2), "start with one device each"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+])
+def test_group_refusals_come_before_any_process(kwargs: dict, match: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kw: object) -> None:
+        raise AssertionError("started a process before checking")
+
+    monkeypatch.setattr(launch, "start", never)
+    with pytest.raises(ValueError, match=match):
+        EngineGroup(make_engine_config("unused-model-path", device="cpu", **kwargs))
+    with pytest.raises(ValueError, match="at least 2 engines"):
+        EngineGroup(make_engine_config("unused-model-path", device="cpu"), size=1)
+
+
+def test_group_of_a_moe_model_is_refused_by_name(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                   num_experts=4, num_experts_per_tok=2, vocab_size=100).save_pretrained(tmp_path)
+    monkeypatch.setattr(launch, "start", lambda *a, **k: pytest.fail("started a process"))
+    with pytest.raises(ValueError, match="MoE model"):
+        EngineGroup(make_engine_config(str(tmp_path), device="cpu"))

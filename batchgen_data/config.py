@@ -11,6 +11,9 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM's names of the checkpoint methods that load (models/quant_config.py)
+# vLLM's kv_cache_dtype names this engine honours: the model's dtype, or an e4m3 cache with
+# per-layer scales (layers/kv_quant.py; vLLM's "fp8" is e4m3 too)
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _QUANTIZATION = ("compressed-tensors", "compressed_tensors", "fp8", "fbgemm_fp8", "gptq",
                  "gptq_marlin", "marlin", "awq", "awq_marlin")
 
@@ -29,8 +32,17 @@ class CacheConfig:
     # Host memory for running sequences' KV (the KV host tier of module-based batching,
     # docs/offload.md): steps grow past what the device KV holds. 0: off.
     host_kv_tier_bytes: int = 0
+    # vLLM's name: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores them as
+    # float8_e4m3fn with per-layer scales, half a bf16 cache's bytes (docs/quantization.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype is None:  # vLLM configs may carry None for "auto"
+            object.__setattr__(self, "kv_cache_dtype", "auto")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            why = (" (only e4m3 is implemented)" if self.kv_cache_dtype == "fp8_e5m2" else "")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of "
+                             f"{_KV_CACHE_DTYPES}{why} (docs/quantization.md)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size!r}: must be a power of two >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -104,6 +116,9 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    # vLLM's name: schedule and prepare step n+1 while step n runs on the device (on a worker
+    # thread), so the device does not wait for the host between steps (docs/step.md)
+    async_scheduling: bool = False
     num_threads: int | None = None  # torch intra-op threads on the CPU (None: leave as is)
     # CPU: the compiled C kernels and packed weight layouts where they run (False: torch only)
     cpu_kernels: bool = True
@@ -147,6 +162,8 @@ class EngineConfig:
         if self.attention_micro_batch_seqs is not None and self.attention_micro_batch_seqs < 1:
             raise ValueError(f"attention_micro_batch_seqs={self.attention_micro_batch_seqs!r}: "
                              "must be >= 1")
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling={self.async_scheduling!r}: must be True or False")
         if not isinstance(self.cpu_kernels, bool):
             raise TypeError(f"cpu_kernels={self.cpu_kernels!r}: must be True or False")
         if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:

@@ -8,7 +8,7 @@ not already one of this engine's own is
     True`: prompts are always computed in chunks under `max_num_batched_tokens`;
     `disable_log_stats`: there is no periodic stats log), with no effect;
   * **refused** with a ValueError that says why and what to do instead, when this engine cannot
-    honour the value (`pipeline_parallel_size=2`, `kv_cache_dtype="fp8"`, ...).
+    honour the value (`pipeline_parallel_size=2`, `calculate_kv_scales=True`, ...).
 So Ray's quickstart shape, `engine_kwargs={"enable_chunked_prefill": True,
 "max_num_batched_tokens": 4096, "max_model_len": 16384}`, works as it is.
 """
@@ -64,14 +64,14 @@ VLLM_ARGS: dict[str, _Arg] = {
     "max_seq_len_to_capture": _Arg(_any, "CUDA graphs cover every decode batch size"),
     "compilation_config": _Arg(_any, "the engine picks its own fast paths (enforce_eager=True "
                                      "turns CUDA graphs off)"),
-    "async_scheduling": _Arg(_any, "scheduling runs between steps on the engine thread"),
     "disable_async_output_proc": _Arg(_any, "outputs are processed on the engine thread"),
     "scheduling_policy": _Arg(_is("fcfs", None), "requests are served first come, first served"),
     "tokenizer_mode": _Arg(_is("auto", None), "the model's fast tokenizer is always used"),
     "load_format": _Arg(_is("auto", "safetensors", None),
                         "weights load from *.safetensors (or the embedded GGUF model)"),
-    "kv_cache_dtype": _Arg(_is("auto", None), "the KV cache has the model's dtype (an FP8 KV "
-                                              "cache is not implemented: docs/quantization.md)"),
+    "calculate_kv_scales": _Arg(_is(False, None), "FP8 KV scales are the checkpoint's "
+                                "(k_scale / v_scale), else 1.0; they are never computed from "
+                                "the first batch (docs/quantization.md)"),
     "limit_mm_per_prompt": _Arg(lambda v: not v, "multimodal input is not supported"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "tokenizer_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

@@ -10,33 +10,30 @@ resumes it exactly where it was.
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
 
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.stop import StopChecker
 
 
-@dataclass(slots=True)
-class StepResult:
-    """What the runtime sends back into a suspended coroutine after a model step."""
-
-    num_computed: int  # how many pending tokens the step computed for this sequence
-    token: int | None = None  # sampled next token (None for a partial prefill chunk)
-    logprobs: dict[int, float] | None = None
-
+# What the runtime sends back into a suspended coroutine after a model step: (how many pending
+# tokens the step computed for this sequence, the sampled next token or None after a partial
+# prefill chunk, that token's logprobs or None). A plain tuple: the engine builds one per
+# sequence per step, and a tuple costs a tenth of a dataclass instance.
+StepResult = tuple[int, int | None, dict[int, float] | None]
 
 SequenceCoroutine = Generator[Sequence, StepResult, None]
 
 
 def run_sequence(seq: Sequence, stopper: StopChecker) -> SequenceCoroutine:
     while True:
-        result = yield seq  # suspension point: the runtime decides what happens next
-        seq.num_computed_tokens += result.num_computed
-        if result.token is None:
+        # suspension point: the runtime decides what happens next
+        num_computed, token, logprobs = yield seq
+        seq.num_computed_tokens += num_computed
+        if token is None:
             continue
-        seq.token_ids.append(result.token)
-        if seq.logprobs is not None and result.logprobs is not None:
-            seq.logprobs.append(result.logprobs)
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
         reason = stopper.check(seq)
         if reason is not None:
             seq.status = reason

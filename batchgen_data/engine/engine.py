@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import time
 from collections.abc import Callable, Container, Iterable
 from typing import Any
 
@@ -28,8 +27,10 @@ from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_he
 from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
+from batchgen_data.engine.step import Stepper
 from batchgen_data.engine.token_draw import sample_seed
 from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
+from batchgen_data.kvcache import kv_format
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.prompt_checks import first_bad_token
@@ -70,6 +71,7 @@ class Engine:
         self._req_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._pending_out: list[RequestOutput] = []
+        self._stepper = Stepper(self)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "Engine":
@@ -154,51 +156,9 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        finished, self._pending_out = self._pending_out, []
-        out = self.scheduler.schedule()
-        if len(self.pins) and not out.seqs and self.scheduler.has_work():
-            # nothing could run even after the scheduler reclaimed pins behind the queue's
-            # head (those left belong to programs between steps): never stall on a pin
-            self.pins.release_all()
-            out = self.scheduler.schedule()
-        # what the step asks of the model: for `on_step`, and its context for the speed fit
-        shape = StepShape.of(out)
-        if self.on_step is not None:
-            self.on_step(shape)
-        self._move_kv(out)
-        if not out.seqs:
-            return finished
-        t0 = time.perf_counter()
-        inp = self.runner.prepare(out)
-        logits = self.runner.run(inp)
-        for seq, entries in inp.prompt_logprobs or ():
-            seq.prompt_logprobs.extend(entries)
-        sampled = self.sampler(logits, inp.sample_seqs) if inp.sample_seqs else None
-        tokens: dict[int, tuple[int, Any]] = {}
-        if sampled is not None:
-            for seq, tok, lp in zip(inp.sample_seqs, sampled.token_ids, sampled.logprobs):
-                tokens[seq.seq_id] = (tok, lp)
-        done: list[Sequence] = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            tok, lp = tokens.get(seq.seq_id, (None, None))
-            if coroutine.send(self._coros[seq.seq_id], coroutine.StepResult(n, tok, lp)):
-                done.append(seq)
-        self.scheduler.after_step(out)
-        for seq in done:
-            self._retire(seq)
-        finished.extend(self._collect_finished(done))
-        device_s = self.runner.device_step_s()
-        self.stats.record(len(out.seqs), out.total_tokens, len(tokens),
-                          time.perf_counter() - t0 if device_s is None else device_s,
-                          light_seqs=max(1, self.scheduler.config.max_num_seqs // 2),
-                          kv_tokens=shape.kv_tokens)
-        self.stats.tokens_per_expert.record(self.runner.take_expert_tokens())
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        (self.stats.offload_bytes_moved,
-         self.stats.offload_peak_resident_bytes) = self.runner.offload_counters()
-        (self.stats.kv_host_bytes_moved,
-         self.stats.kv_host_seqs_peak) = self.runner.kv_tier_counters()
-        return finished
+        """One scheduling round (engine/step.py; with `async_scheduling`, overlapped with the
+        next one: docs/step.md)."""
+        return self._stepper.step()
 
     def _move_kv(self, out: SchedulerOutput) -> None:
         # order matters: read the KV of sequences just held before new owners of their blocks
@@ -209,10 +169,11 @@ class Engine:
         for seq in out.swap_in:
             self.runner.write_kv(seq.block_ids, self.held_kv.take(seq))
 
-    def _retire(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        self.held_kv.drop(seq)
-        del self._coros[seq.seq_id]
+    def _retire(self, *seqs: Sequence) -> None:
+        self.scheduler.remove(*seqs)
+        for seq in seqs:
+            self.held_kv.drop(seq)
+            del self._coros[seq.seq_id]
 
     def _collect_finished(self, done: list[Sequence]) -> list[RequestOutput]:
         outs = []
@@ -229,6 +190,7 @@ class Engine:
 
     # ---- suspension-point primitives ------------------------------------------------------
     def abort(self, request_id: str) -> bool:
+        self._stepper.drain()  # a step in flight (async_scheduling) finishes first
         req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
         if req is None:
             return False
@@ -281,6 +243,7 @@ class Engine:
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
         """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if
         `keep_kv` and it fits (`decide_held_kv`), else it is recomputed on resume."""
+        self._stepper.drain()
         req = self._live(request_id)
         for seq in req.unfinished():
             self._hold_seq(seq, keep_kv)
@@ -303,6 +266,7 @@ class Engine:
 
     def export(self, request_id: str, include_kv: bool = False) -> dict[str, Any]:
         """Turn a request into plain data and remove it from this engine."""
+        self._stepper.drain()
         if request_id in self.requests:
             self.hold(request_id, keep_kv=include_kv)
         req = self.held.pop(request_id, None)
@@ -315,6 +279,7 @@ class Engine:
             state["stop_reason"] = seq.stop_reason
             if include_kv and seq.held_kv is not None:
                 state["kv"] = [(k.clone(), v.clone()) for k, v in seq.held_kv]
+                state["kv_format"] = kv_format.state_of(self.runner)  # dtype, FP8 scales
             self.held_kv.drop(seq)
             seqs.append(state)
         return {"request_id": req.request_id, "prompt": req.prompt,
@@ -342,7 +307,7 @@ class Engine:
             if st.get("finish") is not None:
                 seq.status = SequenceStatus(st["finish"])
             elif st.get("kv") is not None:
-                kv = st["kv"]
+                kv = kv_format.adopt(st["kv"], st.get("kv_format"), self.runner)
                 seq.num_computed_tokens = kv[0][0].shape[0]
                 if decide_held_kv(seq, self.held_kv, keep=True):
                     self.held_kv.put(seq, kv)
@@ -383,6 +348,7 @@ class Engine:
     def step_until_decode(self) -> None:
         """Step until sequences run and each has exactly one token pending: the next step is a
         pure decode (where runner benchmarks and fast-path tests start)."""
+        self._stepper.drain()
         while not self.scheduler.running or any(
                 s.num_pending_tokens != 1 for s in self.scheduler.running):
             if not self.has_unfinished():

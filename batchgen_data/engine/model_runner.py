@@ -11,15 +11,19 @@ memory for hold/resume and export/import.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from batchgen_data.devices import device_scope
 from batchgen_data.engine import prompt_logprobs
+from batchgen_data.engine.block_tables import BlockTables
 from batchgen_data.engine.fast_paths import FastPath, build_fast_paths
 from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs
+from batchgen_data.engine.sampling_batch import to_device
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.held_kv import KVCopy
@@ -32,6 +36,10 @@ from batchgen_data.offload.store import WeightStore
 
 if TYPE_CHECKING:
     from batchgen_data.engine.lora_manager import LoRAManager
+
+_COMPUTED = attrgetter("num_computed_tokens")
+_TOKEN_IDS = attrgetter("token_ids")
+_NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
 
 
 @dataclass
@@ -66,10 +74,11 @@ class ModelRunner:
         s = model.shape
         # [layers, 2, num_blocks, block_size, Hkv, D]
         self.kv = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                              dtype=dtype, device=device)
+                              dtype=backend.kv_dtype, device=device)  # fp8: layers/kv_quant.py
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
         self.fast_paths: list[FastPath] = []
         self.lora: "LoRAManager | None" = None  # enable_lora: adapters' slots and rows
+        self.block_tables = BlockTables()  # the running sequences' rows, kept across steps
 
     def build_fast_paths(self, max_num_seqs: int, max_model_len: int,
                          cuda_graphs: bool = True) -> None:
@@ -113,104 +122,122 @@ class ModelRunner:
         return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the step into one batch, decodes first. Per-token work is numpy over the
+        step's arrays; the block tables are kept across steps (`BlockTables`)."""
         bs = self.block_size
-        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)
+        q_all = np.array(out.num_new_tokens, dtype=np.int64)  # [N] new tokens, scheduled order
+        decode = q_all == 1
+        order = np.argsort(~decode, kind="stable")  # decodes first, otherwise as scheduled
         groups = None
         if self.kv_tier is not None:  # micro-batches by tier when some KV is in host memory
             groups = self.kv_tier.groups([s.block_ids for s in out.seqs],
                                          [s.num_computed_tokens + n
                                           for s, n in zip(out.seqs, out.num_new_tokens)],
                                          out.num_new_tokens)
-            order = order if groups is None else [i for g in groups for i in g]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        q_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        num_decodes = 0
+            order = order if groups is None else np.array([i for g in groups for i in g])
+        ordered = decode.all() and groups is None  # scheduled order is already decodes first
+        seqs = out.seqs if ordered else [out.seqs[i] for i in order.tolist()]
+        q = q_all if ordered else q_all[order]  # [N]
+        n_seqs = len(seqs)
+        num_decodes = int(decode.sum())
+        starts = np.fromiter(map(_COMPUTED, seqs), np.int64, n_seqs)  # [N] computed before
+        seq_lens = starts + q  # [N] KV length after the step
+        cu = np.zeros(n_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])  # [N + 1] first token row of each sequence
+        starts_l = starts.tolist()
+        if num_decodes == n_seqs:  # one token each: the token at its first uncomputed position
+            ids = [s.token_ids[a] for s, a in zip(seqs, starts_l)]
+            pos = starts
+        else:
+            ids = []
+            for s, a, n in zip(seqs, starts_l, q.tolist()):
+                if n == 1:
+                    ids.append(s.token_ids[a])
+                else:
+                    ids.extend(s.token_ids[a:a + n])
+            pos = np.arange(cu[-1], dtype=np.int64) + np.repeat(starts - cu[:-1], q)  # [T]
         prompt_rows = None
+        for i in [i for i, s in enumerate(seqs) if s.prompt_logprobs is not None]:
+            seq = seqs[i]
+            if prompt_logprobs.collecting(seq):
+                prompt_rows = prompt_rows or prompt_logprobs.PromptRows()
+                prompt_rows.add(seq, int(cu[i]), starts_l[i], starts_l[i] + int(q[i]))
         token_slots: list[int] | None = None
         if self.lora is not None:  # the step's adapters into device slots first
-            self.lora.ensure_resident({s.lora.lora_int_id for s in out.seqs if s.lora})
-            token_slots = []
-        for i in order:
-            seq, n = out.seqs[i], out.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            end = start + n
-            if seq.prompt_logprobs is not None and prompt_logprobs.collecting(seq):
-                prompt_rows = prompt_rows or prompt_logprobs.PromptRows()
-                prompt_rows.add(seq, len(ids), start, end)
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            if token_slots is not None:
-                token_slots.extend([-1 if seq.lora is None
-                                    else self.lora.slot(seq.lora.lora_int_id)] * n)
-            blocks = seq.block_ids
-            if groups is None:
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            q_lens.append(n)
-            tables.append(blocks)
-            num_decodes += n == 1
-            if end == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
-        dev = self.device
+            self.lora.ensure_resident({s.lora.lora_int_id for s in seqs if s.lora})
+            seq_slots = np.array([-1 if s.lora is None else self.lora.slot(s.lora.lora_int_id)
+                                  for s in seqs], dtype=np.int64)
+            token_slots = np.repeat(seq_slots, q).tolist()
+        num_tokens = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n_seqs)
+        sampled = seq_lens == num_tokens  # [N] the step reaches the sequence's last token
+        sample_rows = cu[1:][sampled] - 1  # [S]
+        sample_seqs = list(seqs) if sampled.all() else [seqs[i] for i in
+                                                         np.flatnonzero(sampled).tolist()]
         parts = None
         if groups is not None:
             assert self.kv_tier is not None
-            starts = _cumsum([0] + [len(g) for g in groups])
-            rows = [list(range(a, a + len(g))) for a, g in zip(starts, groups)]
-            parts = self.kv_tier.parts(rows, tables, seq_lens, q_lens)
+            sizes = [len(g) for g in groups]
+            firsts = _cumsum([0] + sizes)
+            rows = [list(range(a, a + n)) for a, n in zip(firsts, sizes)]
+            parts = self.kv_tier.parts(rows, [s.block_ids for s in seqs], seq_lens.tolist(),
+                                       q.tolist())
             meta = parts[0].meta  # fast paths never take a micro-batched step
         else:
-            meta = self._metadata(tables, slots, seq_lens, q_lens, num_decodes)
+            table_rows = self.block_tables.rows(seqs)  # [N]
+            tables = self.block_tables.gather(table_rows)  # [N, max blocks] int32
+            # the cache slot of each new token: its block's id * block_size + offset
+            blocks = tables[np.repeat(np.arange(n_seqs), q), pos // bs].astype(np.int64)
+            slots = blocks * bs + pos % bs  # [T]
+            meta = self._metadata(tables, slots, seq_lens, q, num_decodes)
+        input_ids, positions, sample_index = to_device(
+            [torch.from_numpy(np.array(ids, dtype=np.int64)), torch.from_numpy(pos),
+             torch.from_numpy(sample_rows)], self.device)
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
+            input_ids=input_ids,
+            positions=positions,
             meta=meta,
-            sample_index=torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
+            sample_index=sample_index,
             sample_seqs=sample_seqs,
-            order=order,
+            order=order.tolist(),
             prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
             parts=parts,
             lora=None if token_slots is None else self.lora.batch(token_slots),
         )
 
-    def _metadata(self, tables: list[list[int]], slots: list[int], seq_lens: list[int],
-                  q_lens: list[int], num_decodes: int) -> AttentionMetadata:
-        """The attention metadata of a step run as one batch over the device cache."""
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    def _metadata(self, tables: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+                  q_lens: np.ndarray, num_decodes: int) -> AttentionMetadata:
+        """The attention metadata of a step run as one batch over the device cache, from its
+        host arrays: tables [N, blocks] int32, slots [T] int64, seq_lens and q_lens [N]."""
         prefill_q = q_lens[num_decodes:]
-        cu = torch.tensor([0] + list(_cumsum(prefill_q)), dtype=torch.int32)
-        dev = self.device
+        cu = np.zeros(len(prefill_q) + 1, dtype=np.int32)
+        np.cumsum(prefill_q, out=cu[1:])
+        table = torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32))
+        slot_d, table_d, lens_d, cu_d = to_device(
+            [torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)), table,
+             torch.from_numpy(seq_lens.astype(np.int32)), torch.from_numpy(cu)], self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=slot_d,
             num_decodes=num_decodes,
-            block_tables=table.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=cu.to(dev, non_blocking=True),
-            seq_lens_host=seq_lens,
-            query_lens_host=q_lens,
-            max_decode_len=max(seq_lens[:num_decodes], default=0),
-            max_prefill_len=max(prefill_q, default=0),
+            block_tables=table_d,
+            seq_lens=lens_d,
+            cu_seqlens_q=cu_d,
+            seq_lens_host=seq_lens.tolist(),
+            query_lens_host=q_lens.tolist(),
+            max_decode_len=int(seq_lens[:num_decodes].max(initial=0)),
+            max_prefill_len=int(prefill_q.max(initial=0)),
         )
         if num_decodes and self.backend.torch_decode_attention:
             self._decode_gather_index(meta, table[:num_decodes], seq_lens[:num_decodes])
         return meta
 
     def _decode_gather_index(self, meta: AttentionMetadata, tables: torch.Tensor,
-                             lens: list[int]) -> None:
+                             lens: np.ndarray) -> None:
         # whole blocks are gathered (one row = block_size tokens): 2.5x faster than gathering
         # token rows, for a few padded slots that the mask hides
         bs = self.block_size
         nblk = -(-meta.max_decode_len // bs)
         width = nblk * bs
-        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        mask = torch.arange(width).unsqueeze(0) < torch.from_numpy(lens).unsqueeze(1)
         meta.decode_blocks = tables[:, :nblk].reshape(-1).long().to(self.device)  # [B * nblk]
         meta.decode_mask = mask[:, None, None, :].to(self.device)
 
@@ -230,9 +257,7 @@ class ModelRunner:
         return self._forward(inp)
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
-        if inp.lora is not None:  # no fast path adds the adapters' deltas
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        elif inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
+        if inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
             hidden = module_batch.forward(self.model, inp.input_ids, inp.positions,
                                           self.kv_caches, inp.parts, self.kv_tier.caches)
         elif (path := next((p for p in self.fast_paths if p.applies(inp)), None)) is not None:
@@ -246,11 +271,18 @@ class ModelRunner:
             return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_index])
 
+    def free(self) -> None:
+        """Drop the KV cache and the fast paths (which hold the weights' and the cache's
+        addresses): the engine is rebuilt around a re-sharded model (engine/partition.py)."""
+        self.fast_paths = []
+        self.kv = torch.empty(0, device=self.device)
+        self.kv_caches = []
+
     def take_expert_tokens(self) -> torch.Tensor:
         """Tokens per expert of each MoE layer since the last call, [moe_layers, experts]
         (empty for a dense model)."""
         take = getattr(self.model, "take_expert_tokens", None)
-        return take() if take is not None else torch.zeros(0, 0, dtype=torch.long)
+        return take() if take is not None else _NO_EXPERTS
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
     def _cache_of(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -278,7 +310,7 @@ class ModelRunner:
                              dtype=torch.long, device=cache.device)
         for layer, (k, v) in zip(cache, kv):  # layer: [2, blocks, block_size, Hkv, D]
             for c, new in zip(layer, (k, v)):
-                c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, self.dtype)
+                c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, cache.dtype)
 
 
 def _cumsum(xs: list[int]) -> list[int]:

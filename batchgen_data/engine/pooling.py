@@ -104,7 +104,8 @@ class PoolingEngine:
         self.is_encoder = bool(getattr(cls, "is_encoder", False))
         head_dim = hf.hidden_size // hf.num_attention_heads
         backend = LayerBackend.choose(device, dtype, config.cpu_kernels,
-                                      getattr(hf, "head_dim", None) or head_dim)
+                                      getattr(hf, "head_dim", None) or head_dim,
+                                      config.cache.kv_cache_dtype)
         if backend.linear in ("panels", "rows"):
             # those layouts serve a decode step's few rows; a pooling step is thousands of
             # prefill rows, where oneDNN's blocked GEMM ran 2.5x the panels' (4096 x 768 x 3072
@@ -154,7 +155,7 @@ class PoolingEngine:
         self.scheduler: Scheduler | None = None
         if not self.is_encoder:
             cc = config.cache
-            per_token = ModelRunner.kv_bytes_per_token(model, dtype)
+            per_token = ModelRunner.kv_bytes_per_token(model, backend.kv_dtype)
             num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len,
                                                          sc.max_num_seqs)
             # MEAN / CLS read every token's hidden state: a cached prefix would hide some

@@ -87,14 +87,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits [N, V] float32, row i belongs to seqs[i]
-        vocab = logits.shape[1]
-        b = SamplingBatch.build(seqs, vocab, self.eos_ids, logits.device, self.bad_words)
+        return self.sample(logits, self.batch(seqs, logits.shape[1], logits.device), seqs)
+
+    def batch(self, seqs: list[Sequence], vocab: int, device: torch.device
+              ) -> SamplingBatch | None:
+        """The host half of a sampler call: what it reads of the sequences (lengths, histories,
+        bans), for `sample` to use once the logits exist (engine/step.py builds it before the
+        step's tokens of the step before are known)."""
+        return SamplingBatch.build(seqs, vocab, self.eos_ids, device, self.bad_words)
+
+    def sample(self, logits: torch.Tensor, b: SamplingBatch | None, seqs: list[Sequence]
+               ) -> SamplerOutput:
+        """Tokens of `seqs` from `logits` and their `batch`; reads no sequence state but the
+        parameters (and structured outputs' grammar state)."""
+        if b is None:  # every row greedy, nothing to edit or report
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(seqs))
         want_lp = b.want_logprobs
         raw_logprobs = self._raw_logprobs(logits, want_lp)
 
         # edits go to a copy (the caller's logits stay raw); most steps edit nothing
-        constrained = any(s.params.structured_outputs is not None for s in seqs)
-        if (constrained or b.allowed is not None or b.bias is not None or b.ban.shape[1]
+        if (b.constrained or b.allowed is not None or b.bias is not None or b.ban.shape[1]
                 or b.output_ids is not None):
             logits = logits.clone()
             self._edit(logits, b)

@@ -15,13 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from batchgen_data.engine.bad_words import BadWords, banned_tokens
 from batchgen_data.engine.sequence import Sequence
+from batchgen_data.sampling_params import SamplingParams
 
 
 _EDITS_LOGITS = attrgetter("edits_logits")
+_PARAMS = attrgetter("params")
+_SEED = attrgetter("seed")
+_TOKEN_IDS = attrgetter("token_ids")
+_PROMPT_IDS = attrgetter("prompt_token_ids")
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -68,6 +74,7 @@ class SamplingBatch:
     use_repetition: bool
     use_freq_presence: bool
     want_logprobs: list[int | None]
+    constrained: bool  # some row has structured_outputs (a grammar mask)
     # device tensors, one row per sequence
     seed: torch.Tensor  # [N] int64
     step: torch.Tensor  # [N] int64: the index of the token being drawn
@@ -90,20 +97,39 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, eos_ids: list[int],
-              device: torch.device, bad_words: BadWords | None = None) -> "SamplingBatch":
-        ps = [s.params for s in seqs]
-        # a C-level scan: steps whose rows edit nothing pay no Python loop for the feature
+              device: torch.device, bad_words: BadWords | None = None
+              ) -> "SamplingBatch | None":
+        """The step's batch, or None when every row is greedy with nothing that changes or
+        reports its logits (the argmax alone decides: nothing to build or copy)."""
+        n = len(seqs)
+        ps = list(map(_PARAMS, seqs))
+        # the rows' distinct SamplingParams objects (a request's rows share one, and often a
+        # whole step does): per-parameter values are read once per object, not once per row
+        keys = list(map(id, ps))
+        first = dict(zip(keys, ps))
+        uniq = list(first.values())
+        if all(map(_argmax_only, uniq)):
+            return None
+        if len(uniq) == 1:
+            code = np.zeros(n, dtype=np.int64)
+        else:
+            where = {k: j for j, k in enumerate(first)}
+            code = np.fromiter(map(where.__getitem__, keys), np.int64, n)  # [N] row's object
         edits = ([i for i, p in enumerate(ps) if p.edits_logits]
-                 if any(map(_EDITS_LOGITS, ps)) else [])
-        ints = torch.tensor([[s.seed, s.num_output_tokens, p.top_k if p.top_k > 0 else vocab]
-                             for s, p in zip(seqs, ps)], dtype=torch.long)  # [N, 3]
-        floats = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,
-                                p.frequency_penalty, p.presence_penalty] for p in ps],
-                              dtype=torch.float32)  # [N, 6]
-        greedy = torch.tensor([p.greedy for p in ps], dtype=torch.bool)
-        use_rep = any(p.repetition_penalty != 1 for p in ps)
-        use_fp = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in ps)
-        bans = _min_tokens_bans(seqs, eos_ids, vocab)
+                 if any(map(_EDITS_LOGITS, uniq)) else [])
+        output_len = (np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n)
+                      - np.fromiter(map(len, map(_PROMPT_IDS, seqs)), np.int64, n))
+        top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in uniq], dtype=np.int64)
+        ints = np.stack([np.fromiter(map(_SEED, seqs), np.int64, n), output_len,
+                         top_k[code]], axis=1)  # [N, 3]
+        floats = np.array([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,
+                            p.frequency_penalty, p.presence_penalty] for p in uniq],
+                          dtype=np.float32)[code]  # [N, 6]
+        greedy = np.array([p.greedy for p in uniq], dtype=np.bool_)[code]  # [N]
+        use_rep = any(p.repetition_penalty != 1 for p in uniq)
+        use_fp = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in uniq)
+        bans = (_min_tokens_bans(seqs, eos_ids, vocab) if any(p.min_tokens for p in uniq)
+                else [[], []])
         edit = _logit_edits(seqs, edits, bans, bad_words) if edits else {}
         ban = torch.tensor(bans, dtype=torch.long).view(2, -1)
         history = []
@@ -113,17 +139,20 @@ class SamplingBatch:
             history.append(pad_rows([s.prompt_token_ids for s in seqs], vocab))
         # int64 tensors first, then float32, then bool: `pack` needs non-increasing sizes
         names = sorted(edit, key=lambda k: -edit[k].element_size())
-        longs = [ints, ban, *history]
-        moved = to_device(longs + [edit[k] for k in names] + [floats, greedy], device)
+        longs = [torch.from_numpy(ints), ban, *history]
+        moved = to_device(longs + [edit[k] for k in names]
+                          + [torch.from_numpy(floats), torch.from_numpy(greedy)], device)
         ints_d, ban_d, *hist_d = moved[:len(longs)]
         floats_d, greedy_d = moved[-2:]
         f = floats_d.unbind(1)
         return cls(
-            all_greedy=all(p.greedy for p in ps), any_greedy=any(p.greedy for p in ps),
-            truncate_top=any(0 < p.top_k < vocab for p in ps) or any(p.top_p < 1 for p in ps),
-            use_min_p=any(p.min_p > 0 for p in ps),
+            all_greedy=all(p.greedy for p in uniq), any_greedy=any(p.greedy for p in uniq),
+            truncate_top=any(0 < p.top_k < vocab or p.top_p < 1 for p in uniq),
+            use_min_p=any(p.min_p > 0 for p in uniq),
             use_repetition=use_rep, use_freq_presence=use_fp,
-            want_logprobs=[p.logprobs for p in ps],
+            want_logprobs=([p.logprobs for p in ps] if any(p.logprobs is not None for p in uniq)
+                           else [None] * n),
+            constrained=any(p.structured_outputs is not None for p in uniq),
             seed=ints_d[:, 0], step=ints_d[:, 1], top_k=ints_d[:, 2:3], ban=ban_d,
             output_ids=hist_d[0] if hist_d else None,
             prompt_ids=hist_d[1] if use_rep else None,
@@ -131,6 +160,13 @@ class SamplingBatch:
             repetition=f[3].unsqueeze(1), frequency=f[4].unsqueeze(1),
             presence=f[5].unsqueeze(1), greedy=greedy_d,
             **dict(zip(names, moved[len(longs):-2])))
+
+
+def _argmax_only(p: SamplingParams) -> bool:
+    """Greedy, and nothing edits the logits or reads them (penalties, bans, masks, logprobs)."""
+    return (p.greedy and not p.edits_logits and not p.min_tokens and p.logprobs is None
+            and p.repetition_penalty == 1 and not p.frequency_penalty
+            and not p.presence_penalty and p.structured_outputs is None)
 
 
 def _min_tokens_bans(seqs: list[Sequence], eos_ids: list[int], vocab: int) -> list[list[int]]:

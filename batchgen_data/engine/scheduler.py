@@ -22,6 +22,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
 
 from batchgen_data.config import SchedulerConfig
 from batchgen_data.engine.prompt_logprobs import cacheable_tokens
@@ -29,6 +32,11 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.kvcache.block_pool import BlockPool
 from batchgen_data.kvcache.held_kv import HeldKVStore
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
+
+_COMPUTED = attrgetter("num_computed_tokens")
+_TOKEN_IDS = attrgetter("token_ids")
+_BLOCK_IDS = attrgetter("block_ids")
+_BLOCK_HASHES = attrgetter("block_hashes")
 
 
 def decide_held_kv(seq: Sequence, host: HeldKVStore, keep: bool) -> bool:
@@ -111,14 +119,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.held or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of every queue and release its KV (used by abort/hold/export/finish)."""
-        for q in (self.waiting, self.held):
-            if seq in q:
-                q.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        self.release(seq)
+    def remove(self, *seqs: Sequence) -> None:
+        """Take `seqs` out of every queue and release their KV (abort/hold/export/finish).
+        One pass over the running list for all of them; the queues, which a batch job fills
+        with thousands of rows, are searched only for sequences that were not running."""
+        if not seqs:
+            return
+        gone = {s.seq_id for s in seqs}
+        running = len(self.running)
+        self.running[:] = [s for s in self.running if s.seq_id not in gone]
+        if running - len(self.running) < len(seqs):
+            for seq in seqs:
+                for q in (self.waiting, self.held):
+                    if seq in q:
+                        q.remove(seq)
+        for seq in seqs:
+            self.release(seq)
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
@@ -128,30 +144,75 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.token_budget
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_pending_tokens, budget)
-            while not self._make_room(seq, n, keep_free=0, asking=None):
-                tier = self._on_host(seq)  # preempting the other tier frees nothing here
-                same = [s for s in self.running[i + 1:] if self._on_host(s) == tier]
-                victim = self._pick_victim(same) or seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                self.grow(seq, n)
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
-                budget -= n
-                i += 1
+        budget = self._schedule_running(out)
         if out.held:
             return out  # memory is tight: admit nothing new this step
         budget = self._admit(self.held, out, budget)
         if not self.held:
             self._admit(self.waiting, out, budget)
         return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Schedule the running sequences in order, each with all its pending tokens while
+        the budget lasts, growing (or preempting) those whose blocks are full; returns the
+        budget left. When every pending token fits the budget (most steps) the sequences
+        whose blocks already hold their new tokens are found with array arithmetic and only
+        the others are visited, in order, as the loop would: the result is the same."""
+        run, budget = self.running, self.token_budget
+        m = len(run)
+        computed = np.fromiter(map(_COMPUTED, run), np.int64, m)
+        pending = np.fromiter(map(len, map(_TOKEN_IDS, run)), np.int64, m) - computed
+        if int(pending.sum()) > budget:
+            return self._schedule_running_loop(out, budget)
+        room = np.fromiter(map(len, map(_BLOCK_IDS, run)), np.int64, m) * self.pool.block_size
+        seqs, counts = list(run), pending.tolist()
+        for j in np.flatnonzero(computed + pending > room).tolist():  # their blocks are full
+            if seqs[j].status == SequenceStatus.RUNNING:  # not preempted by an earlier one
+                self._grow_running(seqs[j], counts[j], out)
+        if out.held:
+            kept = [(s, n) for s, n in zip(seqs, counts) if s.status == SequenceStatus.RUNNING]
+            seqs, counts = [s for s, _ in kept], [n for _, n in kept]
+        out.seqs, out.num_new_tokens = seqs, counts
+        return budget - sum(counts)
+
+    def running_fits(self) -> bool:
+        """Whether the free device blocks hold every running sequence's pending tokens, so
+        that the next `schedule()` preempts nobody (engine/step.py asks before a look-ahead)."""
+        m, bs = len(self.running), self.pool.block_size
+        tokens = np.fromiter(map(len, map(_TOKEN_IDS, self.running)), np.int64, m)
+        blocks = np.fromiter(map(len, map(_BLOCK_IDS, self.running)), np.int64, m)
+        need = int(np.maximum(0, -(-tokens // bs) - blocks).sum())
+        return not self.pool.num_host_blocks and need <= self.pool.num_free
+
+    def _schedule_running_loop(self, out: SchedulerOutput, budget: int) -> int:
+        """`_schedule_running` one sequence at a time, for a step the budget cuts short."""
+        bs = self.pool.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n > len(seq.block_ids) * bs \
+                    and not self._grow_running(seq, n, out):
+                continue  # it was preempted: running[i] is the next one now
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _grow_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Give running `seq` the blocks for `n` more tokens, preempting the running sequences
+        after it in its tier, cheapest first, while short, and at last itself (then False)."""
+        while not self._make_room(seq, n, keep_free=0, asking=None):
+            tier = self._on_host(seq)  # preempting the other tier frees nothing here
+            later = self.running[self.running.index(seq) + 1:]
+            same = [s for s in later if self._on_host(s) == tier]
+            victim = self._pick_victim(same) or seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.grow(seq, n)
+        return True
 
     def _admit(self, queue: deque[Sequence], out: SchedulerOutput, budget: int) -> int:
         adapters = None if self.max_loras is None else \
@@ -271,9 +332,14 @@ class Scheduler:
     def after_step(self, out: SchedulerOutput) -> None:
         """Publish newly completed full blocks of every scheduled sequence to the prefix cache."""
         bs = self.pool.block_size
-        for seq in out.seqs:
-            full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
-            while len(seq.block_hashes) < full:
+        seqs = out.seqs
+        m = len(seqs)
+        full = np.minimum(np.fromiter(map(_COMPUTED, seqs), np.int64, m),
+                          np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, m)) // bs
+        hashed = np.fromiter(map(len, map(_BLOCK_HASHES, seqs)), np.int64, m)
+        for i in np.flatnonzero(full > hashed).tolist():  # the sequences that filled a block
+            seq, blocks = seqs[i], int(full[i])
+            while len(seq.block_hashes) < blocks:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
                 toks = tuple(seq.token_ids[j * bs:(j + 1) * bs])

@@ -98,7 +98,8 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
         device = tp_runner.rank_device(device, ranks.rank)
     tp = ranks.tp if ranks is not None else parallel.current()
-    backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config))
+    backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config),
+                                  config.cache.kv_cache_dtype)
     offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
     if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
         backend = dataclasses.replace(backend, linear="plain")
@@ -122,6 +123,21 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
             store, plan = streamed
             sc = scheduler_for(sc, plan)
 
+    max_len, pool, host, runner = runner_parts(config, model, backend, device, sc, ranks,
+                                               store)
+    stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
+    return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)
+
+
+def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBackend,
+                 device: torch.device, sc: SchedulerConfig, ranks: RankGroup | None = None,
+                 store: Any = None, blocks_key: str = "num_kv_blocks",
+                 limit_s: float | None = None
+                 ) -> tuple[int, BlockPool, HeldKVStore, ModelRunner]:
+    """What runs a loaded `model` (this rank's shard when `ranks`): the longest sequence, the
+    block pool, the held-KV store and the runner with its KV cache (and fast paths). Also what
+    a re-partition builds for a model re-sharded in memory (engine/partition.py), whose ranks
+    agree on the block count under `blocks_key`, rank 0 waiting at most `limit_s`."""
     max_len = model.shape.max_positions
     if config.max_model_len is not None:
         if config.max_model_len > max_len:
@@ -129,10 +145,10 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
                              f"max_position_embeddings={max_len}")
         max_len = config.max_model_len
     cc = config.cache
-    per_token = ModelRunner.kv_bytes_per_token(model, dtype)
+    per_token = ModelRunner.kv_bytes_per_token(model, backend.kv_dtype)  # fp8: 1 byte each
     num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, sc.max_num_seqs)
     if ranks is not None:  # every rank's cache has the same blocks: the fewest any can hold
-        num_blocks = ranks.agree_min("num_kv_blocks", num_blocks)
+        num_blocks = ranks.agree_min(blocks_key, num_blocks, limit_s)
     seq_blocks = -(-max_len // cc.block_size)
     if num_blocks < seq_blocks + 1:
         if cc.num_kv_blocks is None:
@@ -156,8 +172,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
     if store is None and ranks is None:  # the fast paths bake weight addresses in
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
-    stopper = StopChecker(tokenizer, eos_token_ids(path, tokenizer, hf_config))
-    return EngineParts(model, tokenizer, device, max_len, pool, host, runner, stopper, sc)
+    return max_len, pool, host, runner
 
 
 def offload_requested(config: EngineConfig) -> bool:

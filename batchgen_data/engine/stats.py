@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from batchgen_data.engine.scheduler import SchedulerOutput
+
+_COMPUTED = attrgetter("num_computed_tokens")
 
 
 @dataclass
@@ -127,6 +130,8 @@ class EngineStats:
     # most sequences with KV in the host tier that one step ran (docs/offload.md)
     kv_host_bytes_moved: int = 0
     kv_host_seqs_peak: int = 0
+    # async_scheduling: steps scheduled and prepared while the step before ran (docs/step.md)
+    overlapped_steps: int = 0
 
     def record(self, num_seqs: int, num_tokens: int, num_sampled: int, dt: float,
                light_seqs: int = 0, kv_tokens: int | None = None) -> None:
@@ -178,5 +183,5 @@ class StepShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
-        kv = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
-        return cls(len(out.seqs), out.total_tokens, kv)
+        total = out.total_tokens
+        return cls(len(out.seqs), total, sum(map(_COMPUTED, out.seqs)) + total)

@@ -17,7 +17,7 @@ class StopChecker:
 
     def check(self, seq: Sequence) -> SequenceStatus | None:
         p = seq.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)  # num_output_tokens, inlined
         last = seq.token_ids[-1]
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:

@@ -1,6 +1,6 @@
 """Greedy outputs are token-identical to HF `generate` (fp32, CPU) for tiny Llama, Qwen2 and
 Qwen3 models (mixed prompt lengths, forced small prefill chunks, forced preemption, prefix-cache
-hits, export -> import mid-generation) and for the embedded default model."""
+hits, export -> import mid-generation, async_scheduling) and for the embedded default model."""
 from __future__ import annotations
 
 import random
@@ -34,6 +34,10 @@ CASES = {
     "tiny_chunks": dict(max_num_batched_tokens=7, block_size=4),
     "preemption": dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=64),
     "preempt_recompute": dict(num_kv_blocks=14, block_size=4, preemption_mode="recompute"),
+    # step n+1 scheduled while step n runs (docs/step.md)
+    "async": dict(async_scheduling=True, max_num_seqs=4),
+    "async_preemption": dict(async_scheduling=True, num_kv_blocks=14, block_size=4,
+                             max_num_batched_tokens=64),
 }
 
 

@@ -17,3 +17,11 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _launcher_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' argument checks run in debug mode only; their tests need them."""
+    from batchgen_data.kernels import _checks
+
+    monkeypatch.setattr(_checks, "ENABLED", True)

@@ -133,3 +133,29 @@ def test_edits_survive_the_packed_transfer(monkeypatch: pytest.MonkeyPatch) -> N
     assert b.ban.tolist() == [[1], [2]] and b.prompt_ids.tolist() == [[1, 2], [1, 20]]
     assert b.greedy.tolist() == [False, False]
     assert b.repetition.view(-1).tolist() == pytest.approx([1.2, 1.0])
+
+
+def test_rows_sharing_params_objects_get_their_own_values() -> None:
+    # distinct objects are read once each; every row still gets its object's values, in order
+    hot, cold = SamplingParams(temperature=0.9, top_k=7), SamplingParams(temperature=0.3)
+    seqs = [_seq(0, hot, [1], [4]), _seq(1, cold, [1], []), _seq(2, hot, [1], [4, 5]),
+            _seq(3, SamplingParams(temperature=0), [1], [6])]
+    b = SamplingBatch.build(seqs, 40, eos_ids=[2], device=torch.device("cpu"))
+    assert b.temperature.view(-1).tolist() == pytest.approx([0.9, 0.3, 0.9, 1e-5])
+    assert b.top_k.view(-1).tolist() == [7, 40, 7, 40]
+    assert b.greedy.tolist() == [False, False, False, True]
+    assert b.step.tolist() == [1, 0, 2, 1] and b.seed.tolist() == [1000, 1001, 1002, 1003]
+    assert b.any_greedy and not b.all_greedy and b.truncate_top
+
+
+def test_plain_greedy_rows_build_nothing() -> None:
+    # greedy with nothing that edits or reports the logits: the argmax alone decides
+    plain = SamplingParams(temperature=0)
+    seqs = [_seq(i, plain, [1], [3] * i) for i in range(3)]
+    assert SamplingBatch.build(seqs, 10, eos_ids=[2], device=torch.device("cpu")) is None
+    logits = torch.randn(3, 10)
+    out = Sampler({2})(logits, seqs)
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs == [None] * 3
+    # one row asking for logprobs (or min_tokens, penalties...) needs the batch again
+    seqs.append(_seq(3, SamplingParams(temperature=0, logprobs=1), [1], []))
+    assert SamplingBatch.build(seqs, 10, eos_ids=[2], device=torch.device("cpu")) is not None

@@ -1,0 +1,244 @@
+"""One engine step — schedule, prepare, run, sample, resume the coroutines — and, with
+`async_scheduling`, the same steps overlapped so that the device does not wait for the host.
+
+Synchronous (the default): each `step()` does those five things in that order.
+
+Overlapped: the model run and the sampling of step n go to a worker thread (on a GPU it mostly
+waits for the device; on the CPU it computes). Meanwhile the engine thread schedules and
+prepares step n+1 as if step n had already given each of its sequences what it computes
+(`_look_ahead`); then it waits for step n, writes step n's tokens into step n+1's inputs, starts
+step n+1, and only then resumes step n's coroutines, so their stop checks and the finished
+requests overlap step n+1 too. docs/step.md says why every sequence still gets exactly the
+synchronous engine's tokens, and when a step is not overlapped.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgen_data.engine import coroutine
+from batchgen_data.engine.model_runner import ModelInput, ModelRunner
+from batchgen_data.engine.sampler import SamplerOutput
+from batchgen_data.engine.sampling_batch import SamplingBatch
+from batchgen_data.engine.scheduler import SchedulerOutput
+from batchgen_data.engine.sequence import Sequence
+from batchgen_data.engine.stats import StepShape
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.engine import Engine
+    from batchgen_data.outputs import RequestOutput
+    from batchgen_data.sampling_params import SamplingParams
+
+# the token id a sequence holds, during a look-ahead, for the token step n is still sampling
+PLACEHOLDER = -1
+_PARAMS = attrgetter("params")
+_SEQ_ID = attrgetter("seq_id")
+
+
+@dataclass
+class _Step:
+    """A scheduled and prepared step, and once started, its worker's future."""
+
+    out: SchedulerOutput
+    inp: ModelInput
+    batch: SamplingBatch | None  # the sampler's host half, built on the engine thread
+    shape: StepShape
+    t0: float  # when its preparation began
+    future: "Future[tuple[SamplerOutput | None, float]] | None" = None
+
+
+def _reads_own_tokens(p: SamplingParams) -> bool:
+    """Whether a sequence's sampling reads the tokens of its own previous steps (penalties,
+    bad_words, a grammar) or its step writes prompt logprobs the next one reads."""
+    return (p.repetition_penalty != 1 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+            or bool(p.bad_words) or p.structured_outputs is not None
+            or p.prompt_logprobs is not None)
+
+
+class Stepper:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.overlap = engine.config.async_scheduling
+        if self.overlap:
+            runner = engine.runner
+            if type(runner) is not ModelRunner or runner.lora is not None \
+                    or runner.kv_tier is not None:
+                raise ValueError("async_scheduling=True runs with the model's own runner only: "
+                                 "not with enable_lora, a KV host tier, tensor parallelism or "
+                                 "an injected runner yet (docs/step.md)")
+        self._worker: ThreadPoolExecutor | None = None  # the device thread, on first use
+        self._inflight: _Step | None = None  # overlapped: the step the worker runs
+
+    def step(self) -> list[RequestOutput]:
+        e = self.engine
+        finished, e._pending_out = e._pending_out, []
+        if self.overlap:
+            return finished + self._step_overlapped()
+        out, shape = self._schedule()
+        e._move_kv(out)
+        if not out.seqs:
+            return finished
+        t0 = time.perf_counter()
+        inp = e.runner.prepare(out)
+        logits = e.runner.run(inp)
+        sampled = e.sampler(logits, inp.sample_seqs) if inp.sample_seqs else None
+        return finished + self._finish(_Step(out, inp, None, shape, t0), sampled, None)
+
+    def drain(self) -> None:
+        """Finish the step in flight, if any (its outputs wait in the engine for `step()`):
+        what every primitive that touches sequences does first."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None:
+            assert cur.future is not None
+            sampled, worker_s = cur.future.result()
+            self.engine._pending_out.extend(self._finish(cur, sampled, worker_s))
+
+    # ---- the parts of a step ---------------------------------------------------------------
+    def _schedule(self) -> tuple[SchedulerOutput, StepShape]:
+        e = self.engine
+        out = e.scheduler.schedule()
+        if len(e.pins) and not out.seqs and e.scheduler.has_work():
+            # nothing could run even after the scheduler reclaimed pins behind the queue's
+            # head (those left belong to programs between steps): never stall on a pin
+            e.pins.release_all()
+            out = e.scheduler.schedule()
+        # what the step asks of the model: for `on_step`, and its context for the speed fit
+        shape = StepShape.of(out)
+        if e.on_step is not None:
+            e.on_step(shape)
+        return out, shape
+
+    def _finish(self, step: _Step, sampled: SamplerOutput | None, worker_s: float | None
+                ) -> list[RequestOutput]:
+        """Resume the step's coroutines with their results, publish its full blocks, retire
+        the sequences that finished; the requests they complete, and the step's stats."""
+        e, out, inp = self.engine, step.out, step.inp
+        for seq, entries in inp.prompt_logprobs or ():
+            seq.prompt_logprobs.extend(entries)
+        tokens: dict[int, tuple[int, Any]] = {} if sampled is None else dict(zip(
+            map(_SEQ_ID, inp.sample_seqs), zip(sampled.token_ids, sampled.logprobs)))
+        coros = e._coros
+        if self.overlap and not all(s.seq_id in coros for s in out.seqs):
+            # sequences that stopped at the step before were scheduled into this one before
+            # that was known: their rows here are dropped, tokens and all
+            live = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id in coros]
+            out = SchedulerOutput([s for s, _ in live], [n for _, n in live])
+            tokens = {s.seq_id: tokens[s.seq_id] for s in out.seqs if s.seq_id in tokens}
+            if not out.seqs:
+                return []
+        done: list[Sequence] = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            tok, lp = tokens.get(seq.seq_id, (None, None))
+            if coroutine.send(coros[seq.seq_id], (n, tok, lp)):
+                done.append(seq)
+        e.scheduler.after_step(out)
+        e._retire(*done)
+        finished = e._collect_finished(done)
+        device_s = e.runner.device_step_s()
+        if device_s is None:  # the step's wall time (synchronous), or its worker's
+            device_s = time.perf_counter() - step.t0 if worker_s is None else worker_s
+        stats = e.stats
+        stats.record(len(out.seqs), out.total_tokens, len(tokens), device_s,
+                     light_seqs=max(1, e.scheduler.config.max_num_seqs // 2),
+                     kv_tokens=step.shape.kv_tokens)
+        stats.tokens_per_expert.record(e.runner.take_expert_tokens())
+        stats.num_preemptions = e.scheduler.num_preemptions
+        stats.offload_bytes_moved, stats.offload_peak_resident_bytes = e.runner.offload_counters()
+        stats.kv_host_bytes_moved, stats.kv_host_seqs_peak = e.runner.kv_tier_counters()
+        return finished
+
+    # ---- overlapped ------------------------------------------------------------------------
+    def _step_overlapped(self) -> list[RequestOutput]:
+        e = self.engine
+        cur = self._inflight
+        if cur is None:  # nothing in flight: schedule from the engine's state as it is
+            out, shape = self._schedule()
+            e._move_kv(out)
+            if not out.seqs:
+                return []
+            cur = self._start(self._prepared(out, shape))
+        nxt = self._look_ahead(cur)  # step n+1, while step n runs
+        assert cur.future is not None
+        sampled, worker_s = cur.future.result()
+        self._inflight = None
+        if nxt is not None:
+            e.stats.overlapped_steps += 1
+            self._fill_tokens(nxt, cur, sampled)
+            e._move_kv(nxt.out)  # step n has written its KV: held KV may come back now
+            self._inflight = self._start(nxt)
+        return self._finish(cur, sampled, worker_s)
+
+    def _prepared(self, out: SchedulerOutput, shape: StepShape) -> _Step:
+        e = self.engine
+        t0 = time.perf_counter()
+        inp = e.runner.prepare(out)
+        return _Step(out, inp, e.sampler.batch(inp.sample_seqs, e.vocab_size, e.device),
+                     shape, t0)
+
+    def _start(self, step: _Step) -> _Step:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-device")
+        step.future = self._worker.submit(self._device, step)
+        self._inflight = step
+        return step
+
+    def _device(self, step: _Step) -> tuple[SamplerOutput | None, float]:
+        """The worker's part: the model run and the sampling, which read no sequence state
+        but the parameters (the sampler's host half was built before)."""
+        t0 = time.perf_counter()
+        e, inp = self.engine, step.inp
+        logits = e.runner.run(inp)
+        sampled = e.sampler.sample(logits, step.batch, inp.sample_seqs) \
+            if inp.sample_seqs else None
+        return sampled, time.perf_counter() - t0
+
+    def _look_ahead(self, cur: _Step) -> _Step | None:
+        """Step n+1 scheduled and prepared while step n (`cur`) runs, with each sequence of
+        step n advanced by what step n computes and a `PLACEHOLDER` for the token it samples;
+        None when step n+1 must wait for step n's tokens (docs/step.md)."""
+        e = self.engine
+        if any(map(_reads_own_tokens, {id(p): p for p in map(_PARAMS, cur.out.seqs)}.values())):
+            return None
+        sampling = {s.seq_id for s in cur.inp.sample_seqs}
+        ahead = list(zip(cur.out.seqs, cur.out.num_new_tokens))
+        for seq, n in ahead:
+            seq.num_computed_tokens += n
+            if seq.seq_id in sampling:
+                seq.token_ids.append(PLACEHOLDER)
+        try:
+            if not e.scheduler.running_fits():  # it would preempt a sequence of step n
+                return None
+            out, shape = self._schedule()
+            if not out.seqs:
+                return None
+            assert not out.swap_out and not out.held, "a look-ahead preempted"
+            return self._prepared(out, shape)
+        finally:
+            for seq, n in ahead:
+                seq.num_computed_tokens -= n
+                if seq.seq_id in sampling:
+                    assert seq.token_ids[-1] == PLACEHOLDER
+                    seq.token_ids.pop()
+
+    def _fill_tokens(self, nxt: _Step, cur: _Step, sampled: SamplerOutput | None) -> None:
+        """Write the tokens step n sampled into step n+1's inputs: a sequence that samples at
+        step n computes exactly that token at step n+1 (one token, the placeholder's row)."""
+        if sampled is None:
+            return
+        token_of = dict(zip(map(_SEQ_ID, cur.inp.sample_seqs), sampled.token_ids))
+        rows, toks, row = [], [], 0
+        seqs, counts = nxt.out.seqs, nxt.out.num_new_tokens
+        for i in nxt.inp.order:
+            tok = token_of.get(seqs[i].seq_id)
+            if tok is not None:
+                rows.append(row)
+                toks.append(tok)
+            row += counts[i]
+        if rows:
+            ids = nxt.inp.input_ids
+            ids[torch.tensor(rows, device=ids.device)] = torch.tensor(toks, device=ids.device)

@@ -1,0 +1,100 @@
+"""Engine parts around a stub model: the real engine (scheduler, coroutines, `ModelRunner.prepare`,
+sampler) with a forward that returns logits at once, or after sleeping a fixed device time.
+
+Select it with ``parts_builder="_stub_parts:build_parts"`` (benchmarks/ on `sys.path`) and a
+model string ``"stub?vocab=1024&device_ms=2"``. What is left of a step is what the host does
+around the model: benchmarks/host_overhead.py times it. The sleep stands for a GPU step: it
+releases the GIL as a device wait would, and its length is fixed whatever the batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from batchgen_data.engine.model_runner import ModelRunner
+from batchgen_data.engine.setup import EngineParts
+from batchgen_data.engine.stop import StopChecker
+from batchgen_data.kvcache.block_pool import BlockPool
+from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.layers.backend import LayerBackend
+
+PREFIX = "stub"
+EOS = 0  # never the argmax of the stub's logits (column 0 is pushed down)
+
+
+@dataclass(frozen=True, slots=True)
+class StubShape:
+    vocab: int
+    max_positions: int
+    num_layers: int = 1  # the runner's KV cache: one layer of one 1-wide head (no memory)
+    num_kv_heads: int = 1
+    head_dim: int = 1
+
+
+class StubModel(torch.nn.Module):
+    """The model's surface as the runner calls it: `forward` gives one hidden value per token
+    and `compute_logits` a slice of fixed random logits, after `device_s` of sleep."""
+
+    def __init__(self, vocab: int, max_positions: int, max_rows: int, device_s: float) -> None:
+        super().__init__()
+        self.shape = StubShape(vocab, max_positions)
+        self.device_s = device_s
+        gen = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, vocab, generator=gen) * 5  # [max_rows, vocab]
+        self.logits[:, EOS] = -1e4
+        self.device_time_s = 0.0  # summed over forwards: the harness subtracts it from the wall
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+                meta: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if self.device_s > 0:
+            time.sleep(self.device_s)
+        hidden = torch.zeros(input_ids.shape[0], 1)  # [T, 1]
+        self.device_time_s += time.perf_counter() - t0
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[:hidden.shape[0]]  # [S, vocab]
+
+
+class StubTokenizer:
+    """Enough for `StopChecker.final_text`: one letter per token."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def parse(model: str) -> dict[str, float]:
+    parts = urlsplit(model)
+    if parts.path != PREFIX:
+        raise ValueError(f"model={model!r}: a stub model string starts with {PREFIX!r}")
+    query = {k: float(v[-1]) for k, v in parse_qs(parts.query).items()}
+    unknown = sorted(set(query) - {"vocab", "device_ms"})
+    if unknown:
+        raise ValueError(f"model={model!r}: unknown option(s) {unknown}; valid: vocab, device_ms")
+    return {"vocab": query.get("vocab", 1024), "device_ms": query.get("device_ms", 0.0)}
+
+
+def build_parts(config: Any) -> EngineParts:
+    """`EngineParts` around a real `ModelRunner` (no fast paths) over a `StubModel`."""
+    opts = parse(config.model or "")
+    cc, sc = config.cache, config.scheduler
+    max_len = config.max_model_len or 4096
+    device = torch.device("cpu")
+    model = StubModel(int(opts["vocab"]), max_len, sc.max_num_seqs, opts["device_ms"] / 1e3)
+    num_blocks = cc.num_kv_blocks or sc.max_num_seqs * -(-max_len // cc.block_size) + 1
+    # the GPU's backend family: no torch decode-attention gather index to build per step
+    backend = LayerBackend(device, torch.float32, triton=True)
+    runner = ModelRunner(model, num_blocks, cc.block_size, backend)
+    tokenizer = StubTokenizer()
+    return EngineParts(model, tokenizer, device, max_len,
+                       BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching),
+                       HeldKVStore(cc.held_kv_bytes, ModelRunner.kv_bytes_per_token(
+                           model, torch.float32)),
+                       runner, StopChecker(tokenizer, {EOS}), sc)

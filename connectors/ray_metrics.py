@@ -80,6 +80,7 @@ class StatsExport:
         self._last: dict[str, int] = {}
         self._last_t = float("-inf")
         self.interval_s = interval_s
+        self.wait_s = 10.0  # a flush that waits gives up (and stops reporting) after this
         self.record = RunRecord()
         self.sampler = EngineSampler(self.record, self.actor, interval_s / 2)
         self.collector = _find_collector(job_id)
@@ -136,11 +137,18 @@ class StatsExport:
         while not self._stop.wait(1.0):
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = False) -> None:
+        """Ship the samples taken since the last flush. `wait`: until the collector has them
+        (the predictor does so before each yield, so that once the driver holds every row,
+        the collector holds every sample; a yield with nothing new costs nothing)."""
         part = self.record.drain()
         if (part["samples"] or part["migrations"]) and self.collector is not None:
             try:
-                self.collector.add.remote(part)
+                ref = self.collector.add.remote(part)
+                if wait:
+                    import ray
+
+                    ray.get(ref, timeout=self.wait_s)
             except Exception as e:  # noqa: BLE001 - the report is a side product: never fail rows
                 log.warning("batchgen: run report collector unreachable (%r)", e)
                 self.collector = None

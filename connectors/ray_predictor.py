@@ -189,7 +189,17 @@ class BatchGenPredictor:
         return EngineDriver(Engine.from_kwargs(model, **default_device_kwargs(engine_kwargs)))
 
     def __call__(self, batch: Any) -> Iterator[pa.Table]:
-        table = to_arrow(batch)
+        stats = getattr(self, "stats_export", None)
+        outputs = self._outputs(to_arrow(batch))
+        try:
+            for out in outputs:
+                if stats is not None:  # the report's samples reach the job's collector
+                    stats.flush(wait=True)  # before the rows they cover
+                yield out
+        finally:  # a cancelled task stops its rows now, not when the generator is collected
+            outputs.close()
+
+    def _outputs(self, table: pa.Table) -> Iterator[pa.Table]:
         pending: dict[Future, int] = {}
         if self.migration is not None:
             self.migration.enter_call()

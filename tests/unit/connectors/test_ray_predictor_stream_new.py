@@ -84,3 +84,44 @@ def test_completion_order_differs_so_the_test_can_tell(monkeypatch: pytest.Monke
 def test_unknown_stream_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="stream='sorted'"):
         outputs("sorted", monkeypatch)
+
+
+class RecordingStats:
+    """Stands in for `StatsExport`: records each flush and how many rows had left by then."""
+
+    def __init__(self, seen: list[list[str]]) -> None:
+        self.seen = seen
+        self.flushes: list[tuple[int, bool]] = []
+
+    def flush(self, wait: bool = False) -> None:
+        self.flushes.append((len(self.seen), wait))
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stream", [True, "ordered", False])
+def test_run_report_samples_are_shipped_before_each_yield(stream: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver reads the job's collector once it holds every row: each yield must come after
+    a waited flush, else a short job's report has no timeline (a CI run failed that way)."""
+    driver = ReversedDriver(4)
+    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: driver)
+    pred = BatchGenPredictor(stream=stream, migration=False, apply_chat_template=False)
+    seen: list[list[str]] = []
+    pred.stats_export = stats = RecordingStats(seen)
+    for t in pred(pa.table({"prompt": [f"p{i}" for i in range(4)]})):
+        seen.append(t.column("prompt").to_pylist())
+    assert stats.flushes == [(k, True) for k in range(len(seen))]
+
+
+def test_closing_the_call_stops_its_rows_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = ReversedDriver(3)
+    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: driver)
+    pred = BatchGenPredictor(stream="ordered", migration=False, apply_chat_template=False)
+    abandoned: list[int] = []
+    monkeypatch.setattr(pred.rows, "abandon", lambda pending: abandoned.append(len(pending)))
+    call = pred(pa.table({"prompt": ["a", "b", "c"]}))
+    next(call)
+    call.close()  # Ray cancels the task: the rows still pending are abandoned now
+    assert abandoned == [2]

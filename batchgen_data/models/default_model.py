@@ -13,17 +13,15 @@ directory, and nobody ever sees a half-written one.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
-import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchgen_data import env
+from batchgen_data.models.build_once import build_once
 
 if TYPE_CHECKING:  # transformers is imported lazily: the cached path must stay fast
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -98,33 +96,16 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if _is_complete(target):
         return target
 
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock = open(root / f"{key}.lock", "a")
-    except OSError as err:
-        raise RuntimeError(
-            f"Cannot write the default model's cache in {root} ({err}); point "
-            f"{env.CACHE_DIR_VAR} at a writable directory."
-        ) from err
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
-        try:
-            if _is_complete(target):  # someone else finished while we waited
-                return target
-            _remove_leftovers(root, key, target)
-            # Not mkdtemp: its 0700 mode would make a shared cache unreadable to other users.
-            tmp = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                _announce(conversion_message(gguf, target))
-                _convert(gguf, tmp)
-                _share_files(tmp)
-                os.rename(tmp, target)  # atomic: readers see nothing or everything
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    def fill(tmp: Path) -> None:
+        _announce(conversion_message(gguf, target))
+        _convert(gguf, tmp)
+        _share_files(tmp)
+
+    def unwritable(err: OSError) -> Exception:
+        return RuntimeError(f"Cannot write the default model's cache in {root} ({err}); point "
+                            f"{env.CACHE_DIR_VAR} at a writable directory.")
+
+    build_once(target, _is_complete, fill, unwritable)
     return target
 
 
@@ -152,14 +133,6 @@ def _share_files(directory: Path) -> None:
     file_mode = directory.stat().st_mode & 0o666
     for path in directory.iterdir():
         path.chmod(file_mode)
-
-
-def _remove_leftovers(root: Path, key: str, target: Path) -> None:
-    """Drop crashed conversions' temp dirs and an incomplete target; safe, as we hold the lock."""
-    for stale in root.glob(f".{key}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if target.exists():
-        shutil.rmtree(target)
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:

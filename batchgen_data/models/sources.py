@@ -17,7 +17,6 @@ listed (the store is unreachable) a complete cached copy is used as it is.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,12 +24,12 @@ import os
 import posixpath
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchgen_data import env
+from batchgen_data.models.build_once import build_once
 
 log = logging.getLogger(__name__)
 
@@ -83,34 +82,19 @@ def fetch(url: str, cache_dir: str | os.PathLike[str] | None = None) -> Fetched:
         raise ValueError(f"model={url!r}: no config.json there (found {sorted(listing)[:8]})")
     if _matches(target, listing):
         return Fetched(target, False)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(target.with_name(target.name + ".lock"), "a")
-    except OSError as err:
-        raise RuntimeError(f"model={url!r}: cannot write the model cache in {target.parent} "
-                           f"({err}); point $BATCHGEN_MODEL_CACHE_DIR at a writable local "
-                           "directory") from err
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process of the node copies
-        try:
-            if _matches(target, listing):  # copied by the process we waited for
-                return Fetched(target, False)
-            _remove_leftovers(target)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            tmp.mkdir()
-            try:
-                log.info("model=%r: copying %d files (%.1f MiB) into %s", url, len(listing),
-                         sum(s or 0 for s in listing.values()) / 2**20, target)
-                sizes = _copy(fs, root, listing, tmp)
-                (tmp / MANIFEST).write_text(json.dumps({"url": url, "files": sizes},
-                                                       sort_keys=True))
-                os.rename(tmp, target)  # atomic: readers see nothing or everything
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return Fetched(target, True)
+    def fill(tmp: Path) -> None:
+        log.info("model=%r: copying %d files (%.1f MiB) into %s", url, len(listing),
+                 sum(s or 0 for s in listing.values()) / 2**20, target)
+        sizes = _copy(fs, root, listing, tmp)
+        (tmp / MANIFEST).write_text(json.dumps({"url": url, "files": sizes}, sort_keys=True))
+
+    def unwritable(err: OSError) -> Exception:
+        return RuntimeError(f"model={url!r}: cannot write the model cache in {target.parent} "
+                            f"({err}); point $BATCHGEN_MODEL_CACHE_DIR at a writable local "
+                            "directory")
+
+    copied = build_once(target, lambda t: _matches(t, listing), fill, unwritable)
+    return Fetched(target, copied)
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -182,12 +166,3 @@ def _matches(target: Path, listing: dict[str, int | None] | None) -> bool:
         except OSError:
             return False
     return True
-
-
-def _remove_leftovers(target: Path) -> None:
-    """Drop crashed copies' temp folders and a stale or half-copied target (we hold the lock)."""
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if target.exists():
-        log.warning("model cache %s is incomplete or out of date: copying it again", target)
-        shutil.rmtree(target)

@@ -1,6 +1,10 @@
 """Shared fixtures for integration tests: one local Spark session for the whole pytest run
 (the local Ray, `ray_local`, is in tests/conftest.py: tests/lab uses it too).
 
+`model` (the tiny random Llama's folder) and `llm` (an `LLM` over it, built with the test
+module's `ENGINE` kwargs) are module-scoped: one engine per test module; a module that needs
+another model defines its own `model`.
+
 Starting a JVM costs ~10 s, so every Spark test shares this session; tests change only
 per-query SQL confs (and restore them), never cluster settings. Ray likewise starts once
 (~5 s); Ray tests must leave no actors of their own behind.
@@ -9,9 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
+
+from batchgen_data import LLM
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +43,13 @@ def spark() -> Iterator["pyspark.sql.SparkSession"]:  # noqa: F821
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[..., Path]) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(model: str, request: pytest.FixtureRequest) -> LLM:
+    return LLM(model, **request.module.ENGINE)

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wheel_site import build_wheel, install_wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("spark_cluster_driver.py")
 EXECUTORS = 2
 EXECUTOR_MEMORY = "768m"
 # short-lived JVMs on 2 cores: the C1 compiler only and the serial GC start and idle cheaper
 JAVA_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-# source folder -> installed package, as in pyproject's package-dir (tests/unit/test_wheel.py)
-SOURCES = ("batchgen_data", "kernels", "connectors", "pyproject.toml", "README.md")
 
 
 def free_port() -> int:
@@ -60,22 +60,8 @@ def spark_home() -> Path:
 def build_wheel_site(work: Path) -> tuple[Path, Path]:
     """The wheel built from a copy of the sources, installed into `work/site` (no deps: the
     cluster's Python has them) and zipped as `work/batchgen_site.zip`. Returns (wheel, zip)."""
-    src = work / "src"
-    src.mkdir(parents=True)
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
-        else:
-            shutil.copy(path, src / name)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"),
-                    str(src)], check=True, timeout=180, capture_output=True)
-    (wheel,) = (work / "dist").glob("batchgen_data-*.whl")
-    site = work / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
-                    str(wheel)], check=True, timeout=180, capture_output=True)
+    wheel = build_wheel(work)
+    site = install_wheel(wheel, work / "site")
     archive = shutil.make_archive(str(work / "batchgen_site"), "zip", site)
     return wheel, Path(archive)
 

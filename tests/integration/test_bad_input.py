@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import wait
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.timeout(300)
 ENGINE = {"max_model_len": 64, "max_num_seqs": 32}
 DEFAULTS = {"temperature": 0.0, "max_tokens": 6}
 GOOD = ["The quick brown fox jumps over", "Summarise paragraph 3", "What is the capital?"]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,7 @@ the good rows of the same batch match the offline run token for token, the job f
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -21,16 +20,6 @@ DEFAULTS = {"temperature": 0.0, "max_tokens": 6}
 GOOD = ["The quick brown fox jumps over", "Summarise paragraph 3", "What is the capital?"]
 COLUMNS = ("prompt", "messages", "prompt_token_ids", "sampling_params")
 NAN_KIND = next(b for b in CATALOGUE if b.kind == "temperature NaN")
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
 
 
 def want(bad: Bad, llm: LLM) -> str:

@@ -3,8 +3,7 @@
 `LLM.chat`; a row whose program breaks gets an error and the others go on."""
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -20,16 +19,6 @@ pytestmark = pytest.mark.timeout(300)
 
 ENGINE = {"max_model_len": 256, "max_num_seqs": 16, "block_size": 4}
 DEFAULTS = {"max_tokens": 6}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
 
 
 def shipped(name: str) -> Any:

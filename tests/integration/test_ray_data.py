@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -31,16 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 ENGINE = {"max_model_len": 64, "max_num_seqs": 64}
 DEFAULTS = {"temperature": 0.0, "max_tokens": 8}
 NO_OVERRIDE = {"max_tokens": None, "temperature": None, "seed": None, "temprature": None}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
 
 
 def _override(**kw: Any) -> dict[str, Any]:

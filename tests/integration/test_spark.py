@@ -9,7 +9,6 @@ again (checked by running the fail-fast tests first).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -27,16 +26,6 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8}
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 8}
 PROMPTS = [f"The quick brown fox {i} jumps over" if i % 2 else f"Summarise paragraph {i}"
            for i in range(24)]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
 
 
 @pytest.fixture

@@ -55,16 +55,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert left == [], f"processes outlived the cluster: {left}"
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[..., Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(model: str) -> LLM:
-    return LLM(model, **ENGINE)
-
-
 def offline(llm: LLM, prompts: list[str], params: dict[str, Any],
             seeded: bool = False) -> list[list[int]]:
     sp = ([SamplingParams(**params, seed=derive_seed(0, str(i))) for i in range(len(prompts))]

@@ -13,6 +13,7 @@ synchronous engine's tokens, and when a step is not overlapped.
 """
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 # the token id a sequence holds, during a look-ahead, for the token step n is still sampling
 PLACEHOLDER = -1
+SWITCH_INTERVAL_S = 1e-4  # sys.setswitchinterval while steps overlap (see Stepper)
 _PARAMS = attrgetter("params")
 _SEQ_ID = attrgetter("seq_id")
 
@@ -50,6 +52,9 @@ class _Step:
     shape: StepShape
     t0: float  # when its preparation began
     future: "Future[tuple[SamplerOutput | None, float]] | None" = None
+    # look-ahead steps: (rows of `inp.input_ids`, indices into the previous step's sampled
+    # tokens) that `_fill_tokens` writes; built while the previous step runs
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _reads_own_tokens(p: SamplingParams) -> bool:
@@ -71,6 +76,12 @@ class Stepper:
                 raise ValueError("async_scheduling=True runs with the model's own runner only: "
                                  "not with enable_lora, a KV host tier, tensor parallelism or "
                                  "an injected runner yet (docs/step.md)")
+            # The device thread needs the GIL the moment its step ends (and, on a GPU, for every
+            # launch) while the engine thread runs Python host work; at CPython's default 5 ms
+            # switch interval it waits for the engine thread's whole look-ahead. 0.1 ms hands the
+            # GIL over promptly (benchmarks/host_overhead.py, docs/step.md). Process-wide, and
+            # only ever lowered.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._worker: ThreadPoolExecutor | None = None  # the device thread, on first use
         self._inflight: _Step | None = None  # overlapped: the step the worker runs
 
@@ -217,7 +228,9 @@ class Stepper:
             if not out.seqs:
                 return None
             assert not out.swap_out and not out.held, "a look-ahead preempted"
-            return self._prepared(out, shape)
+            nxt = self._prepared(out, shape)
+            nxt.fill = _fill_plan(nxt, cur)
+            return nxt
         finally:
             for seq, n in ahead:
                 seq.num_computed_tokens -= n
@@ -226,19 +239,27 @@ class Stepper:
                     seq.token_ids.pop()
 
     def _fill_tokens(self, nxt: _Step, cur: _Step, sampled: SamplerOutput | None) -> None:
-        """Write the tokens step n sampled into step n+1's inputs: a sequence that samples at
-        step n computes exactly that token at step n+1 (one token, the placeholder's row)."""
-        if sampled is None:
+        """Write the tokens step n sampled into step n+1's inputs, at the rows `_fill_plan`
+        chose while step n ran: one gather and one scatter between step n and step n+1."""
+        if sampled is None or nxt.fill is None:
             return
-        token_of = dict(zip(map(_SEQ_ID, cur.inp.sample_seqs), sampled.token_ids))
-        rows, toks, row = [], [], 0
-        seqs, counts = nxt.out.seqs, nxt.out.num_new_tokens
-        for i in nxt.inp.order:
-            tok = token_of.get(seqs[i].seq_id)
-            if tok is not None:
-                rows.append(row)
-                toks.append(tok)
-            row += counts[i]
-        if rows:
-            ids = nxt.inp.input_ids
-            ids[torch.tensor(rows, device=ids.device)] = torch.tensor(toks, device=ids.device)
+        rows, src = nxt.fill
+        ids = nxt.inp.input_ids
+        ids[rows] = torch.tensor(sampled.token_ids, dtype=ids.dtype)[src].to(ids.device)
+
+
+def _fill_plan(nxt: _Step, cur: _Step) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where step n+1 (`nxt`) takes step n's (`cur`) sampled tokens: a sequence that samples at
+    step n computes exactly that token at step n+1 (one token, the placeholder's row)."""
+    src_of = {s.seq_id: j for j, s in enumerate(cur.inp.sample_seqs)}
+    rows, src, row = [], [], 0
+    seqs, counts = nxt.out.seqs, nxt.out.num_new_tokens
+    for i in nxt.inp.order:
+        j = src_of.get(seqs[i].seq_id)
+        if j is not None:
+            rows.append(row)
+            src.append(j)
+        row += counts[i]
+    if not rows:
+        return None
+    return torch.tensor(rows, device=nxt.inp.input_ids.device), torch.tensor(src)

@@ -93,3 +93,26 @@ def test_abort_and_hold_while_a_step_is_in_flight(tiny_model_dir) -> None:  # ty
     assert done[rids[0]].outputs[0].finish_reason == "abort"
     assert want[0][:len(done[rids[0]].outputs[0].token_ids)] == done[rids[0]].outputs[0].token_ids
     assert [done[r].outputs[0].token_ids for r in rids[1:]] == want[1:]
+
+
+def test_overlapped_steps_hand_the_gil_over_promptly(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The device thread must not wait out CPython's 5 ms switch interval behind the engine
+    thread's look-ahead: an overlapped engine lowers it (never raises it)."""
+    import sys
+
+    from batchgen_data.engine.step import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        LLM(str(tiny_model_dir("qwen3")), max_model_len=64, max_num_seqs=2)
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # synchronous: untouched
+        LLM(str(tiny_model_dir("qwen3")), max_model_len=64, max_num_seqs=2,
+            async_scheduling=True)
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, rel=0.05)
+        sys.setswitchinterval(SWITCH_INTERVAL_S / 2)
+        LLM(str(tiny_model_dir("qwen3")), max_model_len=64, max_num_seqs=2,
+            async_scheduling=True)
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S / 2, rel=0.05)  # (µs)
+    finally:
+        sys.setswitchinterval(before)

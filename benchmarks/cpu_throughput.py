@@ -12,7 +12,13 @@ loads the same files. Prompts are random non-special token ids; every request de
 own max_tokens with EOS ignored. The metric is useful output tokens per second: the sum of the
 requests' max_tokens over the wall time of the generation call (model loading and warm-up excluded).
 
+`--sampling sampled` runs every system with temperature 0.8 and top_p 0.95 instead of greedy
+(HF: `do_sample=True` with those two and `top_k=0`, since HF's default top_k of 50 would be a third
+filter the other systems do not apply; ours: a seed per request). Sampled outputs of two systems
+are not comparable token by token, so `agree_vs_*` is only reported for greedy runs.
+
     .venv/bin/python benchmarks/cpu_throughput.py --systems hf_static,hf_cb --workloads uniform
+    .venv/bin/python benchmarks/cpu_throughput.py --sampling sampled --repeat 3
 
 On a machine shared with other jobs, set OMP_WAIT_POLICY=PASSIVE in the environment (libgomp reads
 it when torch loads, so the script can only report it): with the default spin-waiting, two torch
@@ -55,6 +61,13 @@ EOS_ID = 2
 # Generated prefix compared across systems: a mismatch in most requests means different math
 # (weights, RoPE, masking), while greedy near-ties of a random model only flip the odd request.
 AGREE_PREFIX = 16
+# --sampling sampled: the setting the issue's sampled arm names (issue 35), for every system
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def hf_sampling(sampled: bool) -> dict[str, Any]:
+    """GenerationConfig fields for greedy or for SAMPLED (top_k=0 turns HF's default top-50 off)."""
+    return {"do_sample": True, "top_k": 0, **SAMPLED} if sampled else {"do_sample": False}
 
 
 def smollm2_135m_config():
@@ -132,9 +145,10 @@ class HFStatic:
 
     name = "hf_static"
 
-    def __init__(self, model, batch_size: int | None) -> None:
+    def __init__(self, model, batch_size: int | None, sampled: bool = False) -> None:
         self.model = model
         self.batch_size = batch_size
+        self.sampled = sampled
 
     def run(self, requests: list[BenchRequest], time_limit_s: float) -> SystemRun:
         from transformers import GenerationConfig
@@ -148,7 +162,7 @@ class HFStatic:
             new = max(r.max_tokens for r in batch)
             left_s = time_limit_s - (time.perf_counter() - start)
             cfg = GenerationConfig(
-                do_sample=False,
+                **hf_sampling(self.sampled),
                 max_new_tokens=new,
                 # A None eos_token_id would be filled back in from the model's defaults, so EOS
                 # is suppressed by forcing the minimum length instead.
@@ -173,9 +187,10 @@ class HFContinuous:
 
     name = "hf_cb"
 
-    def __init__(self, model, cb_kwargs: dict[str, Any]) -> None:
+    def __init__(self, model, cb_kwargs: dict[str, Any], sampled: bool = False) -> None:
         self.model = model
         self.cb_kwargs = cb_kwargs
+        self.sampled = sampled
 
     def run(self, requests: list[BenchRequest], time_limit_s: float) -> SystemRun:
         from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -194,7 +209,8 @@ class HFContinuous:
             page = cb_kwargs.get("page_size", 256)
             cb_kwargs["num_blocks"] = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page) for r in requests)
         manager = self.model.init_continuous_batching(
-            generation_config=GenerationConfig(do_sample=False, max_new_tokens=hints.max_generated_length),
+            generation_config=GenerationConfig(**hf_sampling(self.sampled),
+                                               max_new_tokens=hints.max_generated_length),
             continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
             workload_hints=hints,
         )
@@ -236,16 +252,19 @@ class HFContinuous:
 class Ours:
     name = "ours"
 
-    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, model_dir: Path, engine_kwargs: dict[str, Any], sampled: bool = False) -> None:
         from batchgen_data import LLM
 
         self.llm = LLM(model=str(model_dir), **engine_kwargs)
+        self.sampled = sampled
 
     def run(self, requests: list[BenchRequest], time_limit_s: float) -> SystemRun:
         from batchgen_data import SamplingParams
 
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in requests]
+        sampling = ({**SAMPLED} if self.sampled else {"temperature": 0})
+        params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, **sampling,
+                                 seed=i if self.sampled else None) for i, r in enumerate(requests)]
         stats = self.llm.engine.stats  # cumulative over the engine's life: report this run's share
         steps0, preempt0 = stats.num_steps, stats.num_preemptions
         start = time.perf_counter()
@@ -302,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     p.add_argument("--workloads", default=",".join(OUTPUT_LENGTHS), help=f"comma list of {tuple(OUTPUT_LENGTHS)}")
     p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--sampling", choices=("greedy", "sampled"), default="greedy",
+                   help=f"greedy, or sampled: {SAMPLED} for every system")
     p.add_argument("--repeat", type=int, default=1, help="runs per system and workload; the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seeds both the weights and the workloads")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -347,6 +368,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_systems(args: argparse.Namespace, model_dir: Path) -> list:
     built: list = []
     hf_model = None
+    sampled = args.sampling == "sampled"
     if "hf_static" in args.systems or "hf_cb" in args.systems:
         from transformers import AutoModelForCausalLM
 
@@ -354,11 +376,11 @@ def build_systems(args: argparse.Namespace, model_dir: Path) -> list:
         hf_model.eval()
     for name in args.systems:  # keep the user's order: it is also the run order
         if name == "ours":
-            built.append(Ours(model_dir, engine_kwargs(args)))
+            built.append(Ours(model_dir, engine_kwargs(args), sampled))
         elif name == "hf_static":
-            built.append(HFStatic(hf_model, args.hf_batch_size))
+            built.append(HFStatic(hf_model, args.hf_batch_size, sampled))
         else:
-            built.append(HFContinuous(hf_model, parse_key_values(args.hf_cb_kw)))
+            built.append(HFContinuous(hf_model, parse_key_values(args.hf_cb_kw), sampled))
     return built
 
 
@@ -383,11 +405,12 @@ def main(argv: list[str] | None = None) -> None:
         measured = [(s.name, [measure(s, workload, requests, args) for _ in range(args.repeat)]) for s in systems]
         ref_outputs = dict(measured)[ref_name][0][1]
         for name, runs in measured:
-            if name != ref_name:
+            if name != ref_name and args.sampling == "greedy":
                 for result, outputs in runs:
                     result.extra[f"agree_vs_{ref_name}"] = _agreement(outputs, ref_outputs)
             results.append(median_result([result for result, _ in runs]))
             results[-1].extra["omp_wait_policy"] = omp_policy or None
+            results[-1].extra["sampling"] = args.sampling
 
     records = with_ratios(results, BASELINES)
     print_report(records, ["system", "workload", "output_tokens", "wall_s", "tok_s", "vs_hf_static", "vs_hf_cb", "complete"])

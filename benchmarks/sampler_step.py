@@ -15,8 +15,9 @@ Two modes:
   random draws with top-k or top-p, penalties) per row count; a checkout without a field skips
   its rows.
 
-Logits are random, [rows, vocab] float32 of std 5 (peaked like a language model's); no model
-runs.
+Logits are random, [rows, vocab] float32 of std 5 by default (peaked like a language model's);
+``--logit-std 0.5`` gives flat rows (a random model's, or a broad distribution at a high
+temperature), whose top-p nucleus is most of the vocabulary. No model runs.
 
     .venv/bin/python benchmarks/sampler_step.py --rounds 15
     .venv/bin/python benchmarks/sampler_step.py --mode features --rows 64,256,1024 --vocab 49152
@@ -71,6 +72,9 @@ FEATURES = {
 }
 
 
+LOGIT_STD = 5.0  # --logit-std
+
+
 def _call(rows: int, vocab: int, device: torch.device, extra: dict):
     """A no-argument function that runs one sampler call on fixed logits, synchronously."""
     params = SamplingParams(**{"temperature": 0, "max_tokens": 512, **extra})
@@ -78,7 +82,7 @@ def _call(rows: int, vocab: int, device: torch.device, extra: dict):
                      token_ids=[1, 2, 3] + [5] * 40) for i in range(rows)]
     sampler = Sampler({2}, _Tokenizer()) if "bad_words" in extra else Sampler({2})
     gen = torch.Generator().manual_seed(rows)
-    logits = (torch.randn(rows, vocab, generator=gen) * 5).to(device)
+    logits = (torch.randn(rows, vocab, generator=gen) * LOGIT_STD).to(device)
 
     def run() -> float:
         if device.type == "cuda":
@@ -123,7 +127,7 @@ def _baseline(src: str, args: argparse.Namespace) -> list[dict]:
     """The draws measured with the package imported from another source tree."""
     cmd = [sys.executable, __file__, "--mode", "draws", "--json-only", "--rounds",
            str(args.rounds), "--rows", str(args.rows), "--vocab", str(args.vocab),
-           "--device", args.device]
+           "--device", args.device, "--logit-std", str(args.logit_std)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
@@ -143,8 +147,12 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="draws: a source tree to measure first")
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="wait up to this many seconds for a load average under 1")
+    ap.add_argument("--logit-std", type=float, default=5.0,
+                    help="std of the random logits (5: peaked; 0.5: flat rows)")
     ap.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global LOGIT_STD
+    LOGIT_STD = args.logit_std
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -170,12 +178,14 @@ def main() -> None:
     for rec in records:
         rec["tree"] = "this"
     if not args.json_only:
-        print(f"{args.rows} rows x {args.vocab} vocabulary, {args.device}, "
+        print(f"{args.rows} rows x {args.vocab} vocabulary, logits of std {LOGIT_STD}, "
+              f"{args.device}, "
               f"{torch.get_num_threads()} threads, {args.rounds} rounds, load {load:.2f}")
         print(format_table(base + records, ["tree", "setting", "median_ms", "min_ms", "max_ms",
                                             "vs_greedy", "vs_greedy_min", "vs_greedy_max",
                                             "goal", "goal_met"]))
     print(json.dumps({"bench": "sampler_step", "mode": "draws", "load": round(load, 2),
+                      "logit_std": LOGIT_STD,
                       "threads": torch.get_num_threads(), "results": base + records}))
 
 

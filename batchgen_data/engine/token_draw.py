@@ -28,6 +28,12 @@ token's race value ``L`` is known, a token with ``s < L - G_MAX`` cannot win. So
     nucleus floor is ``p >= (1 - top_p) / (2 V)``, below which a token's better-ranked mass
     exceeds ``top_p``. Only those candidates are hashed: at 256 rows x 151,936 vocabulary,
     logits of std 5 and T = 0.8, about 2% of the logits instead of all of them.
+  * a flat row, whose band holds more than ``FLAT_SHARE`` of the vocabulary (a broad
+    distribution, a random model, a high temperature), would list and sort most of its
+    vocabulary that way; on the CPU it races over its dense logits instead
+    (`dense_top_p_race`): its nucleus cut from a histogram of its mass by scaled logit, only
+    the one bucket where the mass crosses top_p ranked. Same tokens (a test draws both ways
+    against the full sort).
 Same tokens as the full-vocabulary race: candidates get the same float operations. The floors
 are lowered by a margin far above float rounding, so they only ever take more candidates.
 The probabilities that top-p and min-p compare are computed from ``exp(s - s_max)``, so a
@@ -220,22 +226,23 @@ RaceFn = Callable[[torch.Tensor, torch.Tensor, Rows, "torch.Tensor | None", bool
                   "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
 
-def band_candidates(logits: torch.Tensor, floor: torch.Tensor, ranked: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def band_candidates(logits: torch.Tensor, floor: torch.Tensor, ranked: bool,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens with ``logits >= floor [N, 1]`` (``+inf``: none), as padded
     ``vals, ids [N, C]`` with ``C`` the largest count of a row: in id order, or best first
-    (ties by id) when ``ranked``. Padding: ``-inf`` and id ``V``."""
-    rows, cols, _ = listed(logits, floor)
+    (ties by id) when ``ranked``. Padding: ``-inf`` and id ``V``. ``mask``: that compare,
+    when the caller has it already."""
+    rows, cols, _ = listed(logits, floor, mask)
     return padded(logits, rows, cols, ranked)
 
 
-def listed(logits: torch.Tensor, floor: torch.Tensor
+def listed(logits: torch.Tensor, floor: torch.Tensor, mask: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tokens with ``logits >= floor [N, 1]``, row-major (ids ascending in a row): their
     rows, ids and logits ``[M]``. On the CPU numpy's flatnonzero lists them (twice as fast as
     torch's nonzero there)."""
     vocab = logits.shape[1]
-    mask = (logits >= floor).view(-1)
+    mask = (logits >= floor if mask is None else mask).reshape(-1)
     if mask.device.type == "cpu":
         flat = torch.from_numpy(np.flatnonzero(mask.numpy()))
     else:
@@ -298,6 +305,14 @@ def _margin(top: torch.Tensor) -> torch.Tensor:
     return 1e-4 * (1.0 + top.abs() + G_MAX)
 
 
+def _row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` the true entries of each row of ``mask [N, V]`` (numpy on the CPU: torch's counts
+    of a bool tensor convert it to a wider integer type first, several times its size)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.count_nonzero(mask.numpy(), axis=1))
+    return torch.count_nonzero(mask, -1)
+
+
 def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
                    race: RaceFn = race_over_candidates, flat: bool = True) -> torch.Tensor:
     """Tokens ``[N]`` for the ``active [N]`` rows of ``logits [N, V]`` whose top_k is off
@@ -338,8 +353,25 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
         if flat:
             return flat_race(at_row, cols, vals, rows, top)
         return race(*padded(logits, at_row, cols, False), rows, None, False)[0]
-    vals, ids = band_candidates(logits, lowest, True)
+    dense = mask = None
+    if flat:  # flat rows race over the dense logits (dense_top_p_race), the rest over the band
+        mask = logits >= lowest
+        dense = active & (_row_counts(mask) > FLAT_SHARE * vocab)
+        if bool(dense.any()):
+            idx = dense.nonzero().squeeze(1)
+            dense_tok = torch.zeros_like(rows.seeds)
+            dense_tok[idx] = dense_top_p_race(logits[idx], rows.take(idx), top[idx])
+            active = active & ~dense
+            if not bool(active.any()):
+                return dense_tok
+            lowest = torch.where(dense.unsqueeze(1), inf, lowest)
+            mask[idx] = False
+        else:
+            dense = None
+    vals, ids = band_candidates(logits, lowest, True, mask)
     token, best, settled = race(vals, ids, rows, total, True)
+    if dense is not None:
+        token = torch.where(dense, dense_tok, token)
     # a top-p row whose band holds less than top_p of the mass: its nucleus floor, in one
     # more pass (every token below it has more than top_p of better-ranked mass)
     wide = best.unsqueeze(1) - G_MAX
@@ -353,6 +385,101 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
         logits, torch.where(again.unsqueeze(1), (wide - margin) * temp, inf), True)
     wider, _, _ = race(vals, ids, rows, total, True)
     return torch.where(again, wider, token)
+
+
+# A flat row (more than FLAT_SHARE of its vocabulary inside the top-p band) races over the
+# dense logits instead of a listed, sorted band: its nucleus comes from a histogram of the
+# row's probability mass by scaled logit, BUCKETS_PER_UNIT buckets per unit below the row's
+# best (the last of BUCKETS holds everything lower), and only the bucket where the mass crosses
+# top_p is ranked token by token.
+FLAT_SHARE = 0.125
+BUCKETS_PER_UNIT = 256.0
+BUCKETS = 4096
+
+
+def _bucket(s: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The histogram bucket of scaled logits ``s`` below the row's best ``top [N, 1]``
+    (``s <= top``; ``-inf`` falls in the last bucket)."""
+    return ((top - s) * BUCKETS_PER_UNIT).clamp_(0, BUCKETS - 1).long()
+
+
+def dense_top_p_race(logits: torch.Tensor, rows: Rows, top: torch.Tensor) -> torch.Tensor:
+    """Tokens ``[N]`` of rows without top-k whose nucleus is a large share of the vocabulary
+    (the same rule and race values as `race_over_candidates` on the ranked band, without
+    listing or sorting the band). Two passes over the logits, chunk by chunk:
+
+    1. each token's mass ``exp(s - top)`` summed per (row, bucket) in float64; the bucket
+       where the cumulative mass, best bucket first, reaches ``top_p`` of the row's total is
+       the row's cut: tokens of better buckets are all in the nucleus (the mass ranked before
+       any of them is below top_p), tokens of worse buckets none;
+    2. the race over the tokens of the better buckets (min-p applied), each chunk's winner
+       kept; the tokens of the cut bucket are listed and ranked (scaled logit, then id) and
+       kept while the mass before them is below top_p, then join the race.
+    A row with ``top_p >= 1`` keeps every bucket."""
+    n, vocab = logits.shape
+    temp = rows.temperature
+    top_p = rows.top_p if rows.top_p is not None else torch.ones_like(temp)
+    chunks = _chunks(n, vocab)
+    base = (torch.arange(n, device=logits.device) * BUCKETS).unsqueeze(1)
+    mass = torch.zeros(n * BUCKETS, dtype=torch.float64, device=logits.device)
+    for lo, hi in chunks:
+        s = logits[:, lo:hi] / temp
+        e = torch.exp(s - top)
+        mass += torch.bincount((_bucket(s, top) + base).view(-1),
+                               weights=e.view(-1).double(), minlength=n * BUCKETS)
+    cum = mass.view(n, BUCKETS).cumsum(1)
+    target = top_p.double() * cum[:, -1:]  # [N, 1]
+    cut = (cum < target).sum(1, keepdim=True)  # the first bucket whose cumulative mass reaches it
+    cut = torch.where(top_p >= 1, BUCKETS, cut)
+    above = torch.where(cut > 0, cum.gather(1, (cut - 1).clamp(0, BUCKETS - 1)), 0.0)
+
+    keys = stream_keys(rows.seeds, rows.steps).unsqueeze(1)
+    best = torch.full((n, 1), float("-inf"), device=logits.device)
+    win = torch.full((n, 1), vocab, dtype=torch.long, device=logits.device)
+    edge_rows, edge_cols, edge_s, edge_race = [], [], [], []
+    for lo, hi in chunks:
+        s = logits[:, lo:hi] / temp
+        key = _bucket(s, top)
+        cols = torch.arange(lo, hi, device=logits.device).unsqueeze(0)
+        race = s - torch.log(-torch.log(keyed_uniform(keys, cols)))
+        drop = key >= cut
+        if rows.min_p is not None:
+            drop |= torch.exp(s - top) < rows.min_p
+        edge = key == cut
+        if rows.min_p is not None:
+            edge &= ~(torch.exp(s - top) < rows.min_p)
+        if bool(edge.any()):
+            r, c = edge.nonzero(as_tuple=True)
+            edge_rows.append(r)
+            edge_cols.append(c + lo)
+            edge_s.append(s[r, c])
+            edge_race.append(race[r, c])
+        race.masked_fill_(drop, float("-inf"))
+        chunk_best, at = race.max(1, keepdim=True)  # the first index of the maximum
+        better = chunk_best > best  # a tie keeps the earlier chunk's lower id
+        win = torch.where(better, at + lo, win)
+        best = torch.maximum(best, chunk_best)
+    win, best = win.squeeze(1), best.squeeze(1)
+    if not edge_rows:
+        return win
+    r, c, s, race = (torch.cat(x) for x in (edge_rows, edge_cols, edge_s, edge_race))
+    # rank the cut bucket's tokens: by row, then best scaled logit first, then lower id
+    order = torch.from_numpy(np.lexsort((c.numpy(), (-s).numpy(), r.numpy())))
+    r, c, s, race = r[order], c[order], s[order], race[order]
+    e = torch.exp(s - top.squeeze(1)[r]).double()
+    run = e.cumsum(0)
+    counts = torch.bincount(r, minlength=n)
+    start = counts.cumsum(0) - counts  # each row's first position
+    before_in_row = run - e - torch.where(start[r] > 0, run[(start[r] - 1).clamp(min=0)], 0.0)
+    kept = above.squeeze(1)[r] + before_in_row < target.squeeze(1)[r]
+    race = race.masked_fill(~kept, float("-inf"))
+    edge_best = torch.full((n,), float("-inf"), device=logits.device).scatter_reduce_(
+        0, r, race, "amax")
+    big = torch.iinfo(torch.long).max
+    edge_win = torch.full((n,), big, dtype=torch.long, device=logits.device).scatter_reduce_(
+        0, r, torch.where(race == edge_best[r], c, big), "amin")
+    take = (edge_best > best) | ((edge_best == best) & (edge_win < win))
+    return torch.where(take, edge_win, win)
 
 
 def top_k_race(logits: torch.Tensor, rows: Rows, k: int,

@@ -74,7 +74,30 @@ PATHS = {
     # the full-vocabulary race (no truncation), and the truncated race over top-k candidates
     "full": SamplingParams(temperature=0.8),
     "top_k": SamplingParams(temperature=0.8, top_k=24),
+    # top-p over flat logits: the whole vocabulary is in the band, so the dense race
+    # (token_draw.dense_top_p_race) draws these
+    "top_p": SamplingParams(temperature=0.8, top_p=0.7),
 }
+
+
+def kept_probs(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """The distribution a sampler must draw from, ``[V]`` float64: softmax(logits / T) after
+    top-k, then top-p (a token kept while the mass ranked before it is below top_p), written
+    from the definition (a full sort in float64)."""
+    scaled = logits.double() / params.temperature
+    vocab = scaled.numel()
+    if 0 < params.top_k < vocab:
+        cut = scaled.topk(params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < cut, float("-inf"))
+    probs = torch.softmax(scaled, -1)
+    if params.top_p < 1:
+        order = probs.argsort(descending=True, stable=True)
+        before = probs[order].cumsum(0) - probs[order]
+        drop = torch.zeros(vocab, dtype=torch.bool)
+        drop[order] = before >= params.top_p
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum()
+    return probs
 
 
 def _frequencies_p(params: SamplingParams) -> tuple[float, float]:
@@ -85,11 +108,7 @@ def _frequencies_p(params: SamplingParams) -> tuple[float, float]:
     vocab = 8
     logits = fixed_logits(vocab, spread=0.7)
     toks = run_steps(params, logits, seeds=[11, 12, 13, 14], steps=1500)
-    scaled = logits / params.temperature
-    if 0 < params.top_k < vocab:
-        cut = scaled.topk(params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < cut, float("-inf"))
-    probs = torch.softmax(scaled.double(), -1)
+    probs = kept_probs(params, logits)
     counts = torch.bincount(toks.flatten(), minlength=vocab)
     pairs = torch.bincount((toks[:, :-1] * vocab + toks[:, 1:]).flatten(),
                            minlength=vocab * vocab)
@@ -98,13 +117,14 @@ def _frequencies_p(params: SamplingParams) -> tuple[float, float]:
 
 
 def _neighbour_share(params: SamplingParams, vocab: int = 64) -> tuple[float, float, int]:
-    """(share of steps whose token is the previous one +-1, its expectation 2/V roughly,
+    """(share of steps whose token is the previous one +-1, its expectation (about 2/V),
     number of step pairs) under near-uniform logits."""
     logits = fixed_logits(vocab, seed=1, spread=0.01)
     toks = run_steps(params, logits, seeds=[5, 6], steps=1000)
     d = (toks[:, 1:] - toks[:, :-1]).abs()
     pairs = d.numel()
-    expect = 2 * (vocab - 1) / vocab ** 2  # P(|a - b| == 1) for a, b uniform on 0..V-1
+    p = kept_probs(params, logits)
+    expect = float(2 * (p[1:] * p[:-1]).sum())  # P(|a - b| == 1) for independent a, b ~ p
     return float((d == 1).float().mean()), expect, pairs
 
 

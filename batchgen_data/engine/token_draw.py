@@ -29,8 +29,8 @@ token's race value ``L`` is known, a token with ``s < L - G_MAX`` cannot win. So
     exceeds ``top_p``. Only those candidates are hashed: at 256 rows x 151,936 vocabulary,
     logits of std 5 and T = 0.8, about 2% of the logits instead of all of them.
   * a flat row, whose band holds more than ``FLAT_SHARE`` of the vocabulary (a broad
-    distribution, a random model, a high temperature), would list and sort most of its
-    vocabulary that way; on the CPU it races over its dense logits instead
+    distribution, a random model, a high temperature), would list (and, with top-p, sort) most
+    of its vocabulary that way; on the CPU it races over its dense logits instead
     (`dense_top_p_race`): its nucleus cut from a histogram of its mass by scaled logit, only
     the one bucket where the mass crosses top_p ranked. Same tokens (a test draws both ways
     against the full sort).
@@ -348,11 +348,6 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     if uses_p:
         floor = torch.where(rows.top_p < 1, torch.maximum(floor, top - BAND_TOP_P), floor)
     lowest = torch.where(active.unsqueeze(1), (floor - margin) * temp, inf)
-    if not uses_p:
-        at_row, cols, vals = listed(logits, lowest)
-        if flat:
-            return flat_race(at_row, cols, vals, rows, top)
-        return race(*padded(logits, at_row, cols, False), rows, None, False)[0]
     dense = mask = None
     if flat:  # flat rows race over the dense logits (dense_top_p_race), the rest over the band
         mask = logits >= lowest
@@ -368,6 +363,12 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
             mask[idx] = False
         else:
             dense = None
+    if not uses_p:
+        at_row, cols, vals = listed(logits, lowest, mask)
+        if flat:
+            token = flat_race(at_row, cols, vals, rows, top)
+            return token if dense is None else torch.where(dense, dense_tok, token)
+        return race(*padded(logits, at_row, cols, False), rows, None, False)[0]
     vals, ids = band_candidates(logits, lowest, True, mask)
     token, best, settled = race(vals, ids, rows, total, True)
     if dense is not None:
@@ -415,23 +416,26 @@ def dense_top_p_race(logits: torch.Tensor, rows: Rows, top: torch.Tensor) -> tor
     2. the race over the tokens of the better buckets (min-p applied), each chunk's winner
        kept; the tokens of the cut bucket are listed and ranked (scaled logit, then id) and
        kept while the mass before them is below top_p, then join the race.
-    A row with ``top_p >= 1`` keeps every bucket."""
+    A row with ``top_p >= 1`` keeps every bucket; rows that all have it (a flat row without
+    top-p) skip the histogram: one pass, every token in the race."""
     n, vocab = logits.shape
     temp = rows.temperature
-    top_p = rows.top_p if rows.top_p is not None else torch.ones_like(temp)
     chunks = _chunks(n, vocab)
-    base = (torch.arange(n, device=logits.device) * BUCKETS).unsqueeze(1)
-    mass = torch.zeros(n * BUCKETS, dtype=torch.float64, device=logits.device)
-    for lo, hi in chunks:
-        s = logits[:, lo:hi] / temp
-        e = torch.exp(s - top)
-        mass += torch.bincount((_bucket(s, top) + base).view(-1),
-                               weights=e.view(-1).double(), minlength=n * BUCKETS)
-    cum = mass.view(n, BUCKETS).cumsum(1)
-    target = top_p.double() * cum[:, -1:]  # [N, 1]
-    cut = (cum < target).sum(1, keepdim=True)  # the first bucket whose cumulative mass reaches it
-    cut = torch.where(top_p >= 1, BUCKETS, cut)
-    above = torch.where(cut > 0, cum.gather(1, (cut - 1).clamp(0, BUCKETS - 1)), 0.0)
+    cuts = rows.top_p is not None and bool((rows.top_p < 1).any())
+    if cuts:
+        top_p = rows.top_p
+        base = (torch.arange(n, device=logits.device) * BUCKETS).unsqueeze(1)
+        mass = torch.zeros(n * BUCKETS, dtype=torch.float64, device=logits.device)
+        for lo, hi in chunks:
+            s = logits[:, lo:hi] / temp
+            e = torch.exp(s - top)
+            mass += torch.bincount((_bucket(s, top) + base).view(-1),
+                                   weights=e.view(-1).double(), minlength=n * BUCKETS)
+        cum = mass.view(n, BUCKETS).cumsum(1)
+        target = top_p.double() * cum[:, -1:]  # [N, 1]
+        cut = (cum < target).sum(1, keepdim=True)  # the first bucket whose cumulative mass reaches it
+        cut = torch.where(top_p >= 1, BUCKETS, cut)
+        above = torch.where(cut > 0, cum.gather(1, (cut - 1).clamp(0, BUCKETS - 1)), 0.0)
 
     keys = stream_keys(rows.seeds, rows.steps).unsqueeze(1)
     best = torch.full((n, 1), float("-inf"), device=logits.device)
@@ -439,15 +443,22 @@ def dense_top_p_race(logits: torch.Tensor, rows: Rows, top: torch.Tensor) -> tor
     edge_rows, edge_cols, edge_s, edge_race = [], [], [], []
     for lo, hi in chunks:
         s = logits[:, lo:hi] / temp
-        key = _bucket(s, top)
         cols = torch.arange(lo, hi, device=logits.device).unsqueeze(0)
         race = s - torch.log(-torch.log(keyed_uniform(keys, cols)))
+        below_p = torch.exp(s - top) < rows.min_p if rows.min_p is not None else None
+        if not cuts:  # no nucleus: every token races (min-p applied)
+            if below_p is not None:
+                race.masked_fill_(below_p, float("-inf"))
+            chunk_best, at = race.max(1, keepdim=True)
+            win = torch.where(chunk_best > best, at + lo, win)
+            best = torch.maximum(best, chunk_best)
+            continue
+        key = _bucket(s, top)
         drop = key >= cut
-        if rows.min_p is not None:
-            drop |= torch.exp(s - top) < rows.min_p
         edge = key == cut
-        if rows.min_p is not None:
-            edge &= ~(torch.exp(s - top) < rows.min_p)
+        if below_p is not None:
+            drop |= below_p
+            edge &= ~below_p
         if bool(edge.any()):
             r, c = edge.nonzero(as_tuple=True)
             edge_rows.append(r)

@@ -80,13 +80,24 @@ def test_same_tokens_as_the_full_vocabulary_draw(mix: str, vocab: int,
         assert Sampler(set())(logits, seqs).token_ids == want
 
 
+_WITH_TOP_P = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.9, temperature=0.7),
+               SamplingParams(top_p=0.95, min_p=0.02), SamplingParams(temperature=1.2),
+               SamplingParams(top_k=5, top_p=0.8), SamplingParams(temperature=0)]
+_WITHOUT_TOP_P = [SamplingParams(temperature=1.2), SamplingParams(temperature=0.7, min_p=0.05),
+                  SamplingParams(), SamplingParams(top_k=5), SamplingParams(temperature=0),
+                  SamplingParams(temperature=0.3)]
+
+
 @pytest.mark.parametrize("buckets", ["fine", "coarse", "few"])
 @pytest.mark.parametrize("vocab", [97, 5000])
+@pytest.mark.parametrize("params", [_WITH_TOP_P, _WITHOUT_TOP_P], ids=["top_p", "no_top_p"])
 def test_the_dense_race_of_flat_rows_draws_the_full_vocabulary_tokens(
-        vocab: int, buckets: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        vocab: int, buckets: str, params: list[SamplingParams],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # every sampled row without top_k through dense_top_p_race (FLAT_SHARE below 0): the
     # histogram cut, the ranked cut bucket (coarse buckets: many tokens in it) and the last,
-    # clamped bucket (few buckets) against the old full-sort draw
+    # clamped bucket (few buckets) against the old full-sort draw; a batch without top-p
+    # takes the one-pass race (no histogram)
     monkeypatch.setattr(token_draw, "FLAT_SHARE", -1.0)
     monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
     monkeypatch.setattr(token_draw, "BUCKETS_PER_UNIT",
@@ -97,9 +108,6 @@ def test_the_dense_race_of_flat_rows_draws_the_full_vocabulary_tokens(
     monkeypatch.setattr(token_draw, "dense_top_p_race",
                         lambda *a: calls.append(a[0].shape[0]) or dense(*a))
     gen = torch.Generator().manual_seed(vocab + 1)
-    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.9, temperature=0.7),
-              SamplingParams(top_p=0.95, min_p=0.02), SamplingParams(temperature=1.2),
-              SamplingParams(top_k=5, top_p=0.8), SamplingParams(temperature=0)]
     for step in range(10):
         seqs = _seqs(params)
         for s in seqs:
@@ -107,9 +115,12 @@ def test_the_dense_race_of_flat_rows_draws_the_full_vocabulary_tokens(
         logits = torch.randn(len(seqs), vocab, generator=gen) * (0.3, 1.0, 3.0)[step % 3]
         logits[1, :: 7] = float("-inf")  # masked tokens (bad words, allowed_token_ids)
         want = _old_draw(logits, seqs)
-        want[-1] = int(logits[-1].argmax())
+        for i, p in enumerate(params):
+            if p.temperature == 0:
+                want[i] = int(logits[i].argmax())
         assert Sampler(set())(logits, seqs).token_ids == want, step
-    assert calls and all(c == 4 for c in calls)  # the four sampled rows without top_k
+    # the sampled rows without top_k
+    assert calls and all(c == 4 for c in calls)
 
 
 def test_a_flat_nucleus_takes_two_compares_and_no_sort_of_the_vocabulary(

@@ -12,7 +12,15 @@ Each repeat runs the three in turn (so a neighbour's load falls on all of them);
 shows medians with the spread (min-max) and the embeddings' agreement (min cosine), then one
 JSON line.
 
+`--ray-actors N` adds our engine through Ray Data in each repeat (`build_processor` with
+`task_type="embed"`, N actors of `--ray-num-cpus` each on a local Ray started once): its wall
+from the dataset's start to the last row, actors' start-up and model load included, so the
+overhead is read against ours offline with its load included too (`ray_overhead`), and against
+the offline embed wall alone (`ray_overhead_vs_embed`); and the steady overhead: the offline
+rate over Ray's from its first row out to its last (`ray_overhead_steady`: start-up excluded).
+
     python benchmarks/embed_throughput.py --passages 400 --repeats 3
+    python benchmarks/embed_throughput.py --passages 400 --repeats 3 --ray-actors 2
 """
 from __future__ import annotations
 
@@ -91,14 +99,60 @@ def make_passages(n: int, vocab: int, seed: int, median: float = 60.0,
     return out
 
 
-def run_ours(path: Path, texts: list[str], budget: int) -> tuple[float, torch.Tensor, Any]:
+def run_ours(path: Path, texts: list[str], budget: int
+             ) -> tuple[float, torch.Tensor, Any, float]:
+    """Our offline engine: the embed wall, the embeddings, the engine's stats and the load
+    time (building `LLM`)."""
     from batchgen_data import LLM
 
+    t_load = time.perf_counter()
     llm = LLM(str(path), max_num_batched_tokens=budget, max_num_seqs=1024)
     t0 = time.perf_counter()
     outs = llm.embed(texts, use_tqdm=False)
     wall = time.perf_counter() - t0
-    return wall, torch.tensor([o.outputs.embedding for o in outs]), llm.engine.stats
+    return wall, torch.tensor([o.outputs.embedding for o in outs]), llm.engine.stats, t0 - t_load
+
+
+def run_ray(path: Path, texts: list[str], budget: int, actors: int, num_cpus: float
+            ) -> tuple[float, torch.Tensor, float, float]:
+    """Our engine through Ray Data: `actors` embed actors over the passages. The wall from the
+    dataset's start (actors' start-up and model load included) to the last row, the
+    embeddings, the steady rate (passages a second from the first row out to the last) and
+    the time to the first row."""
+    import ray
+
+    from batchgen_data.connectors.ray_data import BatchGenProcessorConfig, build_processor
+
+    config = BatchGenProcessorConfig(
+        model_source=str(path), task_type="embed", concurrency=actors, num_cpus=num_cpus,
+        engine_kwargs={"max_num_batched_tokens": budget, "max_num_seqs": 1024})
+    ds = ray.data.from_items([{"id": i, "prompt": t} for i, t in enumerate(texts)])
+    t0 = time.perf_counter()
+    rows, t_first = [], None
+    for row in build_processor(config)(ds).iter_rows():
+        rows.append(row)
+        if t_first is None:
+            t_first = time.perf_counter()
+    wall = time.perf_counter() - t0
+    steady = (len(rows) - 1) / max(time.perf_counter() - (t_first or t0), 1e-9)
+    bad = [r for r in rows if r.get("error")]
+    if len(rows) != len(texts) or bad:
+        raise RuntimeError(f"Ray Data returned {len(rows)} rows for {len(texts)}, "
+                           f"{len(bad)} with errors: {bad[:1]}")
+    rows.sort(key=lambda r: r["id"])
+    return (wall, torch.tensor([list(r["embedding"]) for r in rows], dtype=torch.float32),
+            steady, (t_first or t0) - t0)
+
+
+def start_ray() -> None:
+    import ray
+    import ray.data
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+             log_to_driver=False, configure_logging=False)  # a Ray of its own, never a test's
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
 
 
 def run_st(path: Path, texts: list[str]) -> tuple[float, torch.Tensor]:
@@ -140,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="seconds to wait for the load average to fall under 3 first")
+    ap.add_argument("--ray-actors", type=int, default=0,
+                    help="also run ours through Ray Data with this many actors (0: not)")
+    ap.add_argument("--ray-num-cpus", type=float, default=0.5, help="CPUs per Ray actor")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,11 +206,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         texts = make_passages(args.passages, SHAPES[args.shape]["vocab_size"], args.seed)
         lens = [len(t.split()) + 2 for t in texts]
         times: dict[str, list[float]] = {"ours": [], "sentence-transformers": [], "hf-padded": []}
-        cos_st, cos_hf = 1.0, 1.0
+        ray_arm = f"ours-ray-{args.ray_actors}-actors"
+        if args.ray_actors:
+            times[ray_arm] = []
+            start_ray()
+        loads: list[float] = []
+        ray_steady: list[float] = []
+        ray_first: list[float] = []
+        cos_st, cos_hf, cos_ray = 1.0, 1.0, 1.0
         stats = None
         for _ in range(args.repeats):
-            wall, ours, stats = run_ours(path, texts, args.budget)
+            wall, ours, stats, load_s = run_ours(path, texts, args.budget)
             times["ours"].append(wall)
+            loads.append(load_s)
+            if args.ray_actors:
+                wall, got, rate, first = run_ray(path, texts, args.budget, args.ray_actors,
+                                                 args.ray_num_cpus)
+                times[ray_arm].append(wall)
+                ray_steady.append(rate)
+                ray_first.append(first)
+                cos_ray = min(cos_ray, torch.nn.functional.cosine_similarity(ours, got).min().item())
             wall, st = run_st(path, texts)
             times["sentence-transformers"].append(wall)
             wall, hf = run_hf_padded(path, texts)
@@ -172,6 +244,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(records, ["system", "passages_s", "wall_s", "wall_spread_s", "vs_st",
                                  "vs_hf_padded"]))
     print(f"embeddings agree: min cosine ours-vs-st {cos_st:.6f}, ours-vs-hf {cos_hf:.6f}")
+    ray_fields: dict[str, Any] = {}
+    if args.ray_actors:
+        offline_all = [w + s for w, s in zip(times["ours"], loads)]
+        over = statistics.median(times[ray_arm]) / statistics.median(offline_all) - 1
+        over_embed = med[ray_arm] / med["ours"] - 1
+        over_steady = pps["ours"] / statistics.median(ray_steady) - 1
+        print(f"Ray Data, {args.ray_actors} actors of {args.ray_num_cpus} CPU: wall "
+              f"{med[ray_arm]:.1f} s against ours offline {statistics.median(offline_all):.1f} s "
+              f"with its load ({statistics.median(loads):.1f} s), {med['ours']:.1f} s without: "
+              f"overhead {100 * over:+.1f}% (load included), {100 * over_embed:+.1f}% "
+              f"(embed only); first row after {statistics.median(ray_first):.1f} s, then "
+              f"{statistics.median(ray_steady):.2f} passages/s against {pps['ours']:.2f} "
+              f"offline: overhead {100 * over_steady:+.1f}% (steady); min cosine ours-vs-ray "
+              f"{cos_ray:.6f}")
+        ray_fields = {"ray_actors": args.ray_actors, "ray_num_cpus": args.ray_num_cpus,
+                      "ray_overhead": round(over, 3), "ray_overhead_vs_embed": round(over_embed, 3),
+                      "ray_overhead_steady": round(over_steady, 3),
+                      "ray_steady_passages_s_all": [round(x, 2) for x in ray_steady],
+                      "ray_first_row_s_all": [round(x, 2) for x in ray_first],
+                      "ours_load_s_all": [round(x, 2) for x in loads],
+                      "min_cosine_vs_ray": round(cos_ray, 6)}
     result = {"benchmark": "embed_throughput", "shape": args.shape, "passages": args.passages,
               "repeats": args.repeats, "budget": args.budget,
               "threads": torch.get_num_threads(), "load_at_start": round(load, 2),
@@ -183,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "ratio_vs_hf_padded": round(pps["ours"] / pps["hf-padded"], 2),
               "min_cosine_vs_st": round(cos_st, 6), "min_cosine_vs_hf": round(cos_hf, 6),
               "ours_steps": stats.num_steps if stats else None,
-              "ours_max_step_tokens": stats.max_step_tokens if stats else None}
+              "ours_max_step_tokens": stats.max_step_tokens if stats else None, **ray_fields}
     print(json.dumps(result))
     return result
 

@@ -42,9 +42,14 @@ MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
              max_position_embeddings=2048, tie_word_embeddings=False)
 
 
-def model_dir(cache: Path) -> Path:
-    """The benchmark's random model (and a small tokenizer), written once."""
-    path = cache / "tp-step-llama"
+TINY = dict(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=401)  # smoke runs
+
+
+def model_dir(cache: Path, shape: dict[str, Any] | None = None, name: str = "tp-step-llama"
+              ) -> Path:
+    """The benchmark's random model (`shape`: MODEL) and a small tokenizer, written once."""
+    path = cache / name
     if (path / "config.json").exists():
         return path
     import torch
@@ -60,7 +65,8 @@ def model_dir(cache: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
                             bos_token="<s>").save_pretrained(path)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL, bos_token_id=0, eos_token_id=1)).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**(shape or MODEL), bos_token_id=0,
+                                 eos_token_id=1)).save_pretrained(path)
     return path
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen_data.engine import token_draw
+from batchgen_data.engine import dense_draw, token_draw
 from batchgen_data.engine.sampler import Sampler, hash_uniform
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.sampling_params import SamplingParams
@@ -100,12 +100,12 @@ def test_the_dense_race_of_flat_rows_draws_the_full_vocabulary_tokens(
     # takes the one-pass race (no histogram)
     monkeypatch.setattr(token_draw, "FLAT_SHARE", -1.0)
     monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
-    monkeypatch.setattr(token_draw, "BUCKETS_PER_UNIT",
+    monkeypatch.setattr(dense_draw, "BUCKETS_PER_UNIT",
                         {"fine": 256.0, "coarse": 2.0, "few": 8.0}[buckets])
-    monkeypatch.setattr(token_draw, "BUCKETS", {"fine": 4096, "coarse": 64, "few": 6}[buckets])
+    monkeypatch.setattr(dense_draw, "BUCKETS", {"fine": 4096, "coarse": 64, "few": 6}[buckets])
     calls = []
-    dense = token_draw.dense_top_p_race
-    monkeypatch.setattr(token_draw, "dense_top_p_race",
+    dense = dense_draw.dense_top_p_race
+    monkeypatch.setattr(dense_draw, "dense_top_p_race",
                         lambda *a: calls.append(a[0].shape[0]) or dense(*a))
     gen = torch.Generator().manual_seed(vocab + 1)
     for step in range(10):

@@ -75,7 +75,7 @@ PATHS = {
     "full": SamplingParams(temperature=0.8),
     "top_k": SamplingParams(temperature=0.8, top_k=24),
     # top-p over flat logits: the whole vocabulary is in the band, so the dense race
-    # (token_draw.dense_top_p_race) draws these
+    # (dense_draw.dense_top_p_race) draws these
     "top_p": SamplingParams(temperature=0.8, top_p=0.7),
 }
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from batchgen_data.kernels.cpu import linear as cpu_linear
 from batchgen_data.layers.backend import current
-from batchgen_data.layers.linear import packed_forward
+from batchgen_data.layers.linear import packed_forward, unpack_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -33,6 +33,16 @@ class VocabEmbedding(nn.Module):
             return
         self.packed = cpu_linear.pack_panels(self.weight.detach())
         self.weight = None
+
+    def plain_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] rows, whatever the layout (a re-partition reads them back)."""
+        if self.packed is None:
+            return self.weight.detach()
+        return unpack_weight(self.packed, self.layout, self.vocab, self.hidden)
+
+    def release_weight(self) -> None:
+        """Drops the rows in every form (once a re-partition has copied them)."""
+        self.weight, self.packed = None, None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""

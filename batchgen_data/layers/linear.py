@@ -89,6 +89,16 @@ class Linear(nn.Module):
         if self.bias is not None and not self.bias.is_contiguous():
             self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
 
+    def plain_weight(self) -> torch.Tensor:
+        """The dense weight as [out, in], whatever its layout (a re-partition reads it back)."""
+        if self.packed is None:
+            return self.weight.detach()
+        return unpack_weight(self.packed, self.layout, self.out_features, self.in_features)
+
+    def release_weight(self) -> None:
+        """Drops the dense weight in every form (once a re-partition has copied it)."""
+        self.weight, self.packed = None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the base product of the stored format, then the adapters' low-rank deltas (if any)
         y = self.base_forward(x)
@@ -123,6 +133,17 @@ def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     if x.numel() // x.shape[-1] <= cpu_linear.PANEL_MAX_ROWS:
         return cpu_linear.panel_linear(x, packed, bias, out_features)
     return cpu_linear.panel_matmul(x, packed, bias, out_features)
+
+
+def unpack_weight(packed: torch.Tensor, layout: str, rows: int, cols: int) -> torch.Tensor:
+    """The plain [rows, cols] weight behind `packed` (the inverse of the packing at load)."""
+    if layout == "panels":  # [ceil(rows / 48), cols, 48]
+        return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:rows]
+    from batchgen_data.kernels.cpu import linear as cpu_linear
+
+    # oneDNN's blocked layout is opaque: multiply the identity (exact: one product per entry)
+    eye = torch.eye(cols, dtype=packed.dtype)
+    return cpu_linear.onednn_linear(eye, packed, None).t().contiguous()[:rows]
 
 
 def rows_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -13,7 +13,7 @@ head replicated on several ranks is written once per copy (the same values), the
 padding rows and the zero biases of ranks > 0 are skipped.
 
 Weights packed for the CPU kernels (`layers/linear.py` "panels", "onednn") are read back in
-their plain [out, in] form first; both models are `finalize`d by the caller. Dense decoders
+their plain [out, in] form first, by their layer (`plain_weight()`); both models are `finalize`d by the caller. Dense decoders
 only: MoE experts and quantized weights are refused before a re-partition starts.
 """
 from __future__ import annotations
@@ -32,25 +32,18 @@ _FUSED = ("qkv_proj", "gate_up_proj")
 
 
 def plain_weight(module: nn.Module, leaf: str) -> torch.Tensor:
-    """`module.<leaf>` in its plain form ([out, in] for a weight), whatever its layout."""
-    packed = getattr(module, "packed", None)
-    if leaf != "weight" or packed is None:
-        return getattr(module, leaf).detach()
-    from batchgen_data.kernels.cpu import linear as cpu_linear
-
-    rows = getattr(module, "out_features", None) or module.vocab
-    if getattr(module, "layout", "panels") == "panels":  # [ceil(out / 48), in, 48]
-        return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:rows]
-    # oneDNN's blocked layout is opaque: multiply the identity (exact: one product per entry)
-    cols = module.in_features
-    eye = torch.eye(cols, dtype=packed.dtype)
-    return cpu_linear.onednn_linear(eye, packed, None).t().contiguous()[:rows]
+    """`module.<leaf>` in its plain form ([out, in] for a weight), whatever its layout: a
+    layer that packs its weight (`Linear`, `VocabEmbedding`) reads it back itself."""
+    if leaf == "weight" and hasattr(module, "plain_weight"):
+        return module.plain_weight()
+    return getattr(module, leaf).detach()
 
 
 def _drop(module: nn.Module, leaf: str) -> None:
-    setattr(module, leaf, None)
-    if leaf == "weight" and getattr(module, "packed", None) is not None:
-        module.packed = None
+    if leaf == "weight" and hasattr(module, "release_weight"):
+        module.release_weight()
+    else:
+        setattr(module, leaf, None)
 
 
 def _pieces(full_module: nn.Module, name: str, tensor: torch.Tensor

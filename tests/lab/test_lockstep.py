@@ -95,6 +95,28 @@ def test_the_tail_re_partitions_into_wider_ranks() -> None:
     assert wide.bct_s >= solo_decode_s(DSV3, 500, 8000)
 
 
+def test_a_reshard_pauses_for_the_weights_it_moves_each_way() -> None:
+    # the sourced preset: the fixed pause plus the KV at the link's rate, whichever way
+    kv = 10_000.0
+    link = DSV3.reshard_s + kv * DSV3.kv_bytes_per_token / DSV3.link_bytes_per_s
+    assert DSV3.reshard_pause(1, 2, kv) == pytest.approx(link)
+    assert DSV3.reshard_pause(2, 1, kv) == pytest.approx(link)
+    # measured rates (lab/scripts/repartition_sim.py): seconds per GB of one GPU's non-expert
+    # weights, up and down apart, and the KV at its own rate
+    m = replace(DSV3, reshard_s_per_weight_gb_up=1.5, reshard_s_per_weight_gb_down=9.0,
+                reshard_kv_bytes_per_s=1e9)
+    kv_s = kv * DSV3.kv_bytes_per_token / 1e9
+    assert m.reshard_pause(1, 4, kv) == pytest.approx(DSV3.reshard_s + 1.5 * 15 + kv_s)
+    assert m.reshard_pause(4, 2, kv) == pytest.approx(DSV3.reshard_s + 9.0 * 15 + kv_s)
+    # the one long row's job is longer by the extra pause of each widening
+    wl = Workload("long", np.array([500, 300]), np.array([8000, 40]), 8001)
+    fast = EPCluster(wl, 16, DSV3, EPMode("migrate-repartition")).run()
+    slow = EPCluster(wl, 16, replace(DSV3, reshard_s_per_weight_gb_up=1.0),
+                     EPMode("migrate-repartition")).run()
+    assert slow.reshards == fast.reshards >= 1
+    assert slow.bct_s == pytest.approx(fast.bct_s + 15.0 * slow.reshards, abs=0.5)
+
+
 def test_command_line_runs_the_expert_parallel_preset(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["--preset", "ep-moe-dsv3", "--actors", "32", "--rows", "64", "--workload",
                  "uniform", "--json", "--jobs", "1", "--stragglers", "0.125:1.5",

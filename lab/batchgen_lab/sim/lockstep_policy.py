@@ -133,9 +133,10 @@ def _repartition(c: "EPCluster", grp: "Group", now: float) -> None:
 def reshard(c: "EPCluster", grp: "Group", tp: int, now: float) -> None:
     """Re-partition `grp` into ranks `tp` wide: a pause for the communicators and graphs, and
     for every rank to receive its sequences' KV (each GPU of a rank holds the rank's KV)."""
+    old_tp = grp.tp
     grp.repack(tp)
     kv = grp.loads()[2]
-    pause = c.p.reshard_s + float(kv.max()) * c.p.kv_bytes_per_token / c.p.link_bytes_per_s
+    pause = c.p.reshard_pause(old_tp, tp, float(kv.max()))
     grp.busy_until = max(now, grp.busy_until) + pause
     c.reshards += 1
     if c.trace:

@@ -96,6 +96,6 @@ def repartition_early(c: "EPCluster", grp: "Group", now: float) -> None:
         return
     # the pause: fixed, plus the busiest new rank's KV (ctx spread round-robin, as repack does)
     kv = np.bincount(np.arange(len(ctx)) % (c.p.group_gpus // best_tp), weights=ctx)
-    pause = c.p.reshard_s + float(kv.max()) * c.p.kv_bytes_per_token / c.p.link_bytes_per_s
+    pause = c.p.reshard_pause(grp.tp, best_tp, float(kv.max()))
     if (now_t - best_t) / best_t * PAYBACK_S >= pause:
         reshard(c, grp, best_tp, now)

@@ -21,6 +21,7 @@ rate over Ray's from its first row out to its last (`ray_overhead_steady`: start
 
     python benchmarks/embed_throughput.py --passages 400 --repeats 3
     python benchmarks/embed_throughput.py --passages 400 --repeats 3 --ray-actors 2
+    python benchmarks/embed_throughput.py --passages 2000 --ray-actors 2 --baselines ''
 """
 from __future__ import annotations
 
@@ -197,7 +198,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ray-actors", type=int, default=0,
                     help="also run ours through Ray Data with this many actors (0: not)")
     ap.add_argument("--ray-num-cpus", type=float, default=0.5, help="CPUs per Ray actor")
+    ap.add_argument("--baselines", default="st,hf",
+                    help="comma list of st (sentence-transformers), hf (HF padded); '' for none "
+                         "(a Ray overhead run)")
     args = ap.parse_args(argv)
+    baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
+    if baselines - {"st", "hf"}:
+        ap.error(f"--baselines: st, hf or nothing, not {sorted(baselines - {'st', 'hf'})}")
     if args.threads:
         torch.set_num_threads(args.threads)
     load = wait_for_quiet(args.wait_quiet, below=3.0) if args.wait_quiet else os.getloadavg()[0]
@@ -205,7 +212,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = build_model(args.shape, Path(tmp))
         texts = make_passages(args.passages, SHAPES[args.shape]["vocab_size"], args.seed)
         lens = [len(t.split()) + 2 for t in texts]
-        times: dict[str, list[float]] = {"ours": [], "sentence-transformers": [], "hf-padded": []}
+        times: dict[str, list[float]] = {"ours": []}
+        if "st" in baselines:
+            times["sentence-transformers"] = []
+        if "hf" in baselines:
+            times["hf-padded"] = []
         ray_arm = f"ours-ray-{args.ray_actors}-actors"
         if args.ray_actors:
             times[ray_arm] = []
@@ -226,24 +237,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ray_steady.append(rate)
                 ray_first.append(first)
                 cos_ray = min(cos_ray, torch.nn.functional.cosine_similarity(ours, got).min().item())
-            wall, st = run_st(path, texts)
-            times["sentence-transformers"].append(wall)
-            wall, hf = run_hf_padded(path, texts)
-            times["hf-padded"].append(wall)
-            cos_st = min(cos_st, torch.nn.functional.cosine_similarity(ours, st).min().item())
-            cos_hf = min(cos_hf, torch.nn.functional.cosine_similarity(ours, hf).min().item())
+            if "st" in baselines:
+                wall, st = run_st(path, texts)
+                times["sentence-transformers"].append(wall)
+                cos_st = min(cos_st, torch.nn.functional.cosine_similarity(ours, st).min().item())
+            if "hf" in baselines:
+                wall, hf = run_hf_padded(path, texts)
+                times["hf-padded"].append(wall)
+                cos_hf = min(cos_hf, torch.nn.functional.cosine_similarity(ours, hf).min().item())
     med = {k: statistics.median(v) for k, v in times.items()}
     pps = {k: args.passages / v for k, v in med.items()}
+
+    def ratio(k: str, base: str) -> float | None:
+        return round(pps[k] / pps[base], 2) if base in pps else None
+
     records = [{"system": k, "passages_s": round(pps[k], 2), "wall_s": round(med[k], 2),
-                "wall_spread_s": spread(times[k]),
-                "vs_st": round(pps[k] / pps["sentence-transformers"], 2),
-                "vs_hf_padded": round(pps[k] / pps["hf-padded"], 2)} for k in times]
+                "wall_spread_s": spread(times[k]), "vs_st": ratio(k, "sentence-transformers"),
+                "vs_hf_padded": ratio(k, "hf-padded")} for k in times]
     print(f"{args.shape}, {args.passages} passages (tokens: median {statistics.median(lens)}, "
           f"max {max(lens)}, total {sum(lens)}), {args.repeats} repeats, "
           f"{torch.get_num_threads()} threads, load {load:.1f} at start")
     print(format_table(records, ["system", "passages_s", "wall_s", "wall_spread_s", "vs_st",
                                  "vs_hf_padded"]))
-    print(f"embeddings agree: min cosine ours-vs-st {cos_st:.6f}, ours-vs-hf {cos_hf:.6f}")
+    agree = [f"ours-vs-{b} {c:.6f}" for b, c in (("st", cos_st), ("hf", cos_hf)) if b in baselines]
+    if agree:
+        print(f"embeddings agree: min cosine {', '.join(agree)}")
     ray_fields: dict[str, Any] = {}
     if args.ray_actors:
         offline_all = [w + s for w, s in zip(times["ours"], loads)]
@@ -272,9 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "tokens_max": max(lens),
               "passages_s": {k: round(v, 2) for k, v in pps.items()},
               "wall_s_all": {k: [round(x, 2) for x in v] for k, v in times.items()},
-              "ratio_vs_st": round(pps["ours"] / pps["sentence-transformers"], 2),
-              "ratio_vs_hf_padded": round(pps["ours"] / pps["hf-padded"], 2),
-              "min_cosine_vs_st": round(cos_st, 6), "min_cosine_vs_hf": round(cos_hf, 6),
+              "ratio_vs_st": ratio("ours", "sentence-transformers"),
+              "ratio_vs_hf_padded": ratio("ours", "hf-padded"),
+              "min_cosine_vs_st": round(cos_st, 6) if "st" in baselines else None,
+              "min_cosine_vs_hf": round(cos_hf, 6) if "hf" in baselines else None,
               "ours_steps": stats.num_steps if stats else None,
               "ours_max_step_tokens": stats.max_step_tokens if stats else None, **ray_fields}
     print(json.dumps(result))

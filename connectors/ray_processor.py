@@ -103,9 +103,15 @@ class BatchGenProcessorConfig:
         """Input batches one actor serves at once: the field, else from the window depth."""
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches
-        seats = make_engine_config(self.model_source,
-                                   **self.all_engine_kwargs).scheduler.max_num_seqs
-        return window_batches(seats, self.batch_size, self.window_depth)
+        sched = make_engine_config(self.model_source, **self.all_engine_kwargs).scheduler
+        if self.task_type != "generate":
+            # a pooled row leaves after one pass: an actor needs the rows of about one step
+            # (its token budget at POOLING_ROW_TOKENS a row), not max_num_seqs of them; a
+            # wider window let the first actor up take a small job's every batch while the
+            # others were still loading (benchmarks/embed_throughput.py --ray-actors 2)
+            seats = max(1, sched.max_num_batched_tokens // POOLING_ROW_TOKENS)
+            return max(2, window_batches(seats, self.batch_size, self.window_depth))
+        return window_batches(sched.max_num_seqs, self.batch_size, self.window_depth)
 
     @property
     def migration_on(self) -> bool:
@@ -172,6 +178,8 @@ class BatchGenProcessorConfig:
             # them): rows stay unbound until a window has room, and the coordinator moves
             # queued rows that were bound to a busy engine
             in_flight = calls
+        elif in_flight is None and self.task_type != "generate":
+            in_flight = calls + 1  # one batch queued at hand; the rest go where there is room
 
         if isinstance(self.concurrency, tuple):
             sizes = dict(min_size=self.concurrency[0], max_size=self.concurrency[1])
@@ -198,6 +206,7 @@ class BatchGenProcessorConfig:
         return kw
 
 
+POOLING_ROW_TOKENS = 128  # tokens of a pooled row, for sizing an actor's window only
 MAX_WINDOW_BATCHES = 128  # each batch in flight is a thread of the actor: keep that bounded
 
 

@@ -62,3 +62,26 @@ def test_late_binding_follows_migration_unless_set(migration: bool | None, late:
 def test_a_window_depth_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="window_depth"):
         BatchGenProcessorConfig(window_depth=0)
+
+
+@pytest.mark.parametrize("task", ["embed", "classify", "score"])
+def test_a_pooling_pool_serves_about_one_step_of_rows_per_actor(task: str) -> None:
+    # a pooled row leaves after one pass: the window follows the token budget (128 tokens a
+    # row), not max_num_seqs, so a small job's batches spread over the actors
+    cfg = BatchGenProcessorConfig(concurrency=2, batch_size=32, task_type=task,
+                                  engine_kwargs={"max_num_batched_tokens": 4096,
+                                                 "max_num_seqs": 1024})
+    pool = cfg.map_batches_kwargs("j")["compute"]
+    assert pool.max_concurrent_calls_per_actor == 2  # 2 x 32 rows of a step / 32 a batch
+    assert pool.max_tasks_in_flight_per_actor == 3  # and one batch queued at hand
+    wide = BatchGenProcessorConfig(concurrency=2, batch_size=32, task_type=task,
+                                   engine_kwargs={"max_num_batched_tokens": 16384})
+    assert wide.map_batches_kwargs()["compute"].max_concurrent_calls_per_actor == 8
+    fixed = BatchGenProcessorConfig(concurrency=2, batch_size=32, task_type=task,
+                                    max_concurrent_batches=5, max_tasks_in_flight_per_actor=9)
+    pool = fixed.map_batches_kwargs()["compute"]
+    assert (pool.max_concurrent_calls_per_actor, pool.max_tasks_in_flight_per_actor) == (5, 9)
+    gen = BatchGenProcessorConfig(concurrency=2, batch_size=32,
+                                  engine_kwargs={"max_num_batched_tokens": 4096,
+                                                 "max_num_seqs": 1024})
+    assert gen.map_batches_kwargs()["compute"].max_concurrent_calls_per_actor == 64

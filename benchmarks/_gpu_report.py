@@ -16,9 +16,11 @@ class Report:
     """Collects records; rewrites $OUT/gpu_throughput.json after each phase, so a run cut
     short by a timeout still leaves what it measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "gpu_throughput", benches: tuple[str, ...] = (
+            "throughput", "moe_throughput")) -> None:
         out = os.environ.get("OUT")
-        self.path = Path(out) / "gpu_throughput.json" if out else None
+        self.path = Path(out) / f"{name}.json" if out else None
+        self.benches = benches
         self.records: list[dict[str, Any]] = []
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -51,7 +53,7 @@ class Report:
     def table(self) -> None:
         """Print the throughput tables (and write them to $OUT/gpu_throughput.md)."""
         md: list[str] = []
-        for bench in ("throughput", "moe_throughput"):
+        for bench in self.benches:
             rows = [r for r in self.records if r.get("bench") == bench]
             if rows:
                 md += self._table(bench, rows)

@@ -159,10 +159,13 @@ def free_device(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device) -> dict[str, Any]:
+def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device,
+                     hf_path: Path | None = None) -> dict[str, Any]:
     """Our greedy tokens vs HF on a few prompts: exact matches of HF `generate`, and whether
     each token we chose is in HF's top-5 given the same prefix (one teacher-forced forward per
-    prompt). Near-ties of a random model flip the odd argmax in bfloat16; top-5 must hold."""
+    prompt). Near-ties of a random model flip the odd argmax in bfloat16; top-5 must hold.
+    `hf_path`: the checkpoint HF loads when it is not ours (a quantized checkpoint's
+    dequantized weights)."""
     from batchgen_data import LLM, SamplingParams
 
     llm = LLM(str(path), device=p.device, dtype=dtype, max_num_seqs=4,
@@ -175,7 +178,7 @@ def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device) -
             llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False)]
     graphs = llm.engine.runner.graphs
     del llm
-    hf = load_hf(path, dtype, device)
+    hf = load_hf(hf_path or path, dtype, device)
     exact = in_top5 = total = 0
     for prompt, toks in zip(prompts, ours):
         with torch.inference_mode():

@@ -142,9 +142,9 @@ def write_quantized(src: Path, dst: Path, dequant: Path, method: str, bits: int 
     """Quantize `src`'s projections into `dst` (`method`: "pack" = compressed-tensors
     pack-quantized INT`bits`, "float" = compressed-tensors FP8 per channel, "fp8" = FP8 with
     `block` scales, "gptq" (with `act_order`: a random column order per layer input), "awq")
-    and write the dequantized weights as a dense checkpoint to `dequant`."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
+    and write the dequantized weights as a dense checkpoint to `dequant`. Only "pack" needs
+    the compressed-tensors package (benchmarks/gpu_quant.py writes "fp8" and "gptq" where it
+    is not installed)."""
     for d in (dst, dequant):
         shutil.copytree(src, d, dirs_exist_ok=True)
         for f in d.glob("*.safetensors"):
@@ -171,6 +171,8 @@ def write_quantized(src: Path, dst: Path, dequant: Path, method: str, bits: int 
             pieces, deq = _gptq_awq(w, method, bits, group, symmetric, perm)
             out.update({f"{prefix}.{p}": t for p, t in pieces.items()})
         elif method == "pack":
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
             codes, scale, zero, deq = _int_quantize(w, bits, group, symmetric)
             out[f"{prefix}.weight_packed"] = pack_to_int32(codes, bits)
             out[f"{prefix}.weight_scale"] = scale.to(tensors[name].dtype)

@@ -84,3 +84,33 @@ def test_moe_kernel_bench_quick() -> None:
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["tokens"] for r in rows] == [3, 40]
     assert all(r["max_abs_err"] < 1e-4 and r["ours_ms"] > 0 for r in rows), rows
+
+
+@pytest.mark.bench
+def test_gpu_quant_quick(tmp_path: Path) -> None:
+    # benchmarks/gpu_quant.py (run_gpu.sh quant) on tiny models: each quantized checkpoint is
+    # checked against HF on its dequantized weights, then every format is timed
+    env = {**os.environ, "OUT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_quant.py", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "correctness: PASS" in proc.stdout
+    records = json.loads((tmp_path / "gpu_quant.json").read_text())
+    checks = {(r["bench"], r["system"]): r for r in records if r["bench"].endswith("_check")}
+    assert set(checks) == {("quant_dense_check", "fp8_block"), ("quant_dense_check", "w4a16"),
+                           ("quant_moe_check", "fp8_block")}
+    for c in checks.values():
+        assert c["top5_ok"] and c["quantized_weights"] > 0, c
+    runs = {(r["bench"], r["system"]): r for r in records if r["bench"] in ("quant_dense",
+                                                                          "quant_moe")}
+    assert set(runs) == {("quant_dense", "bf16"), ("quant_dense", "fp8_block"),
+                         ("quant_dense", "w4a16"), ("quant_moe", "bf16"),
+                         ("quant_moe", "fp8_block")}
+    for r in runs.values():
+        assert "error" not in r and r["tok_s"] > 0, r
+    base = runs["quant_dense", "bf16"]
+    for fmt in ("fp8_block", "w4a16"):  # same tokens generated; fewer weight bytes
+        assert runs["quant_dense", fmt]["output_tokens"] == base["output_tokens"]
+        assert runs["quant_dense", fmt]["weights_mib"] < base["weights_mib"]
+    ratios = [r for r in records if r["bench"].endswith("_ratio")]
+    assert len(ratios) == 3 and all(r["vs_bf16"] > 0 for r in ratios)

@@ -145,6 +145,11 @@ def run_ray(path: Path, texts: list[str], budget: int, actors: int, num_cpus: fl
             steady, (t_first or t0) - t0)
 
 
+def progress(system: str, wall: float) -> None:
+    """Each run's wall time as it ends (stderr), so a long run shows where it is."""
+    print(f"[embed_throughput] {system}: {wall:.1f} s", file=sys.stderr, flush=True)
+
+
 def start_ray() -> None:
     import ray
     import ray.data
@@ -229,21 +234,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.repeats):
             wall, ours, stats, load_s = run_ours(path, texts, args.budget)
             times["ours"].append(wall)
+            progress("ours", wall)
             loads.append(load_s)
             if args.ray_actors:
                 wall, got, rate, first = run_ray(path, texts, args.budget, args.ray_actors,
                                                  args.ray_num_cpus)
                 times[ray_arm].append(wall)
+                progress(ray_arm, wall)
                 ray_steady.append(rate)
                 ray_first.append(first)
                 cos_ray = min(cos_ray, torch.nn.functional.cosine_similarity(ours, got).min().item())
             if "st" in baselines:
                 wall, st = run_st(path, texts)
                 times["sentence-transformers"].append(wall)
+                progress("sentence-transformers", wall)
                 cos_st = min(cos_st, torch.nn.functional.cosine_similarity(ours, st).min().item())
             if "hf" in baselines:
                 wall, hf = run_hf_padded(path, texts)
                 times["hf-padded"].append(wall)
+                progress("hf-padded", wall)
                 cos_hf = min(cos_hf, torch.nn.functional.cosine_similarity(ours, hf).min().item())
     med = {k: statistics.median(v) for k, v in times.items()}
     pps = {k: args.passages / v for k, v in med.items()}

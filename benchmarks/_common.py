@@ -161,3 +161,14 @@ def wait_for_quiet(max_wait_s: float, below: float = 1.0, poll_s: float = 5.0) -
         time.sleep(poll_s)
         load = os.getloadavg()[0]
     return load
+
+
+def tensor_bytes(module: Any) -> int:
+    """Bytes of a torch module's parameters and buffers, each tensor once (packed oneDNN
+    tensors, whose size torch cannot report, left out)."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t is not None and id(t) not in seen and not t.is_mkldnn:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import make_workload, wait_for_quiet  # noqa: E402
+from _common import make_workload, tensor_bytes, wait_for_quiet  # noqa: E402
 from cpu_throughput import (  # noqa: E402
     FIRST_PLAIN_ID, VOCAB_SIZE, HFStatic, Ours, _agreement, _useful_tokens, _warm_up,
     default_model_dir, prepare_model_dir)
@@ -111,15 +111,6 @@ def prepare_quantized(src: Path, quant: str) -> tuple[Path, Path]:
     return qdir, ddir
 
 
-def _tensor_bytes(module: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if t is not None and id(t) not in seen and not t.is_mkldnn:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quant", default="int8,int4,fp8", help=f"comma list of {QUANTS}")
@@ -154,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                                                for q in args.quant]:
         before = _rss()
         system = Ours(path, kw)
-        mem = {"weight_bytes": _tensor_bytes(system.llm.engine.runner.model),
+        mem = {"weight_bytes": tensor_bytes(system.llm.engine.runner.model),
                "rss_growth": _rss() - before}
         systems.append((name, system, mem))
     if not args.no_hf:
@@ -165,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       dtype=torch.float32,
                                                       attn_implementation="sdpa").eval()
             systems.append((f"hf_static_{q}_deq", HFStatic(hf, None),
-                            {"weight_bytes": _tensor_bytes(hf), "rss_growth": _rss() - before}))
+                            {"weight_bytes": tensor_bytes(hf), "rss_growth": _rss() - before}))
     for _, s, _ in systems:
         _warm_up(s, args.seed)
 

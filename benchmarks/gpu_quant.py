@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
+from _common import tensor_bytes  # noqa: E402
 from _gpu_report import Report  # noqa: E402
 from _gpu_setup import Profile, build_model_dir, check_against_hf, free_device  # noqa: E402
 from gpu_throughput import attempt, make_requests, record, run_ours, warmup_requests  # noqa: E402
@@ -52,13 +52,7 @@ FORMATS = {  # name -> write_quantized arguments
 
 def weight_bytes(llm: Any) -> int:
     """Bytes of the model's parameters and buffers (the quantized codes and scales included)."""
-    model = llm.engine.runner.model
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t is not None and id(t) not in seen and not t.is_mkldnn:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+    return tensor_bytes(llm.engine.runner.model)
 
 
 def time_engine(report: Report, bench: str, name: str, p: Profile, model_dir: Path,
@@ -196,6 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    raise SystemExit(main())

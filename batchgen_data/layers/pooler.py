@@ -75,8 +75,9 @@ def matryoshka(vecs: torch.Tensor, dimensions: int | None, normalize: bool) -> t
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                     scale: float) -> torch.Tensor:
-    """q/k/v [T, H, D] packed as sequences of `lens` tokens; bidirectional within each.
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """q/k/v [T, H, D] packed as sequences of `lens` tokens; bidirectional within each, or
+    with `window` only between tokens at most `window` positions apart (a sliding window).
     Sequences of the same length go through SDPA together: fewer calls, no padding."""
     out = torch.empty_like(q)
     offsets = [0]
@@ -86,14 +87,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: li
     for i, n in enumerate(lens):
         by_len.setdefault(n, []).append(i)
     for n, idx in by_len.items():
+        mask = None
+        if window is not None and n > window + 1:
+            pos = torch.arange(n, device=q.device)
+            mask = (pos.view(-1, 1) - pos.view(1, -1)).abs() <= window  # True: attends
         if len(idx) == 1:
             a = offsets[idx[0]]
             qs, ks, vs = (t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[a:a + n] = o[0].transpose(0, 1)
             continue
         rows = torch.cat([torch.arange(offsets[i], offsets[i] + n) for i in idx]).to(q.device)
         qs, ks, vs = (t[rows].view(len(idx), n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [B, H, n, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [B, H, n, D]
         out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out

@@ -23,7 +23,7 @@ from torch import nn
 from batchgen_data.layers.linear import Linear, MergedLinear
 from batchgen_data.layers.pooler import varlen_attention
 
-_ACTS = {"gelu": F.gelu, "relu": F.relu,
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
          "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -38,9 +38,9 @@ class EncoderShape:
         self.vocab = config.vocab_size
         self.eps = config.layer_norm_eps
         self.max_positions = config.max_position_embeddings
-        if config.hidden_act not in _ACTS:
+        if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; "
-                             f"supported: {sorted(_ACTS)}")
+                             f"supported: {sorted(ACTIVATIONS)}")
         self.act = config.hidden_act
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type={config.position_embedding_type!r}: "
@@ -94,7 +94,7 @@ class _Intermediate(nn.Module):
     def __init__(self, s: EncoderShape) -> None:
         super().__init__()
         self.dense = Linear(s.hidden, s.intermediate, bias=True)
-        self.act = _ACTS[s.act]
+        self.act = ACTIVATIONS[s.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
@@ -249,7 +249,10 @@ _NOT_OURS = ("cls.", "lm_head.")  # masked-LM heads of a checkpoint used for its
 
 
 def load_encoder_weights(model: nn.Module, path: Path) -> None:
-    """Fill an encoder from the `*.safetensors` in `path` (HF names; q/k/v into `qkv`)."""
+    """Fill an encoder from the `*.safetensors` in `path` (HF names; q/k/v into `qkv`). A base
+    model may name the prefix of its weights in a checkpoint saved with a head
+    (`checkpoint_prefixes`, BERT's and RoBERTa's by default) and the heads it skips
+    (`foreign_heads`)."""
     from safetensors import safe_open
 
     from batchgen_data.models.loader import finalize
@@ -260,14 +263,16 @@ def load_encoder_weights(model: nn.Module, path: Path) -> None:
                          "loaded)")
     params = dict(model.named_parameters())
     base = not hasattr(model, "base_prefix")
+    prefixes = getattr(model, "checkpoint_prefixes", _BASE_PREFIXES)
+    not_ours = getattr(model, "foreign_heads", _NOT_OURS)
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if key.endswith("position_ids") or (base and key.startswith(_NOT_OURS)):
+                if key.endswith("position_ids") or (base and key.startswith(not_ours)):
                     continue
                 name = key
-                if base and name.startswith(_BASE_PREFIXES):
+                if base and name.startswith(prefixes):
                     name = name.split(".", 1)[1]
                 tensor = f.get_tensor(key)
                 m = _QKV.search(name)

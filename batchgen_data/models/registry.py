@@ -55,7 +55,7 @@ def resolve_architecture(config: Any) -> type[nn.Module]:
 def pooling_architectures() -> dict[str, type[nn.Module]]:
     """HF architecture names served by the pooling runner. A generative architecture run
     with runner="pooling" embeds with its LM head dropped."""
-    from batchgen_data.models import bert, decoder_pooling as dp
+    from batchgen_data.models import bert, decoder_pooling as dp, modernbert
 
     return {
         "BertModel": bert.BertModel, "BertForMaskedLM": bert.BertModel,
@@ -64,6 +64,9 @@ def pooling_architectures() -> dict[str, type[nn.Module]]:
         "BertForSequenceClassification": bert.BertForSequenceClassification,
         "XLMRobertaForSequenceClassification": bert.XLMRobertaForSequenceClassification,
         "RobertaForSequenceClassification": bert.XLMRobertaForSequenceClassification,
+        "ModernBertModel": modernbert.ModernBertModel,
+        "ModernBertForMaskedLM": modernbert.ModernBertModel,
+        "ModernBertForSequenceClassification": modernbert.ModernBertForSequenceClassification,
         "LlamaModel": dp.LlamaForEmbedding, "LlamaForCausalLM": dp.LlamaForEmbedding,
         "MistralModel": dp.LlamaForEmbedding, "MistralForCausalLM": dp.LlamaForEmbedding,
         "Qwen2Model": dp.Qwen2ForEmbedding, "Qwen2ForCausalLM": dp.Qwen2ForEmbedding,

@@ -15,6 +15,7 @@ heads one row per request).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from batchgen_data.layers.linear import Linear
 from batchgen_data.layers.pooler import varlen_attention
+from batchgen_data.layers.rotary import RotaryEmbedding
 from batchgen_data.models.bert import ACTIVATIONS
 
 
@@ -41,24 +43,17 @@ def layer_types(config: Any) -> list[str]:
             for i in range(config.num_hidden_layers)]
 
 
-def rope_theta(config: Any, kind: str) -> float:
+def rope_config(config: Any, kind: str) -> SimpleNamespace:
+    """The rotary settings of one layer type, as `layers.rotary` reads a config: transformers
+    5's `rope_parameters[kind]`, else the older `global_rope_theta` / `local_rope_theta`."""
     params = getattr(config, "rope_parameters", None) or {}
-    mine = params.get(kind) if isinstance(params, dict) else None
-    if mine:
-        if mine.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type={mine['rope_type']!r} ({kind}): only the default "
-                             "rotary embedding is supported")
-        if "rope_theta" in mine:
-            return float(mine["rope_theta"])
-    if kind == "full_attention":
-        return float(getattr(config, "global_rope_theta", 160_000.0))
-    return float(getattr(config, "local_rope_theta", 10_000.0))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by the half-split convention (HF's `rotate_half`)."""
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-b, a), dim=-1) * sin
+    mine = dict(params.get(kind) or {}) if isinstance(params, dict) else {}
+    if "rope_theta" not in mine:
+        mine["rope_theta"] = float(getattr(config, "global_rope_theta", 160_000.0)
+                                   if kind == "full_attention"
+                                   else getattr(config, "local_rope_theta", 10_000.0))
+    return SimpleNamespace(rope_parameters=mine,
+                           max_position_embeddings=config.max_position_embeddings)
 
 
 class ModernBertAttention(nn.Module):
@@ -71,18 +66,12 @@ class ModernBertAttention(nn.Module):
         self.Wqkv = Linear(hidden, 3 * hidden, bias=bias)
         self.Wo = Linear(hidden, hidden, bias=bias)
         self.window = config.local_attention // 2 if kind == "sliding_attention" else None
-        d = self.head_dim
-        inv = 1.0 / (rope_theta(config, kind) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, lens: list[int],
+                rotary: RotaryEmbedding) -> torch.Tensor:
         q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq  # [T, D / 2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        o = varlen_attention(q, k, v.contiguous(), lens, self.head_dim ** -0.5,
-                             window=self.window)
+        q, k = rotary(positions, q, k)
+        o = varlen_attention(q, k, v, lens, self.head_dim ** -0.5, window=self.window)
         return self.Wo(o.flatten(1))
 
 
@@ -107,13 +96,15 @@ def _norm(config: Any) -> nn.LayerNorm:
 class ModernBertLayer(nn.Module):
     def __init__(self, config: Any, index: int, kind: str) -> None:
         super().__init__()
+        self.kind = kind
         self.attn_norm = nn.Identity() if index == 0 else _norm(config)
         self.attn = ModernBertAttention(config, kind)
         self.mlp_norm = _norm(config)
         self.mlp = ModernBertMLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, lens)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, lens: list[int],
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, lens, rotary)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -147,8 +138,12 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(ModernBertLayer(config, i, kind)
                                     for i, kind in enumerate(kinds))
         self.final_norm = _norm(config)
+        # one rotary table per layer type, shared by its layers (cos/sin looked up once a step)
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(rope_config(config, kind), head_dim,
+                                                           config.max_position_embeddings)
+                                     for kind in dict.fromkeys(kinds)})
         self.pooler = None  # no BERT pooler (bert.load_encoder_weights asks)
-        self.shape = _Shape(config)
 
     @property
     def max_model_len(self) -> int:
@@ -160,20 +155,8 @@ class ModernBertModel(nn.Module):
         (`token_type_ids`: ModernBERT has none)."""
         x = self.embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, lens)
+            x = layer(x, positions, lens, self.rotary[layer.kind])
         return self.final_norm(x)
-
-
-class _Shape:
-    """What the pooling runner reads of an encoder's shape."""
-
-    def __init__(self, config: Any) -> None:
-        self.hidden = config.hidden_size
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.head_dim = self.hidden // self.num_heads
-        self.vocab = config.vocab_size
-        self.max_positions = config.max_position_embeddings
 
 
 class _PredictionHead(nn.Module):
@@ -202,7 +185,6 @@ class ModernBertForSequenceClassification(nn.Module):
                              "ModernBertForSequenceClassification")
         self.config = config
         self.model = ModernBertModel(config)
-        self.shape = self.model.shape
         self.num_labels = config.num_labels
         self.head = _PredictionHead(config)
         self.classifier = Linear(config.hidden_size, config.num_labels, bias=True)

@@ -32,6 +32,8 @@ class BlockTables:
         self._lists: list[list[int] | None] = [None] * rows
         self._row_of: dict[int, int] = {}  # seq_id -> row
         self._free: list[int] = list(range(rows - 1, -1, -1))
+        # the last call's sequence ids, and their rows as a list and an array (read-only)
+        self._last: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros(0, np.int64))
 
     def rows(self, seqs: Seq[Sequence]) -> np.ndarray:
         """The rows of `seqs` [len(seqs)] int64, in order, with their blocks up to date. The rows
@@ -39,19 +41,31 @@ class BlockTables:
         n = len(seqs)
         row_of = self._row_of
         ids = list(map(_SEQ_ID, seqs))
-        rows = list(map(row_of.get, ids))
-        if None in rows:  # sequences that just joined
-            for i in [i for i, r in enumerate(rows) if r is None]:
-                rows[i] = row_of[ids[i]] = self._new_row()
-        if len(row_of) > n:  # every sequence of `seqs` has a row: some others left
-            for seq_id in row_of.keys() - set(ids):
-                self._release(row_of.pop(seq_id))
-        out = np.array(rows, dtype=np.int64)
+        if ids == self._last[0]:  # the same sequences as the step before (most decode steps)
+            rows, out = self._last[1], self._last[2]
+        else:
+            rows = list(map(row_of.get, ids))
+            if None in rows:  # sequences that just joined
+                for i in [i for i, r in enumerate(rows) if r is None]:
+                    rows[i] = row_of[ids[i]] = self._new_row()
+            if len(row_of) > n:  # every sequence of `seqs` has a row: some others left
+                for seq_id in row_of.keys() - set(ids):
+                    self._release(row_of.pop(seq_id))
+            out = np.array(rows, dtype=np.int64)
+            self._last = (ids, rows, out)
         lists = list(map(_BLOCK_IDS, seqs))
-        stale = ((self._list_id[out] != np.fromiter(map(id, lists), np.uint64, n))
-                 | (self.num_blocks[out] != np.fromiter(map(len, lists), np.int64, n)))
-        for i in np.flatnonzero(stale).tolist():  # new rows, new lists, grown lists
-            self._write(rows[i], lists[i])
+        lens = np.fromiter(map(len, lists), np.int64, n)
+        had = self.num_blocks[out]
+        same = self._list_id[out] == np.fromiter(map(id, lists), np.uint64, n)
+        grew = same & (lens == had + 1)  # a decode's new block: one column each, at once
+        if grew.any():
+            g = np.flatnonzero(grew)
+            if int(lens[g].max()) > self.table.shape[1]:
+                self._widen(int(lens[g].max()))
+            self.table[out[g], had[g]] = [lists[i][-1] for i in g.tolist()]
+            self.num_blocks[out[g]] = lens[g]
+        for i in np.flatnonzero(~grew & (~same | (lens != had))).tolist():  # new rows, new or
+            self._write(rows[i], lists[i])  # otherwise changed lists
         return out
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
@@ -72,14 +86,17 @@ class BlockTables:
     def _write(self, r: int, blocks: list[int]) -> None:
         n = len(blocks)
         if n > self.table.shape[1]:
-            wider = np.zeros((self.table.shape[0], max(n, 2 * self.table.shape[1])), np.int32)
-            wider[:, :self.table.shape[1]] = self.table
-            self.table = wider
+            self._widen(n)
         done = int(self.num_blocks[r]) if self._lists[r] is blocks else 0
         self.table[r, done:n] = blocks[done:]
         self.table[r, n:self.num_blocks[r]] = 0  # a shorter new list: no stale tail
         self.num_blocks[r] = n
         self._lists[r], self._list_id[r] = blocks, id(blocks)
+
+    def _widen(self, n: int) -> None:
+        wider = np.zeros((self.table.shape[0], max(n, 2 * self.table.shape[1])), np.int32)
+        wider[:, :self.table.shape[1]] = self.table
+        self.table = wider
 
     def _release(self, r: int) -> None:
         self.table[r, :self.num_blocks[r]] = 0

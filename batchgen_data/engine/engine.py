@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig, make_engine_config
-from batchgen_data.engine import coroutine
 from batchgen_data.engine.model_runner import ModelRunner
 from batchgen_data.engine.pins import PrefixPins
 from batchgen_data.engine.request import Request
@@ -66,7 +65,9 @@ class Engine:
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
         # called with every step's shape before the model runs (sim/calibrate.py times steps)
         self.on_step: Callable[[StepShape], None] | None = None
-        self._coros: dict[int, coroutine.SequenceCoroutine] = {}
+        # the live sequence coroutines by seq_id: a suspended coroutine is its Sequence, resumed
+        # a step at a time by `coroutine.resume_step` (engine/coroutine.py)
+        self._coros: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -138,7 +139,7 @@ class Engine:
     def _add(self, req: Request, front: bool = False) -> None:
         self.requests[req.request_id] = req
         for seq in req.unfinished():
-            self._coros[seq.seq_id] = coroutine.start(seq, self.stopper)
+            self._coros[seq.seq_id] = seq
             self.scheduler.add(seq, front=front)
 
     def has_unfinished(self) -> bool:

@@ -11,7 +11,8 @@ memory for hold/resume and export/import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 _COMPUTED = attrgetter("num_computed_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
+_PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 _NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
 
 
@@ -57,6 +59,9 @@ class ModelInput:
     parts: list[tuple[slice, AttentionMetadata]] | None = None
     # the rows that run under LoRA adapters, by device slot (None: the base model for all)
     lora: LoRABatch | None = None
+    # the step's sequences in row order with, once the step is done, their computed tokens and
+    # their token counts (a sampled one has its new token): `Scheduler.after_step` reads them
+    flat: tuple[list[Sequence], np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
@@ -64,6 +69,8 @@ class ModelRunner:
                  backend: LayerBackend, weight_store: WeightStore | None = None,
                  kv_tier: HostKVTier | None = None) -> None:
         self.model = model
+        # looked up once: a missing attribute of a torch Module costs an exception each time
+        self._take_expert_tokens = getattr(model, "take_expert_tokens", None)
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
         self.backend = backend  # the one the model's layers were built for
@@ -127,7 +134,10 @@ class ModelRunner:
         bs = self.block_size
         q_all = np.array(out.num_new_tokens, dtype=np.int64)  # [N] new tokens, scheduled order
         decode = q_all == 1
-        order = np.argsort(~decode, kind="stable")  # decodes first, otherwise as scheduled
+        all_decode = bool(decode.all())
+        # decodes first, otherwise as scheduled
+        order = np.arange(len(q_all)) if all_decode else np.argsort(~decode, kind="stable")
+        computed_all, lengths_all = _scheduled_arrays(out)  # [N] each, scheduled order
         groups = None
         if self.kv_tier is not None:  # micro-batches by tier when some KV is in host memory
             groups = self.kv_tier.groups([s.block_ids for s in out.seqs],
@@ -135,12 +145,12 @@ class ModelRunner:
                                           for s, n in zip(out.seqs, out.num_new_tokens)],
                                          out.num_new_tokens)
             order = order if groups is None else np.array([i for g in groups for i in g])
-        ordered = decode.all() and groups is None  # scheduled order is already decodes first
+        ordered = all_decode and groups is None  # scheduled order is already decodes first
         seqs = out.seqs if ordered else [out.seqs[i] for i in order.tolist()]
         q = q_all if ordered else q_all[order]  # [N]
         n_seqs = len(seqs)
-        num_decodes = int(decode.sum())
-        starts = np.fromiter(map(_COMPUTED, seqs), np.int64, n_seqs)  # [N] computed before
+        num_decodes = n_seqs if all_decode else int(decode.sum())
+        starts = computed_all if ordered else computed_all[order]  # [N] computed before
         seq_lens = starts + q  # [N] KV length after the step
         cu = np.zeros(n_seqs + 1, dtype=np.int64)
         np.cumsum(q, out=cu[1:])  # [N + 1] first token row of each sequence
@@ -157,9 +167,9 @@ class ModelRunner:
                     ids.extend(s.token_ids[a:a + n])
             pos = np.arange(cu[-1], dtype=np.int64) + np.repeat(starts - cu[:-1], q)  # [T]
         prompt_rows = None
-        for i in [i for i, s in enumerate(seqs) if s.prompt_logprobs is not None]:
-            seq = seqs[i]
-            if prompt_logprobs.collecting(seq):
+        asking = any(map(is_not, map(_PROMPT_LOGPROBS, seqs), repeat(None)))
+        for i, seq in enumerate(seqs) if asking else ():
+            if seq.prompt_logprobs is not None and prompt_logprobs.collecting(seq):
                 prompt_rows = prompt_rows or prompt_logprobs.PromptRows()
                 prompt_rows.add(seq, int(cu[i]), starts_l[i], starts_l[i] + int(q[i]))
         token_slots: list[int] | None = None
@@ -168,10 +178,10 @@ class ModelRunner:
             seq_slots = np.array([-1 if s.lora is None else self.lora.slot(s.lora.lora_int_id)
                                   for s in seqs], dtype=np.int64)
             token_slots = np.repeat(seq_slots, q).tolist()
-        num_tokens = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n_seqs)
+        num_tokens = lengths_all if ordered else lengths_all[order]  # [N] before the step
         sampled = seq_lens == num_tokens  # [N] the step reaches the sequence's last token
         sample_rows = cu[1:][sampled] - 1  # [S]
-        sample_seqs = list(seqs) if sampled.all() else [seqs[i] for i in
+        sample_seqs = seqs if sampled.all() else [seqs[i] for i in
                                                          np.flatnonzero(sampled).tolist()]
         parts = None
         if groups is not None:
@@ -202,6 +212,7 @@ class ModelRunner:
             prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
             parts=parts,
             lora=None if token_slots is None else self.lora.batch(token_slots),
+            flat=(seqs, seq_lens, num_tokens + sampled),
         )
 
     def _metadata(self, tables: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
@@ -281,7 +292,7 @@ class ModelRunner:
     def take_expert_tokens(self) -> torch.Tensor:
         """Tokens per expert of each MoE layer since the last call, [moe_layers, experts]
         (empty for a dense model)."""
-        take = getattr(self.model, "take_expert_tokens", None)
+        take = self._take_expert_tokens
         return take() if take is not None else _NO_EXPERTS
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
@@ -311,6 +322,22 @@ class ModelRunner:
         for layer, (k, v) in zip(cache, kv):  # layer: [2, blocks, block_size, Hkv, D]
             for c, new in zip(layer, (k, v)):
                 c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, cache.dtype)
+
+
+def _scheduled_arrays(out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+    """Computed tokens and token counts of the step's sequences in scheduled order [N]: the
+    scheduler's arrays where it has them (the running sequences), the admitted ones read."""
+    known = out.arrays
+    k = 0 if known is None else len(known[0])
+    rest = out.seqs[k:]
+    m = len(rest)
+    computed = np.fromiter(map(_COMPUTED, rest), np.int64, m)
+    lengths = np.fromiter(map(len, map(_TOKEN_IDS, rest)), np.int64, m)
+    if known is None:
+        return computed, lengths
+    if not m:
+        return known
+    return np.concatenate([known[0], computed]), np.concatenate([known[1], lengths])
 
 
 def _cumsum(xs: list[int]) -> list[int]:

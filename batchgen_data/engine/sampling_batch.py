@@ -13,7 +13,8 @@ to the same buffer; a step whose rows set none of those builds nothing extra for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 
 import numpy as np
 import torch
@@ -105,9 +106,12 @@ class SamplingBatch:
         ps = list(map(_PARAMS, seqs))
         # the rows' distinct SamplingParams objects (a request's rows share one, and often a
         # whole step does): per-parameter values are read once per object, not once per row
-        keys = list(map(id, ps))
-        first = dict(zip(keys, ps))
-        uniq = list(first.values())
+        if n and all(map(is_, ps, repeat(ps[0]))):  # one object for the whole step
+            keys, uniq = None, ps[:1]
+        else:
+            keys = list(map(id, ps))
+            first = dict(zip(keys, ps))
+            uniq = list(first.values())
         if all(map(_argmax_only, uniq)):
             return None
         if len(uniq) == 1:

@@ -68,6 +68,11 @@ class SchedulerOutput:
     # sequences whose host KV must be copied into their new blocks before the step runs
     swap_in: list[Sequence] = field(default_factory=list)
     held: list[Sequence] = field(default_factory=list)  # preempted: held for memory this step
+    # the first sequences' computed tokens and token counts as scheduled [len], when the
+    # scheduler read them as arrays (the running ones, none preempted): the runner's `prepare`
+    # takes them instead of reading the sequences again; sequences admitted after them are not
+    # covered (`len` < `len(seqs)`)
+    arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -166,12 +171,27 @@ class Scheduler:
             return self._schedule_running_loop(out, budget)
         room = np.fromiter(map(len, map(_BLOCK_IDS, run)), np.int64, m) * self.pool.block_size
         seqs, counts = list(run), pending.tolist()
-        for j in np.flatnonzero(computed + pending > room).tolist():  # their blocks are full
-            if seqs[j].status == SequenceStatus.RUNNING:  # not preempted by an earlier one
-                self._grow_running(seqs[j], counts[j], out)
+        ends = computed + pending
+        full = np.flatnonzero(ends > room)  # their blocks are full
+        bs = self.pool.block_size
+        need = -(-ends[full] // bs) - room[full] // bs
+        if not self.pool.num_host_blocks and int(need.sum()) <= self.pool.num_free:
+            # every one grows in the device tier without preempting: one allocation, handed
+            # out in order, is what growing them one by one would give each
+            blocks = self.pool.allocate(int(need.sum()))
+            at = 0
+            for j, k in zip(full.tolist(), need.tolist()):
+                seqs[j].block_ids.extend(blocks[at:at + k])
+                at += k
+        else:
+            for j in full.tolist():
+                if seqs[j].status == SequenceStatus.RUNNING:  # not preempted by an earlier one
+                    self._grow_running(seqs[j], counts[j], out)
         if out.held:
             kept = [(s, n) for s, n in zip(seqs, counts) if s.status == SequenceStatus.RUNNING]
             seqs, counts = [s for s, _ in kept], [n for _, n in kept]
+        else:
+            out.arrays = (computed, ends)
         out.seqs, out.num_new_tokens = seqs, counts
         return budget - sum(counts)
 
@@ -329,13 +349,21 @@ class Scheduler:
         out.held.append(seq)
         self.num_preemptions += 1
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """Publish newly completed full blocks of every scheduled sequence to the prefix cache."""
+    def after_step(self, out: SchedulerOutput,
+                   flat: tuple[list[Sequence], np.ndarray, np.ndarray] | None = None) -> None:
+        """Publish newly completed full blocks of every scheduled sequence to the prefix cache.
+        `flat`: the step's sequences in any order with their computed tokens and token counts
+        now, as the runner knew them (`ModelInput.flat`), so they need not be read again."""
         bs = self.pool.block_size
-        seqs = out.seqs
-        m = len(seqs)
-        full = np.minimum(np.fromiter(map(_COMPUTED, seqs), np.int64, m),
-                          np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, m)) // bs
+        if flat is None:
+            seqs = out.seqs
+            m = len(seqs)
+            computed = np.fromiter(map(_COMPUTED, seqs), np.int64, m)
+            tokens = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, m)
+        else:
+            seqs, computed, tokens = flat
+            m = len(seqs)
+        full = np.minimum(computed, tokens) // bs
         hashed = np.fromiter(map(len, map(_BLOCK_HASHES, seqs)), np.int64, m)
         for i in np.flatnonzero(full > hashed).tolist():  # the sequences that filled a block
             seq, blocks = seqs[i], int(full[i])

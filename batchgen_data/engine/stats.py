@@ -184,4 +184,7 @@ class StepShape:
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
         total = out.total_tokens
-        return cls(len(out.seqs), total, sum(map(_COMPUTED, out.seqs)) + total)
+        known = out.arrays  # the running sequences' computed tokens, read by the scheduler
+        k = 0 if known is None else len(known[0])
+        computed = sum(map(_COMPUTED, out.seqs[k:])) + (0 if known is None else int(known[0].sum()))
+        return cls(len(out.seqs), total, computed + total)

@@ -6,17 +6,18 @@ Synchronous (the default): each `step()` does those five things in that order.
 Overlapped: the model run and the sampling of step n go to a worker thread (on a GPU it mostly
 waits for the device; on the CPU it computes). Meanwhile the engine thread schedules and
 prepares step n+1 as if step n had already given each of its sequences what it computes
-(`_look_ahead`); then it waits for step n, writes step n's tokens into step n+1's inputs, starts
-step n+1, and only then resumes step n's coroutines, so their stop checks and the finished
-requests overlap step n+1 too. docs/step.md says why every sequence still gets exactly the
+(`_look_ahead`) and queues it behind step n on the worker, which writes step n's tokens into
+step n+1's inputs and starts it as soon as step n ends; meanwhile the engine thread resumes
+step n's coroutines, so their stop checks and the finished requests overlap step n+1 too. docs/step.md says why every sequence still gets exactly the
 synchronous engine's tokens, and when a step is not overlapped.
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,9 @@ class _Step:
     # look-ahead steps: (rows of `inp.input_ids`, indices into the previous step's sampled
     # tokens) that `_fill_tokens` writes; built while the previous step runs
     fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the step it was queued behind on the device thread, until its tokens are filled in
+    after: "_Step | None" = None
+    started: threading.Event = field(default_factory=threading.Event)  # by the device thread
 
 
 def _reads_own_tokens(p: SamplingParams) -> bool:
@@ -131,30 +135,36 @@ class Stepper:
         e, out, inp = self.engine, step.out, step.inp
         for seq, entries in inp.prompt_logprobs or ():
             seq.prompt_logprobs.extend(entries)
-        tokens: dict[int, tuple[int, Any]] = {} if sampled is None else dict(zip(
-            map(_SEQ_ID, inp.sample_seqs), zip(sampled.token_ids, sampled.logprobs)))
+        sample_seqs = inp.sample_seqs
+        token_ids, logprobs = (sampled.token_ids, sampled.logprobs) if sampled is not None \
+            else ((), ())
         coros = e._coros
+        flat = getattr(inp, "flat", None)  # an injected runner's input may not have these
+        order = getattr(inp, "order", None)
         if self.overlap and not all(s.seq_id in coros for s in out.seqs):
             # sequences that stopped at the step before were scheduled into this one before
             # that was known: their rows here are dropped, tokens and all
             live = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id in coros]
             out = SchedulerOutput([s for s, _ in live], [n for _, n in live])
-            tokens = {s.seq_id: tokens[s.seq_id] for s in out.seqs if s.seq_id in tokens}
+            kept = [r for r in zip(sample_seqs, token_ids, logprobs) if r[0].seq_id in coros]
+            sample_seqs = [r[0] for r in kept]
+            token_ids, logprobs = [r[1] for r in kept], [r[2] for r in kept]
+            flat = None
             if not out.seqs:
                 return []
-        done: list[Sequence] = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            tok, lp = tokens.get(seq.seq_id, (None, None))
-            if coroutine.send(coros[seq.seq_id], (n, tok, lp)):
-                done.append(seq)
-        e.scheduler.after_step(out)
+        done = coroutine.resume_step(out.seqs, out.num_new_tokens, sample_seqs, token_ids,
+                                     logprobs, e.stopper)
+        if len(done) > 1 and order is not None and order != sorted(order):  # scheduled order
+            index = {s.seq_id: i for i, s in enumerate(out.seqs)}
+            done.sort(key=lambda s: index[s.seq_id])
+        e.scheduler.after_step(out, flat)
         e._retire(*done)
         finished = e._collect_finished(done)
         device_s = e.runner.device_step_s()
         if device_s is None:  # the step's wall time (synchronous), or its worker's
             device_s = time.perf_counter() - step.t0 if worker_s is None else worker_s
         stats = e.stats
-        stats.record(len(out.seqs), out.total_tokens, len(tokens), device_s,
+        stats.record(len(out.seqs), out.total_tokens, len(sample_seqs), device_s,
                      light_seqs=max(1, e.scheduler.config.max_num_seqs // 2),
                      kv_tokens=step.shape.kv_tokens)
         stats.tokens_per_expert.record(e.runner.take_expert_tokens())
@@ -174,14 +184,28 @@ class Stepper:
                 return []
             cur = self._start(self._prepared(out, shape))
         nxt = self._look_ahead(cur)  # step n+1, while step n runs
+        queued = nxt is not None and not nxt.out.swap_in
+        if queued:
+            # queued behind step n on the device thread, which writes step n's tokens into it
+            # and starts it the moment step n ends: the device never waits for this thread
+            nxt.after = cur
+            self._start(nxt)
         assert cur.future is not None
+        self._inflight = nxt if queued else None
         sampled, worker_s = cur.future.result()
-        self._inflight = None
+        if queued:
+            # the device thread needs the GIL between the two steps (the sampler's host part,
+            # the fill, the launch); resuming step n's coroutines now would make it wait for
+            # this thread at every switch interval, so this thread waits those ~50 us instead
+            nxt.started.wait()
         if nxt is not None:
             e.stats.overlapped_steps += 1
+        if nxt is not None and not queued:
+            # held KV comes back into its blocks only once step n has written its KV (a row
+            # of step n may belong to a sequence that stopped and gave those blocks up)
             self._fill_tokens(nxt, cur, sampled)
-            e._move_kv(nxt.out)  # step n has written its KV: held KV may come back now
-            self._inflight = self._start(nxt)
+            e._move_kv(nxt.out)
+            self._start(nxt)
         return self._finish(cur, sampled, worker_s)
 
     def _prepared(self, out: SchedulerOutput, shape: StepShape) -> _Step:
@@ -203,6 +227,13 @@ class Stepper:
         but the parameters (the sampler's host half was built before)."""
         t0 = time.perf_counter()
         e, inp = self.engine, step.inp
+        try:
+            if step.after is not None:  # queued behind the step before: its tokens are known
+                assert step.after.future is not None and step.after.future.done()
+                self._fill_tokens(step, step.after, step.after.future.result()[0])
+                step.after = None
+        finally:
+            step.started.set()
         logits = e.runner.run(inp)
         sampled = e.sampler.sample(logits, step.batch, inp.sample_seqs) \
             if inp.sample_seqs else None

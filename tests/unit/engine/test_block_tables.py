@@ -57,3 +57,35 @@ def test_gathered_table_is_a_copy() -> None:
     seq.block_ids.append(6)
     tables.rows([seq])  # the next step writes the row
     assert got.tolist() == [[4, 5]]
+
+
+def test_same_batch_step_after_step() -> None:
+    """The same sequences in the same order (most decode steps: the rows are not looked up
+    again), one new block for some (written as one column, past the table's width too), and
+    lists replaced by new ones of the same length or one longer, which only the list's
+    identity tells apart from an unchanged or grown one."""
+    rng = random.Random(1)
+    params = SamplingParams()
+    seqs = [Sequence(i, f"r{i}", 0, [1], params, 0, 10) for i in range(12)]
+    next_block = 1
+    for seq in seqs:
+        seq.block_ids = [next_block]
+        next_block += 1
+    tables = BlockTables(rows=4, width=2)
+    for _ in range(200):
+        for seq in seqs:
+            roll = rng.random()
+            if roll < 0.4:  # a decode's new block
+                seq.block_ids.append(next_block)
+                next_block += 1
+            elif roll < 0.45:  # a new list, one longer
+                seq.block_ids = list(range(next_block, next_block + len(seq.block_ids) + 1))
+                next_block += len(seq.block_ids)
+            elif roll < 0.5:  # a new list of the same length
+                seq.block_ids = list(range(next_block, next_block + len(seq.block_ids)))
+                next_block += len(seq.block_ids)
+            elif roll < 0.52:  # released and started again short
+                seq.block_ids = [next_block]
+                next_block += 1
+        rows = tables.rows(seqs)
+        np.testing.assert_array_equal(tables.gather(rows), _rebuilt(seqs))

@@ -3,8 +3,14 @@ sampler) with a forward that returns logits at once, or after sleeping a fixed d
 
 Select it with ``parts_builder="_stub_parts:build_parts"`` (benchmarks/ on `sys.path`) and a
 model string ``"stub?vocab=1024&device_ms=2"``. What is left of a step is what the host does
-around the model: benchmarks/host_overhead.py times it. The sleep stands for a GPU step: it
-releases the GIL as a device wait would, and its length is fixed whatever the batch.
+around the model: benchmarks/host_overhead.py times it.
+
+``device_ms`` stands for a GPU step of fixed length, whatever the batch. The stub's device is
+an in-order queue, as a CUDA stream is: a forward queues its ``device_ms`` and returns at once,
+the device runs queued work back to back, and the host waits for it only at a
+`ModelRunner.mark` (sleeping, so the GIL is free, as a device wait leaves it). A tree whose
+runner has no `mark` (an older baseline) gets a forward that sleeps instead, as that tree's
+engine assumed.
 """
 from __future__ import annotations
 
@@ -40,24 +46,32 @@ class StubModel(torch.nn.Module):
     """The model's surface as the runner calls it: `forward` gives one hidden value per token
     and `compute_logits` a slice of fixed random logits, after `device_s` of sleep."""
 
-    def __init__(self, vocab: int, max_positions: int, max_rows: int, device_s: float) -> None:
+    def __init__(self, vocab: int, max_positions: int, max_rows: int, device_s: float,
+                 queued: bool = True) -> None:
         super().__init__()
+        self.queued = queued  # False: each forward waits for its own device time
         self.shape = StubShape(vocab, max_positions)
         self.device_s = device_s
         gen = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_rows, vocab, generator=gen) * 5  # [max_rows, vocab]
         self.logits[:, EOS] = -1e4
         self.device_time_s = 0.0  # summed over forwards: the harness subtracts it from the wall
+        self.free_at = 0.0  # when the device is done with everything queued so far
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                 meta: Any) -> torch.Tensor:
-        t0 = time.perf_counter()
+        """Queue `device_s` of work on the stub's device and return at once, as a launch on a
+        GPU stream does: the device starts it when it is done with what was queued before."""
         if self.device_s > 0:
-            _exact_sleeps()
-            time.sleep(self.device_s)
-        hidden = torch.zeros(input_ids.shape[0], 1)  # [T, 1]
-        self.device_time_s += time.perf_counter() - t0
-        return hidden
+            self.free_at = max(time.perf_counter(), self.free_at) + self.device_s
+            self.device_time_s += self.device_s
+            if not self.queued:
+                _Deadline(self.free_at).wait()
+        return torch.zeros(input_ids.shape[0], 1)  # [T, 1]
+
+    def device_mark(self) -> "_Deadline":
+        """`ModelRunner.mark`'s stand-in: waits until the device has done what is queued."""
+        return _Deadline(self.free_at)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits[:hidden.shape[0]]  # [S, vocab]
@@ -65,8 +79,8 @@ class StubModel(torch.nn.Module):
 
 def _exact_sleeps() -> None:
     """Linux lets a sleeping thread wake up to 50 us late (its timer slack), which would make
-    a 2 ms device step 2.08 ms; 1 ns of slack brings it to about 2.03 ms on this box. Per
-    thread, so set by the thread that sleeps (the device thread with `async_scheduling`)."""
+    the wait for a 2 ms device step 2.08 ms; 1 ns of slack brings it to about 2.03 ms on this
+    box. Per thread, so set by the thread that waits."""
     global _prctl
     if _prctl is None:
         try:
@@ -75,6 +89,17 @@ def _exact_sleeps() -> None:
             _prctl = False
     if _prctl:
         _prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    at: float  # perf_counter seconds
+
+    def wait(self) -> None:
+        left = self.at - time.perf_counter()
+        if left > 0:
+            _exact_sleeps()
+            time.sleep(left)
 
 
 PR_SET_TIMERSLACK = 29
@@ -107,7 +132,8 @@ def build_parts(config: Any) -> EngineParts:
     cc, sc = config.cache, config.scheduler
     max_len = config.max_model_len or 4096
     device = torch.device("cpu")
-    model = StubModel(int(opts["vocab"]), max_len, sc.max_num_seqs, opts["device_ms"] / 1e3)
+    model = StubModel(int(opts["vocab"]), max_len, sc.max_num_seqs, opts["device_ms"] / 1e3,
+                      queued=hasattr(ModelRunner, "mark"))
     num_blocks = cc.num_kv_blocks or sc.max_num_seqs * -(-max_len // cc.block_size) + 1
     # the GPU's backend family: no torch decode-attention gather index to build per step
     backend = LayerBackend(device, torch.float32, triton=True)

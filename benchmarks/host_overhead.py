@@ -66,7 +66,8 @@ ASYNC_GOAL_MS = 2.1  # wall ms per overlapped step with a 2 ms device step
 class PhaseClock:
     """CPU seconds of the engine's thread in the engine's parts, by phase, summed over the
     steps it watches (thread CPU time: what a neighbour's load does not inflate). With
-    `async_scheduling` the sampler's second half runs on the device thread: not counted."""
+    `async_scheduling` the sampler's device part (`launch`) runs on the device thread: not
+    counted."""
 
     def __init__(self, engine: Engine) -> None:
         self.total = dict.fromkeys(PHASES[:-1], 0.0)
@@ -82,9 +83,11 @@ class PhaseClock:
         engine.scheduler.schedule = counted  # type: ignore[method-assign]
         engine.runner.prepare = self._timed("prepare", engine.runner.prepare)
         sampler: Any = engine.sampler
-        if hasattr(sampler, "sample"):  # the sampler in two halves (engine/step.py)
-            sampler.batch = self._timed("sample", sampler.batch)
-            sampler.sample = self._timed("sample", sampler.sample)
+        if hasattr(sampler, "sample"):  # the sampler in parts (engine/step.py)
+            parts = ("batch", "launch", "finish") if hasattr(sampler, "launch") \
+                else ("batch", "sample")  # an older tree's two halves
+            for part in parts:
+                setattr(sampler, part, self._timed("sample", getattr(sampler, part)))
         else:
             engine.sampler = self._timed("sample", sampler)
 

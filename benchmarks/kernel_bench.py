@@ -23,18 +23,35 @@ import torch
 _SHAPES = [(1, 8192), (8, 4096), (32, 2048), (64, 1024), (128, 512), (256, 2048)]
 
 
-def _time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` individually timed CUDA-event runs."""
+def _time_ms(fn: Callable[[], object], warmup: int, iters: int, inner: int = 20) -> float:
+    """Median milliseconds of one ``fn`` call over ``iters`` CUDA-event timings of ``inner``
+    calls replayed from one CUDA graph. One launch timed alone measures the launch as much as
+    the kernel (a few microseconds, which is all of a small shape's time), and ``inner`` calls
+    launched one by one can still starve the device of work; a graph replays them back to
+    back. Where capture fails, the ``inner`` calls are launched in a row instead."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # captured on a side stream of its own
+            for _ in range(inner):
+                fn()
+        torch.cuda.synchronize()
+        run: Callable[[], object] = graph.replay
+    except RuntimeError:
+        def run() -> None:
+            for _ in range(inner):
+                fn()
+    run()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 

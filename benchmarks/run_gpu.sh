@@ -8,6 +8,10 @@
 #                                                   # matmuls and FP8 KV cache kernels against
 #                                                   # their references, then gpu_quant.py
 #                                                   # (FP8-block / W4A16 vs bf16 tok/s)
+#   bash benchmarks/run_gpu.sh step                 # issue 35 (optional): the sampler on the
+#                                                   # GPU (256 x 151,936, goal <= 0.3 ms each
+#                                                   # setting), then the host work of a step
+#                                                   # on this machine's CPU (stub model)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"
@@ -50,6 +54,18 @@ if [ "${1:-}" = "quant" ]; then
     rc2=${PIPESTATUS[0]}
     echo "gpu_quant exit code: $rc2; results in $OUT/gpu_quant.json"
     [ "$rc" -eq 0 ] && rc=$rc2
+    exit "$rc"
+fi
+
+if [ "${1:-}" = "step" ]; then
+    timeout -k 5 150 "$PY" benchmarks/sampler_step.py --rounds 15 --device cuda 2>&1 \
+        | tee "$OUT/sampler_step.log"
+    rc=${PIPESTATUS[0]}
+    timeout -k 5 200 "$PY" benchmarks/host_overhead.py --seqs 256,1024 --workloads decode,mixed \
+        2>&1 | tee "$OUT/host_overhead.log"
+    rc2=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] && rc=$rc2
+    echo "exit code: $rc; JSON lines at the end of $OUT/sampler_step.log, host_overhead.log"
     exit "$rc"
 fi
 

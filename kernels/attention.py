@@ -81,13 +81,13 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_bt, v_factor,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, G_BLOCKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // G_BLOCKS  # axis 1: (kv head, block of its query heads)
+    g = (tl.program_id(1) % G_BLOCKS) * BLOCK_G + tl.arange(0, BLOCK_G)  # within the group
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this kv head
     qo_mask = (g < GROUP)[:, None] & (dims < head_dim)[None, :]
@@ -207,6 +207,9 @@ def _fp8_factors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v
             _FP8_UNIT * float(k_scale), _FP8_UNIT * float(v_scale))
 
 
+DECODE_TILE_ELEMS = 16384  # query heads x head-dim tile of one decode program, at most
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -239,8 +242,15 @@ def paged_decode_attention(
         return out
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     block_n = 64 if head_dim <= 128 else 32
+    block_d = tile(head_dim)
+    # a program takes at most DECODE_TILE_ELEMS of q (heads x dims): MLA's 128 heads of 576
+    # (tile 1024) in one [128, 1024] tile would be 256 KB of bf16 and 512 KB of fp32
+    # accumulator, over an H200's 228 KB of shared memory; blocks of 16 heads stay under it
+    block_g = min(tile(group), max(16, DECODE_TILE_ELEMS // block_d))
+    g_blocks = triton.cdiv(group, block_g)
     max_tokens = block_tables.shape[1] * block_size
-    splits = pick_num_splits(num_splits, num_seqs * num_kv_heads, max_tokens, q.device)
+    splits = pick_num_splits(num_splits, num_seqs * num_kv_heads * g_blocks, max_tokens,
+                             q.device)
     tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
     part_shape = (num_seqs, num_heads, splits)
     if splits > 1:
@@ -249,12 +259,12 @@ def paged_decode_attention(
         part_l = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out  # never touched on the single-split path
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+    _decode_kernel[(num_seqs, num_kv_heads * g_blocks, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * k_factor * _LOG2E, num_kv_heads, head_dim, block_size, tokens_per_split,
         q.stride(0), q.stride(1), block_tables.stride(0), v_factor,
-        GROUP=group, NUM_SPLITS=splits, BLOCK_G=tile(group), BLOCK_N=block_n,
-        BLOCK_D=tile(head_dim), DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8,
+        GROUP=group, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, G_BLOCKS=g_blocks,
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs * num_heads,)](
@@ -307,6 +317,8 @@ def paged_prefill_attention(
         return out
     # 64x64 fp32 tiles with head_dim 128 need ~115 KB of shared memory; stay under 100 KB.
     block_m = 64 if head_dim <= 128 and q.dtype != torch.float32 else 32
+    if head_dim > 256:  # MLA's 576 (tile 1024): q, K and V tiles of 16 rows are 96 KB of bf16
+        block_m = 16
     block_m = min(block_m, tile(max_seqlen_q))
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](

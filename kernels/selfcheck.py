@@ -4,8 +4,8 @@
 
 A user on new hardware (or this project's GPU script, before it times anything) runs it to
 learn whether the compiled kernels compute what the references compute: bf16 and fp16, head
-dims 64/128/256, contexts up to 8k, GQA groups 1-8, and one CUDA-graph capture and replay of a
-decode step against eager. Each case reports its error as ``max|got - want| / max|want|`` (a
+dims 64/128/256 and MLA's 576, contexts up to 8k, GQA groups 1-8 (128 for MLA), and one
+CUDA-graph capture and replay of a decode step against eager. Each case reports its error as ``max|got - want| / max|want|`` (a
 relative error that stays meaningful for outputs near zero) against a tolerance set by the
 dtype; the exit code is 1 when a case fails, 2 when there is no CUDA device. Prints a table and
 one JSON line. Needs torch with CUDA and triton; imports nothing else of the engine.
@@ -232,6 +232,45 @@ def case_graph_replay(dtype: torch.dtype, dev: torch.device) -> float:
     return rel_err(out, eager)
 
 
+def case_sampler(cands: int, dev: torch.device) -> float:
+    """The sampler's race kernel (`race_candidates`: temperature, top-k, top-p, min-p and the
+    seeded draw over a row's candidates) against its reference, on `cands` candidates a row
+    drawn from Qwen's 151,936 ids, unranked and ranked, with and without top-p, min-p and a
+    mass from beyond the candidates: the fraction of rows whose token differs (0.0 expected:
+    the draw is a function of (seed, output index, token id))."""
+    from batchgen_data.kernels import reference
+    from batchgen_data.kernels.sampling import race_candidates
+
+    gen = torch.Generator().manual_seed(cands)
+    n = 16
+    differ = 0
+    variants = [(False, False, False, False), (False, False, True, False),
+                (True, False, False, False), (True, True, False, False), (True, True, True, True)]
+    for ranked, use_top_p, use_min_p, use_total in variants:
+        vals = torch.randn(n, cands, generator=gen) * 3.0
+        ids = torch.stack([torch.randperm(151936, generator=gen)[:cands] for _ in range(n)])
+        if ranked:
+            vals, order = vals.sort(dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, order)
+        temp = torch.rand(n, 1, generator=gen) * 1.5 + 0.3
+        top_k = torch.randint(1, cands + 5, (n, 1), generator=gen) if ranked else \
+            torch.full((n, 1), 10**6)
+        top_p = torch.rand(n, 1, generator=gen) * 0.7 + 0.3 if use_top_p else None
+        min_p = torch.rand(n, 1, generator=gen) * 0.2 if use_min_p else None
+        seeds = torch.randint(0, 2**62, (n,), generator=gen)
+        steps = torch.randint(0, 10**5, (n,), generator=gen)
+        total = None
+        if use_total:
+            sc = vals / temp
+            total = torch.exp(sc - sc[:, :1]).sum(-1, keepdim=True) * 1.25
+        args = [t.to(dev) if isinstance(t, torch.Tensor) else t
+                for t in (vals, ids, temp, top_k, top_p, min_p, seeds, steps, total)]
+        tok = race_candidates(*args, ranked)[0]
+        want = reference.race_candidates(*args, ranked)[0]
+        differ += int((tok.cpu() != want.cpu()).sum())
+    return differ / (n * len(variants))
+
+
 def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], float]]]:
     dtypes = (torch.bfloat16, torch.float16)
     dims = (64, 128) if quick else (64, 128, 256)
@@ -250,8 +289,16 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
         out.append(("norm/rotary/silu", dt, lambda dev, dt=dt: case_norm_rotary_act(dt, 128, dev)))
         for t in (1, 64, 512):
             out.append((f"fused_moe T={t}", dt, lambda dev, dt=dt, t=t: case_moe(dt, t, dev)))
+        # MLA's shape (DeepSeek: one latent KV head read by 128 query heads, head dim 576);
+        # kv_heads 2 here, the tiles are the same
+        out.append(("decode MLA D=576 group=128 ctx=2048", dt,
+                    lambda dev, dt=dt: case_decode(dt, 576, 128, 2048, dev)))
+        out.append(("prefill MLA D=576 group=16 ctx=2048", dt,
+                    lambda dev, dt=dt: case_prefill(dt, 576, 16, 2048, dev)))
     out.append(("cuda graph replay (decode)", torch.bfloat16,
                 lambda dev: case_graph_replay(torch.bfloat16, dev)))
+    out.append(("sampler race, 1024 candidates", torch.float32,
+                lambda dev: case_sampler(1024, dev)))
     return out
 
 
@@ -295,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             err = fn(dev)
             torch.cuda.synchronize(dev)
-            tol = 0.0 if name.startswith(("cuda graph", "fp8 kv write")) else TOLERANCE[dt]
+            exact = name.startswith(("cuda graph", "fp8 kv write", "sampler"))
+            tol = 0.0 if exact else TOLERANCE[dt]
             rec.update(rel_err=float(f"{err:.3g}"), tol=tol, ok=err <= tol)
         except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:300],

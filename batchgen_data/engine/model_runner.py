@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_not
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +44,28 @@ _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 _NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
 
 
+class DeviceMark(Protocol):
+    def wait(self) -> None: ...
+
+
+class _Done:
+    """The mark of a device whose queued work is already done (the CPU)."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = _Done()
+
+
+@dataclass
+class _CudaMark:
+    event: "torch.cuda.Event"
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [T]
@@ -71,6 +93,7 @@ class ModelRunner:
         self.model = model
         # looked up once: a missing attribute of a torch Module costs an exception each time
         self._take_expert_tokens = getattr(model, "take_expert_tokens", None)
+        self._device_mark = getattr(model, "device_mark", None)
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
         self.backend = backend  # the one the model's layers were built for
@@ -116,6 +139,20 @@ class ModelRunner:
         one step)."""
         tier = self.kv_tier
         return (0, 0) if tier is None else (tier.bytes_moved, tier.host_seqs_peak)
+
+    def mark(self) -> DeviceMark:
+        """A point in the device's queue of work, here and now: `wait()` returns once the
+        device has done everything queued before it (a CUDA event; on the CPU the work is done
+        when it is queued). A model may stand for an asynchronous device of its own by having
+        a `device_mark()` (benchmarks/_stub_parts.py)."""
+        own = self._device_mark
+        if own is not None:
+            return own()
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            return _CudaMark(event)
+        return DONE
 
     def device_step_s(self) -> float | None:
         """Seconds the device spent on the last `run`, where the runner knows them apart from

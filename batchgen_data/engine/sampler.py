@@ -57,6 +57,29 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+@dataclass
+class PendingSample:
+    """A step's draws as the device holds them, before anything reads them on the host
+    (`Sampler.launch`; `Sampler.finish` turns them into a `SamplerOutput`). Between the two an
+    overlapped engine starts the next step, which takes its tokens from `chosen` on the device
+    (engine/step.py): nothing in a launch waits for the device except the sampling's own
+    host reads (a top-p band's widening)."""
+
+    chosen: torch.Tensor  # [N] int64, on the logits' device
+    # the logprob rows: (rows [R], the chosen ids' logprobs [R], top values and ids [R, k] or
+    # None), and what each row asked for; None when no row asks
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
+    want: list[int | None]
+    host: tuple[torch.Tensor, ...] | None = None  # `to_host`'s copies
+
+    def to_host(self) -> None:
+        """Start copying what `finish` reads to host memory: asynchronously from a CUDA device
+        (pinned memory; valid once the device has passed this point, which an event recorded
+        after the call tells), a no-op for host tensors."""
+        parts = [self.chosen, *(t for t in self.logprobs or () if t is not None)]
+        self.host = tuple(t.to("cpu", non_blocking=True) for t in parts)
+
+
 class Sampler:
     def __init__(self, stop_ids_for_min_tokens: set[int], tokenizer: Any = None) -> None:
         self.eos_ids = sorted(stop_ids_for_min_tokens)
@@ -100,8 +123,13 @@ class Sampler:
                ) -> SamplerOutput:
         """Tokens of `seqs` from `logits` and their `batch`; reads no sequence state but the
         parameters (and structured outputs' grammar state)."""
+        return self.finish(self.launch(logits, b, seqs))
+
+    def launch(self, logits: torch.Tensor, b: SamplingBatch | None, seqs: list[Sequence]
+               ) -> PendingSample:
+        """`sample`'s device work: the draws and the logprobs asked for, left on the device."""
         if b is None:  # every row greedy, nothing to edit or report
-            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(seqs))
+            return PendingSample(logits.argmax(-1), None, [None] * len(seqs))
         want_lp = b.want_logprobs
         raw_logprobs = self._raw_logprobs(logits, want_lp)
 
@@ -121,7 +149,14 @@ class Sampler:
             chosen = self._draw(logits, b, seqs)
             if b.any_greedy:
                 chosen = torch.where(b.greedy, logits.argmax(-1), chosen)
-        return SamplerOutput(chosen.tolist(), self._logprobs(raw_logprobs, chosen, want_lp))
+        return PendingSample(chosen, self._logprob_rows(raw_logprobs, chosen, want_lp), want_lp)
+
+    def finish(self, p: PendingSample) -> SamplerOutput:
+        """The host's read of a launch: after `p.to_host()` and the device passing it, or at
+        once (a read of device tensors then waits for the device)."""
+        chosen, *rest = p.host if p.host is not None else \
+            (p.chosen, *(t for t in p.logprobs or () if t is not None))
+        return SamplerOutput(chosen.tolist(), self._logprobs(p, rest))
 
     def _draw(self, logits: torch.Tensor, b: SamplingBatch, seqs: list[Sequence]
               ) -> torch.Tensor:
@@ -201,19 +236,33 @@ class Sampler:
         logits.scatter_(1, tok, torch.where(empty, val, new))
 
     @staticmethod
-    def _logprobs(raw: tuple[torch.Tensor, torch.Tensor] | None, chosen: torch.Tensor,
-                  want: list[int | None]) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(want)
+    def _logprob_rows(raw: tuple[torch.Tensor, torch.Tensor] | None, chosen: torch.Tensor,
+                      want: list[int | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                 torch.Tensor | None] | None:
+        """(rows, the chosen ids' logprobs, top-k values, top-k ids) on the device; None when no
+        row asks."""
         if raw is None:
-            return out
+            return None
         idx, lp = raw  # [R], [R, V]
         k = max(w for w in want if w is not None)
-        picked_ids = chosen[idx]
-        picked = lp.gather(1, picked_ids.unsqueeze(1)).squeeze(1).tolist()
-        tokens = picked_ids.tolist()
+        picked = lp.gather(1, chosen[idx].unsqueeze(1)).squeeze(1)
         tv, ti = lp.topk(k, -1) if k > 0 else (None, None)
-        tv, ti = (tv.tolist(), ti.tolist()) if tv is not None else (None, None)
-        for j, i in enumerate(idx.tolist()):
+        return idx, picked, tv, ti
+
+    @staticmethod
+    def _logprobs(p: PendingSample, host: list[torch.Tensor]) -> list[dict[int, float] | None]:
+        """Each row's logprobs dictionary from `_logprob_rows`'s tensors (as `host` holds them,
+        in that order, the chosen ids first)."""
+        want = p.want
+        out: list[dict[int, float] | None] = [None] * len(want)
+        if p.logprobs is None:
+            return out
+        idx, picked = host[0].tolist(), host[1].tolist()
+        tv, ti = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else (None, None)
+        chosen = p.host[0] if p.host is not None else p.chosen
+        tokens = chosen[host[0]].tolist()
+        for j, i in enumerate(idx):
             w = want[i]
             d = {tokens[j]: picked[j]}
             if w and tv is not None:

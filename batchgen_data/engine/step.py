@@ -3,12 +3,14 @@
 
 Synchronous (the default): each `step()` does those five things in that order.
 
-Overlapped: the model run and the sampling of step n go to a worker thread (on a GPU it mostly
-waits for the device; on the CPU it computes). Meanwhile the engine thread schedules and
+Overlapped: the model run and the sampling of step n go to a worker thread (on a GPU it
+launches them and returns; on the CPU it computes). Meanwhile the engine thread schedules and
 prepares step n+1 as if step n had already given each of its sequences what it computes
-(`_look_ahead`) and queues it behind step n on the worker, which writes step n's tokens into
-step n+1's inputs and starts it as soon as step n ends; meanwhile the engine thread resumes
-step n's coroutines, so their stop checks and the finished requests overlap step n+1 too. docs/step.md says why every sequence still gets exactly the
+(`_look_ahead`) and queues it behind step n on the worker. The worker launches a step without
+waiting for the device, so step n+1 is on the device's queue before step n ends, its tokens
+from step n written into its inputs on the device; meanwhile the engine thread waits for step
+n's tokens to reach the host and resumes step n's coroutines, so their stop checks and the
+finished requests overlap step n+1 too. docs/step.md says why every sequence still gets exactly the
 synchronous engine's tokens, and when a step is not overlapped.
 """
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen_data.engine import coroutine
-from batchgen_data.engine.model_runner import ModelInput, ModelRunner
-from batchgen_data.engine.sampler import SamplerOutput
+from batchgen_data.engine.model_runner import DONE, DeviceMark, ModelInput, ModelRunner
+from batchgen_data.engine.sampler import PendingSample, SamplerOutput
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
@@ -52,7 +54,7 @@ class _Step:
     batch: SamplingBatch | None  # the sampler's host half, built on the engine thread
     shape: StepShape
     t0: float  # when its preparation began
-    future: "Future[tuple[SamplerOutput | None, float]] | None" = None
+    future: "Future[tuple[PendingSample | None, DeviceMark, float]] | None" = None
     # look-ahead steps: (rows of `inp.input_ids`, indices into the previous step's sampled
     # tokens) that `_fill_tokens` writes; built while the previous step runs
     fill: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -88,6 +90,7 @@ class Stepper:
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._worker: ThreadPoolExecutor | None = None  # the device thread, on first use
         self._inflight: _Step | None = None  # overlapped: the step the worker runs
+        self._last_done = 0.0  # when the device was last seen done with a step
 
     def step(self) -> list[RequestOutput]:
         e = self.engine
@@ -101,7 +104,11 @@ class Stepper:
         t0 = time.perf_counter()
         inp = e.runner.prepare(out)
         logits = e.runner.run(inp)
-        sampled = e.sampler(logits, inp.sample_seqs) if inp.sample_seqs else None
+        seqs = inp.sample_seqs
+        pending = e.sampler.launch(logits, e.sampler.batch(seqs, logits.shape[1], logits.device),
+                                   seqs) if seqs else None
+        _mark(e.runner).wait()  # a step that samples nothing is timed to its end too
+        sampled = e.sampler.finish(pending) if pending is not None else None
         return finished + self._finish(_Step(out, inp, None, shape, t0), sampled, None)
 
     def drain(self) -> None:
@@ -109,9 +116,8 @@ class Stepper:
         what every primitive that touches sequences does first."""
         cur, self._inflight = self._inflight, None
         if cur is not None:
-            assert cur.future is not None
-            sampled, worker_s = cur.future.result()
-            self.engine._pending_out.extend(self._finish(cur, sampled, worker_s))
+            sampled, device_s = self._complete(cur)
+            self.engine._pending_out.extend(self._finish(cur, sampled, device_s))
 
     # ---- the parts of a step ---------------------------------------------------------------
     def _schedule(self) -> tuple[SchedulerOutput, StepShape]:
@@ -128,7 +134,7 @@ class Stepper:
             e.on_step(shape)
         return out, shape
 
-    def _finish(self, step: _Step, sampled: SamplerOutput | None, worker_s: float | None
+    def _finish(self, step: _Step, sampled: SamplerOutput | None, device_s: float | None
                 ) -> list[RequestOutput]:
         """Resume the step's coroutines with their results, publish its full blocks, retire
         the sequences that finished; the requests they complete, and the step's stats."""
@@ -160,9 +166,11 @@ class Stepper:
         e.scheduler.after_step(out, flat)
         e._retire(*done)
         finished = e._collect_finished(done)
-        device_s = e.runner.device_step_s()
-        if device_s is None:  # the step's wall time (synchronous), or its worker's
-            device_s = time.perf_counter() - step.t0 if worker_s is None else worker_s
+        own = e.runner.device_step_s()
+        if own is not None:
+            device_s = own
+        elif device_s is None:  # synchronous: the step's wall time
+            device_s = time.perf_counter() - step.t0
         stats = e.stats
         stats.record(len(out.seqs), out.total_tokens, len(sample_seqs), device_s,
                      light_seqs=max(1, e.scheduler.config.max_num_seqs // 2),
@@ -192,21 +200,38 @@ class Stepper:
             self._start(nxt)
         assert cur.future is not None
         self._inflight = nxt if queued else None
-        sampled, worker_s = cur.future.result()
+        pending, mark, t_run = cur.future.result()  # step n queued on the device
         if queued:
-            # the device thread needs the GIL between the two steps (the sampler's host part,
-            # the fill, the launch); resuming step n's coroutines now would make it wait for
-            # this thread at every switch interval, so this thread waits those ~50 us instead
+            # the device thread needs the GIL between the two steps (the fill, the launch);
+            # resuming step n's coroutines now would make it wait for this thread at every
+            # switch interval, so this thread waits those microseconds instead
             nxt.started.wait()
         if nxt is not None:
             e.stats.overlapped_steps += 1
         if nxt is not None and not queued:
-            # held KV comes back into its blocks only once step n has written its KV (a row
-            # of step n may belong to a sequence that stopped and gave those blocks up)
-            self._fill_tokens(nxt, cur, sampled)
+            # held KV comes back into its blocks only after step n's KV writes (a row of step
+            # n may belong to a sequence that stopped and gave those blocks up): queued on the
+            # device after them
+            self._fill_tokens(nxt, cur, pending)
             e._move_kv(nxt.out)
             self._start(nxt)
-        return self._finish(cur, sampled, worker_s)
+        sampled, device_s = self._read(pending, mark, t_run)
+        return self._finish(cur, sampled, device_s)
+
+    def _complete(self, step: _Step) -> tuple[SamplerOutput | None, float]:
+        """Wait for a started step's results on the host (`drain`)."""
+        assert step.future is not None
+        return self._read(*step.future.result())
+
+    def _read(self, pending: PendingSample | None, mark: DeviceMark, t_run: float
+              ) -> tuple[SamplerOutput | None, float]:
+        """A step's tokens on the host once the device has done it, and its device time: from
+        its start, or the end of the step before when the device was still busy with that."""
+        mark.wait()
+        done = time.perf_counter()
+        device_s = done - max(t_run, self._last_done)
+        self._last_done = done
+        return (self.engine.sampler.finish(pending) if pending is not None else None), device_s
 
     def _prepared(self, out: SchedulerOutput, shape: StepShape) -> _Step:
         e = self.engine
@@ -222,9 +247,12 @@ class Stepper:
         self._inflight = step
         return step
 
-    def _device(self, step: _Step) -> tuple[SamplerOutput | None, float]:
-        """The worker's part: the model run and the sampling, which read no sequence state
-        but the parameters (the sampler's host half was built before)."""
+    def _device(self, step: _Step) -> tuple[PendingSample | None, DeviceMark, float]:
+        """The worker's part: the model run and the sampling queued on the device, which read
+        no sequence state but the parameters (the sampler's host half was built before), and
+        the copy of the tokens to the host started. It returns without waiting for the
+        device, so a step queued behind this one is launched while this one runs; the engine
+        thread waits for the mark (`_read`)."""
         t0 = time.perf_counter()
         e, inp = self.engine, step.inp
         try:
@@ -235,9 +263,11 @@ class Stepper:
         finally:
             step.started.set()
         logits = e.runner.run(inp)
-        sampled = e.sampler.sample(logits, step.batch, inp.sample_seqs) \
+        pending = e.sampler.launch(logits, step.batch, inp.sample_seqs) \
             if inp.sample_seqs else None
-        return sampled, time.perf_counter() - t0
+        if pending is not None:
+            pending.to_host()
+        return pending, _mark(e.runner), t0
 
     def _look_ahead(self, cur: _Step) -> _Step | None:
         """Step n+1 scheduled and prepared while step n (`cur`) runs, with each sequence of
@@ -269,14 +299,21 @@ class Stepper:
                     assert seq.token_ids[-1] == PLACEHOLDER
                     seq.token_ids.pop()
 
-    def _fill_tokens(self, nxt: _Step, cur: _Step, sampled: SamplerOutput | None) -> None:
+    def _fill_tokens(self, nxt: _Step, cur: _Step, pending: PendingSample | None) -> None:
         """Write the tokens step n sampled into step n+1's inputs, at the rows `_fill_plan`
-        chose while step n ran: one gather and one scatter between step n and step n+1."""
-        if sampled is None or nxt.fill is None:
+        chose while step n ran: one gather and one scatter on the device, queued after step
+        n's sampling, which no host read has to wait for."""
+        if pending is None or nxt.fill is None:
             return
         rows, src = nxt.fill
         ids = nxt.inp.input_ids
-        ids[rows] = torch.tensor(sampled.token_ids, dtype=ids.dtype)[src].to(ids.device)
+        ids[rows] = pending.chosen[src].to(ids.dtype)
+
+
+def _mark(runner: Any) -> DeviceMark:
+    """The runner's device mark; an injected runner without one computes in `run`."""
+    mark = getattr(runner, "mark", None)
+    return DONE if mark is None else mark()
 
 
 def _fill_plan(nxt: _Step, cur: _Step) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -293,4 +330,5 @@ def _fill_plan(nxt: _Step, cur: _Step) -> tuple[torch.Tensor, torch.Tensor] | No
         row += counts[i]
     if not rows:
         return None
-    return torch.tensor(rows, device=nxt.inp.input_ids.device), torch.tensor(src)
+    dev = nxt.inp.input_ids.device
+    return torch.tensor(rows, device=dev), torch.tensor(src, device=dev)

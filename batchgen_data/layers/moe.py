@@ -23,7 +23,9 @@ takes them with `take_expert_tokens`) for the engine's `tokens_per_expert` stati
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -33,6 +35,23 @@ from batchgen_data.layers import quant
 from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import Linear
+
+# [T] 0/1 per token row while a padded batch runs (CUDA graphs, engine/fast_paths/
+# cuda_graphs.py): only rows of weight 1 count towards `expert_tokens`; None: every row counts
+_COUNTED_ROWS: ContextVar[torch.Tensor | None] = ContextVar("moe_counted_rows", default=None)
+
+
+@contextmanager
+def counted_rows(rows: torch.Tensor) -> Iterator[None]:
+    """While it lasts (a graph's capture and each replay), MoE layers count the tokens of the
+    rows `rows` [T] marks 1, reading the tensor itself, so a captured graph reads the marks of
+    the step it replays."""
+    token = _COUNTED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _COUNTED_ROWS.reset(token)
+
 
 # (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] f32, topk_ids [T, k] i64)
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -247,19 +266,18 @@ class FusedMoE(nn.Module):
             weights, ids = self.gate(x)  # [T, k] each
         else:
             weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        rows = _COUNTED_ROWS.get()  # a CUDA graph's padding rows are run, not counted
         if self.scheme is not None:
             counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-            self.expert_tokens += counts
+            self._count(ids, counts, rows)
             out = self._quant_experts(x, weights, ids, counts)
         elif self._gpu_experts is not None:
-            # graph-capturable count: a fixed-size scatter, no host sync
-            flat = ids.reshape(-1)
-            self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+            self._count(ids, None, rows)
             w13, w2, ids, _ = self.experts_for(ids, None)
             out = self._gpu_experts(x, w13, w2, weights, ids)
         else:
             counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-            self.expert_tokens += counts
+            self._count(ids, counts, rows)
             w13, w2, ids, counts = self.experts_for(ids, counts)
             # the kernel reads the stacked weights in place: contiguous ones only
             if (self._c_experts is not None and x.shape[0] <= cpu_moe.MAX_TOKENS
@@ -273,6 +291,20 @@ class FusedMoE(nn.Module):
         elif self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
+
+    def _count(self, ids: torch.Tensor, counts: torch.Tensor | None,
+               rows: torch.Tensor | None) -> None:
+        """Add a step's tokens per expert to `expert_tokens`: `counts` as computed, or (None, or
+        with `rows`, a [T] 0/1 weight per token) a fixed-size scatter that a CUDA graph can
+        capture (no host sync, no shape that depends on the data)."""
+        if counts is not None and rows is None:
+            self.expert_tokens += counts
+            return
+        flat = ids.reshape(-1)
+        t, k = ids.shape
+        weight = torch.ones_like(flat) if rows is None else \
+            rows[:t].to(flat.dtype).unsqueeze(1).expand(t, k).reshape(-1)
+        self.expert_tokens.index_add_(0, flat, weight)
 
     def experts_for(self, ids: torch.Tensor, counts: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

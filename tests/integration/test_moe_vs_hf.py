@@ -239,3 +239,43 @@ def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.Monk
 def test_micro_batches_are_for_moe_models_only(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="MoE models only"):
         LLM(str(tiny_model_dir("llama")), attention_micro_batch_seqs=2)
+
+
+def test_graph_padding_rows_are_not_counted(moe_model) -> None:  # type: ignore[no-untyped-def]
+    """Pure-decode steps through the CUDA-graph fast path (its static buffers, replayed eagerly
+    here: the capture seam) pad the batch to a captured size; the padded rows are routed but
+    the engine's tokens per expert count only the real ones: each step's counts equal those of
+    the plain engine on the same prompts."""
+    pytest.importorskip("triton")
+    from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs, eager_capture
+    from batchgen_data.layers import backend
+
+    path, _ = moe_model("qwen3_moe")
+    kw = dict(block_size=4, max_num_seqs=5, max_model_len=64, dtype="float32")
+    prompts = [[random.Random(i).randrange(3, 290) for _ in range(3 + i)] for i in range(5)]
+    max_tokens = [2, 6, 3, 5, 4]  # 5, 4, 3, 2 then 1 decoding: 3 pads to 4
+
+    def per_step(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+        steps: list[list[int]] = []
+        load = llm.engine.stats.tokens_per_expert
+        record = load.record
+        load.record = lambda c: (steps.append(c.sum(0).tolist()), record(c))  # type: ignore
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [greedy(m) for m in max_tokens], use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], steps
+
+    want_tokens, want = per_step(LLM(str(path), **kw))
+    with backend.force_triton():
+        llm = LLM(str(path), **kw)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 5, 64, 4, runner.device,
+                          capture=eager_capture)
+    runner.fast_paths = [graphs]
+    runner.take_expert_tokens()  # the captures' own forwards
+    padded = []
+    run = graphs.run
+    graphs.run = lambda inp: (padded.append(inp.input_ids.shape[0]), run(inp))[1]  # type: ignore
+    got_tokens, got = per_step(llm)
+    assert 3 in padded, padded  # a step of 3 ran as a graph of 4
+    assert got_tokens == want_tokens
+    assert got == want

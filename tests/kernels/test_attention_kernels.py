@@ -53,6 +53,21 @@ def test_decode(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
     assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_heads_in_blocks(monkeypatch: pytest.MonkeyPatch, num_splits: int) -> None:
+    # MLA's shape in small: one KV head, many query heads, a wide head dim. A program then
+    # takes a block of the group's heads (whole-group tiles of 128 x 1024 would not fit an
+    # H200's shared memory); a small tile budget makes the blocks several here, one partial
+    from batchgen_data.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_TILE_ELEMS", 16 * 128)  # 16 heads of a 128 tile
+    k_cache, v_cache, tables, lens = _paged_cache([1, 40, 23], 16, 72, torch.float32)
+    k_cache, v_cache = k_cache[:, :, :1].contiguous(), v_cache[:, :, :1].contiguous()
+    q = torch.randn(3, 40, 72)  # 40 heads: blocks of 16, 16 and 8
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, num_splits=num_splits)
+    assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
+
+
 def test_decode_zero_length_and_default_splits() -> None:
     k_cache, v_cache, tables, lens = _paged_cache([0, 5], 16, 32, torch.float32)
     q = torch.randn(2, 4, 32)

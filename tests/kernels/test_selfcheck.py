@@ -22,6 +22,7 @@ def test_attention_cases(dim: int, group: int, ctx: int) -> None:
 def test_the_other_cases() -> None:
     assert selfcheck.case_write_kv(torch.float32, 32, CPU) == 0.0
     assert selfcheck.case_moe(torch.float32, 5, CPU) < 1e-4
+    assert selfcheck.case_sampler(24, CPU) == 0.0  # the kernel's draws are the reference's
 
 
 def test_rel_err_is_relative_to_the_largest_value() -> None:

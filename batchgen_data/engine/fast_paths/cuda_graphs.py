@@ -12,7 +12,9 @@ depend on a per-step host value:
     decode launcher (which picks its split-K factor from shapes) sees the same shape each step;
   * padded rows get `seq_len = 0` (the kernel writes zeros for them) and `slot = -1` (the KV
     write skips them), so padding never reads or writes real KV;
-  * the host-side lists of `AttentionMetadata` (used by the torch path only) are left empty.
+  * the host-side lists of `AttentionMetadata` (used by the torch path only) are left empty;
+  * an MoE layer routes the padded rows too, but counts only the real ones towards
+    `tokens_per_expert` (`layers.moe.counted_rows`, a static 0/1 buffer the graph reads).
 This needs the Triton path: the torch reference path builds per-step index tensors on the host.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from batchgen_data.devices import device_scope
 from batchgen_data.layers.attention import AttentionMetadata
+from batchgen_data.layers.moe import counted_rows
 
 if TYPE_CHECKING:
     from batchgen_data.engine.model_runner import ModelInput
@@ -59,6 +62,7 @@ class GraphBuffers:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, 0 = padding
     cu_seqlens_q: torch.Tensor  # [1] int32: no prefill rows
+    real: torch.Tensor  # [B] int64: 1 for a step's rows, 0 for padding (MoE token counts)
 
     @classmethod
     def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "GraphBuffers":
@@ -67,7 +71,7 @@ class GraphBuffers:
 
         return cls(z(max_batch), z(max_batch), z(max_batch).fill_(-1),
                    z(max_batch, max_blocks, dtype=torch.int32), z(max_batch, dtype=torch.int32),
-                   z(1, dtype=torch.int32))
+                   z(1, dtype=torch.int32), z(max_batch))
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """Metadata of a size-`batch` graph: views of the buffers, no per-step host values."""
@@ -94,6 +98,8 @@ class GraphBuffers:
         self.positions[n:batch].zero_()
         self.slot_mapping[n:batch].fill_(-1)
         self.seq_lens[n:batch].zero_()
+        self.real[:n].fill_(1)
+        self.real[n:batch].zero_()
 
 
 def cuda_capture(forward: Forward, pool: object) -> tuple[Callable[[], None], torch.Tensor]:
@@ -135,7 +141,8 @@ class DecodeGraphs:
                 def forward(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
                     return model(buf.input_ids[:b], buf.positions[:b], kv_caches, meta)
 
-                self._replay[b], self._out[b] = capture(forward, pool)
+                with counted_rows(buf.real[:b]):
+                    self._replay[b], self._out[b] = capture(forward, pool)
 
     def applies(self, inp: ModelInput) -> bool:
         """A pure-decode step that one of the captured sizes holds, without LoRA adapters (the
@@ -151,5 +158,6 @@ class DecodeGraphs:
         b = padded_size(n, self.sizes)
         assert b is not None
         self.buffers.load(inp.input_ids, inp.positions, inp.meta, b)
-        self._replay[b]()
+        with counted_rows(self.buffers.real[:b]):  # an eager replay runs the Python forward
+            self._replay[b]()
         return self._out[b][:n]

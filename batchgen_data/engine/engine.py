@@ -279,7 +279,8 @@ class Engine:
             state["finish"] = int(seq.status) if seq.status.finished else None
             state["stop_reason"] = seq.stop_reason
             if include_kv and seq.held_kv is not None:
-                state["kv"] = [(k.clone(), v.clone()) for k, v in seq.held_kv]
+                state["kv"] = [(c := k.clone(), c if v is k else v.clone())  # one plane: once
+                               for k, v in seq.held_kv]
                 state["kv_format"] = kv_format.state_of(self.runner)  # dtype, FP8 scales
             self.held_kv.drop(seq)
             seqs.append(state)

@@ -28,6 +28,7 @@ from batchgen_data.engine.sampling_batch import to_device
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.held_kv import KVCopy
+from batchgen_data.kvcache.planes import kv_planes, layer_caches
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.lora import LoRABatch
@@ -102,10 +103,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         s = model.shape
-        # [layers, 2, num_blocks, block_size, Hkv, D]
-        self.kv = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                              dtype=backend.kv_dtype, device=device)  # fp8: layers/kv_quant.py
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
+        planes = kv_planes(s)
+        check_one_plane_scales(model, planes)
+        # [layers, planes, num_blocks, block_size, Hkv, D]: K and V, or one plane that is both
+        self.kv = torch.zeros(s.num_layers, planes, num_blocks, block_size, s.num_kv_heads,
+                              s.head_dim, dtype=backend.kv_dtype, device=device)  # fp8: kv_quant
+        self.kv_caches = layer_caches(self.kv)
         self.fast_paths: list[FastPath] = []
         self.lora: "LoRAManager | None" = None  # enable_lora: adapters' slots and rows
         self.block_tables = BlockTables()  # the running sequences' rows, kept across steps
@@ -163,7 +166,8 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
         s = model.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
+        return (kv_planes(s) * s.num_layers * s.num_kv_heads * s.head_dim
+                * torch.finfo(dtype).bits // 8)
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the step into one batch, decodes first. Per-token work is numpy over the
@@ -334,7 +338,7 @@ class ModelRunner:
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
     def _cache_of(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """The cache [layers, 2, blocks, block_size, Hkv, D] these blocks (all of one tier)
+        """The cache [layers, planes, blocks, block_size, Hkv, D] these blocks (all of one tier)
         live in, and their rows there."""
         tier = self.kv_tier
         if tier is not None and tier.on_host(block_ids):
@@ -346,9 +350,11 @@ class ModelRunner:
         cache, rows = self._cache_of(block_ids)
         idx = torch.tensor(rows, dtype=torch.long, device=cache.device)
         s = self.model.shape
-        data = cache[:, :, idx].reshape(s.num_layers, 2, -1, s.num_kv_heads, s.head_dim)
+        planes = cache.shape[1]
+        data = cache[:, :, idx].reshape(s.num_layers, planes, -1, s.num_kv_heads, s.head_dim)
         data = data[:, :, :num_tokens].to("cpu", copy=True)
-        return [(data[i, 0], data[i, 1]) for i in range(s.num_layers)]
+        # a one-plane cache's copy is (K, K): the same tensor, so export and hold keep the pair
+        return [(data[i, 0], data[i, planes - 1]) for i in range(s.num_layers)]
 
     def write_kv(self, block_ids: list[int], kv: KVCopy) -> None:
         cache, rows = self._cache_of(block_ids)
@@ -356,9 +362,21 @@ class ModelRunner:
         bs = self.block_size
         slots = torch.tensor([rows[p // bs] * bs + p % bs for p in range(n)],
                              dtype=torch.long, device=cache.device)
-        for layer, (k, v) in zip(cache, kv):  # layer: [2, blocks, block_size, Hkv, D]
-            for c, new in zip(layer, (k, v)):
+        for layer, (k, v) in zip(cache, kv):  # layer: [planes, blocks, block_size, Hkv, D]
+            for c, new in zip(layer, (k, v)):  # one plane: K only (V is the same rows)
                 c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, cache.dtype)
+
+
+def check_one_plane_scales(model: torch.nn.Module, planes: int) -> None:
+    """A one-plane FP8 cache holds one code per number for K and V alike: their scales must
+    be one (ValueError naming the layer otherwise)."""
+    if planes != 1:
+        return
+    for name, mod in model.named_modules():
+        kvs = getattr(mod, "kv_scales", None)
+        if kvs is not None and kvs.k != kvs.v:
+            raise ValueError(f"{name}: k_scale={kvs.k} and v_scale={kvs.v} differ, but this "
+                             "model's KV cache keeps its values in the key rows (one plane)")
 
 
 def _scheduled_arrays(out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:

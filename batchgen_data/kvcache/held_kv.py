@@ -17,7 +17,9 @@ KVCopy = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [num_tokens,
 
 
 def kv_nbytes(kv: KVCopy) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+    """Bytes a copy holds; a one-plane cache's copy (V the very tensor K is) counts once."""
+    return sum(k.numel() * k.element_size() + (0 if v is k else v.numel() * v.element_size())
+               for k, v in kv)
 
 
 class HeldKVStore:

@@ -16,10 +16,10 @@ W_uk [H, n, L] and W_uv [H, v, L] can be moved to the query and the output ("abs
   q_n . (W_uk c) = (W_uk^T q_n) . c      and      sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s).
 Each head's query becomes [W_uk^T q_n | rope(q_r)] (L + r wide) against keys [c | rope(k_r)], and
 the attention output over the same rows, cut to its first L columns, is sum_s p_s c_s, which W_uv
-maps to the head's value. The cache's V plane is given the same rows as K (the layer reads only
-its first L columns back), because the engine's cache keeps a K and a V plane of one width; a
-single-plane latent cache would halve it again. For DeepSeek-V3 that is 2 x 576 numbers per token
-and layer instead of 40,960: about 35x less KV memory, so 35x more sequences' context fits.
+maps to the head's value. The cache has one plane for this layer's model (`kv_planes = 1`,
+kvcache/planes.py): the attention's V is the K plane itself (the layer reads only its first L
+columns back). For DeepSeek-V3 that is 576 numbers per token and layer instead of 40,960: about
+71x less KV memory, so 71x more sequences' context fits.
 The price is compute: every query head attends over L + r = 576 dims instead of n + r = 192, which
 is the trade DeepSeek's own decode kernels make (attention is memory-bound in decode).
 

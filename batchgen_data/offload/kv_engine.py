@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
+from batchgen_data.kvcache.planes import kv_planes, layer_caches
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.micro_batch import AttentionPart
 from batchgen_data.offload.copy import host_buffer
@@ -43,14 +44,15 @@ class HostKVTier:
         self.device = backend.device
         self.itemsize = torch.finfo(backend.kv_dtype).bits // 8  # an FP8 cache's: 1
         self.torch_decode = backend.torch_decode_attention
-        # [layers, 2, num_host_blocks, block_size, Hkv, D] in the device cache's dtype (FP8
+        # [layers, planes, num_host_blocks, block_size, Hkv, D] in the device cache's dtype (FP8
         # codes stay codes: the layers' scales read them wherever they are), page-locked at its
         # exact size on CUDA (torch's pinned allocator would round a 100 GB tier up to 128 GB)
-        shape = (s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim)
+        shape = (s.num_layers, kv_planes(s), num_host_blocks, block_size, s.num_kv_heads,
+                 s.head_dim)
         nbytes = math.prod(shape) * self.itemsize
         self._buffer = host_buffer(nbytes, self.device)  # owns the registration
         self.kv = self._buffer.view(backend.kv_dtype).view(shape).zero_()
-        caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_layers)]
+        caches = layer_caches(self.kv)
         self.staging_blocks = min(num_host_blocks, staging_blocks_for(
             STAGING_SEQS, max_model_len, block_size))
         self.caches = HostKVCaches(caches, self.staging_blocks, self.device, backend,

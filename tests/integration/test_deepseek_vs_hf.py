@@ -105,10 +105,12 @@ def test_greedy_matches_hf(name: str, case: str, deepseek_model) -> None:  # typ
 def test_kv_cache_holds_the_latent(deepseek_model) -> None:  # type: ignore[no-untyped-def]
     path, _ = deepseek_model("q_lora")
     runner = LLM(str(path), block_size=4).engine.runner
-    # [layers, K/V, blocks, block_size, one latent head, kv_lora_rank + qk_rope_head_dim]
-    assert runner.kv.shape[4:] == (1, 48 + 16)
-    # 3 layers x (K, V) x 64 floats, where per-head K and V would take 4 x (16 + 16 + 24)
-    assert runner.kv_bytes_per_token(runner.model, torch.float32) == 3 * 2 * 64 * 4
+    # [layers, one plane, blocks, block_size, one latent head, kv_lora_rank + qk_rope_head_dim]
+    assert runner.kv.shape[1] == 1 and runner.kv.shape[4:] == (1, 48 + 16)
+    k, v = runner.kv_caches[0]
+    assert v.data_ptr() == k.data_ptr()  # the values are read from the key rows
+    # 3 layers x 64 floats, where per-head K and V would take 4 x (16 + 16 + 24)
+    assert runner.kv_bytes_per_token(runner.model, torch.float32) == 3 * 64 * 4
 
 
 def test_torch_only_backend_gives_the_same_tokens(deepseek_model) -> None:  # type: ignore[no-untyped-def]

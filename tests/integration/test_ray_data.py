@@ -81,12 +81,12 @@ def expected(llm: LLM, rows: list[dict[str, Any]], raw: bool = False) -> dict[in
 
 
 def run(model: str, rows: list[dict[str, Any]], predictor: type = BatchGenPredictor,
-        **kw: Any) -> list[dict[str, Any]]:
+        actors: int = 2, **kw: Any) -> list[dict[str, Any]]:
     ds = ray.data.from_items(rows)
     out = ds.map_batches(
         predictor, batch_size=8, batch_format="pyarrow",
         fn_constructor_kwargs=dict(model=model, sampling_params=DEFAULTS, **ENGINE, **kw),
-        compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=3),
+        compute=ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=3),
         num_cpus=0.5)
     return out.take_all()
 
@@ -199,6 +199,33 @@ def test_a_dead_engine_restarts_the_actor_and_loses_no_row(ray_local: None, mode
     flag = tmp_path / "died"
     got = run(model, good, predictor=DiesOnce, flag=str(flag))
     assert flag.exists()  # the engine did die
+    assert sorted(r["id"] for r in got) == [r["id"] for r in good]
+    check_good(got, good, expected(llm, good))
+
+
+class TwoRanks(BatchGenPredictor):
+    """Fails its construction unless its engine is a group of two ranks."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        runner = self.driver.engine.runner
+        assert type(runner).__name__ == "TPRunner" and runner.ranks.size == 2, runner
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_actor_and_its_restart(ray_local: None, model: str, llm: LLM,
+                                                 tmp_path: Path) -> None:
+    """`tensor_parallel_size=2` through the predictor: the actor is rank 0 and starts rank 1
+    as its own process (docs/parallel.md); its rows equal the one-device offline engine's. Its
+    engine then dies at the first step (`DiesOnce`): the actor restarts with a new pair of
+    ranks and the job still returns every row once, with the same outputs."""
+    good = good_rows()[:8]
+    got = run(model, good, predictor=TwoRanks, actors=1, tensor_parallel_size=2)
+    assert sorted(r["id"] for r in got) == [r["id"] for r in good]
+    check_good(got, good, expected(llm, good))
+    flag = tmp_path / "died"
+    got = run(model, good, predictor=DiesOnce, actors=1, flag=str(flag), tensor_parallel_size=2)
+    assert flag.exists()
     assert sorted(r["id"] for r in got) == [r["id"] for r in good]
     check_good(got, good, expected(llm, good))
 

@@ -170,3 +170,15 @@ def test_generate_df_on_error_raise_fails_the_job(spark: Any, model: str) -> Non
     # the same rows with on_error="row": one error row, the job succeeds
     out = generate_df(df, id_col="id", model=model, sampling_params=GREEDY, **ENGINE).collect()
     assert sorted(r.id for r in out if r.error is not None) == [2]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_in_a_task(spark: Any, model: str, llm: LLM) -> None:
+    """`tensor_parallel_size=2` through the UDF: the task's Python worker runs rank 0 and starts
+    rank 1 as its own process (docs/parallel.md); its rows equal the one-device engine's."""
+    prompts = PROMPTS[:8]
+    rows = run_udf(prompt_df(spark, prompts, partitions=1),
+                   batchgen_udf(model, GREEDY, tensor_parallel_size=2, **ENGINE))
+    expected = chat(llm, prompts, SamplingParams(**GREEDY))
+    assert all(r.error is None for r in rows), [r.error for r in rows]
+    assert [r.generated_token_ids for r in rows] == [o.outputs[0].token_ids for o in expected]

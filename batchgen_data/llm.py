@@ -28,15 +28,30 @@ class LLM:
         docs/pooling.md), or "auto": pooling for encoders, classifiers, headless bases and
         sentence-transformers directories."""
         trust = bool(engine_kwargs.get("trust_remote_code", False))
+        dp = engine_kwargs.pop("data_parallel_size", None)
+        repartition = engine_kwargs.pop("repartition", False)
         self.engine: Any
         if pooling_api.uses_pooling(model, runner, trust, engine_kwargs.get("hf_overrides")):
             if engine_kwargs.get("enable_lora"):
                 raise ValueError("enable_lora: LoRA adapters are for generation; this model "
                                  "runs as a pooling model (docs/lora.md)")
+            if dp not in (None, 1) or repartition:
+                raise ValueError("data_parallel_size / repartition: a pooling model runs as "
+                                 "one engine (several are several LLMs, or Ray actors)")
             self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
+        elif dp not in (None, 1) or repartition:
+            self.engine = _engine_group(model, dp, repartition, engine_kwargs)
         else:
             self.engine = Engine.from_kwargs(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the processes this LLM started (tensor-parallel ranks, a group's engines);
+        they also stop when this process exits."""
+        close = getattr(self.engine, "close", None) or getattr(
+            getattr(self.engine, "runner", None), "close", None)
+        if close is not None:
+            close()
 
     # ---- pooling tasks (vLLM's names and outputs) ------------------------------------------
     def _pooling_engine(self, task: str) -> PoolingEngine:
@@ -147,6 +162,9 @@ class LLM:
         `sampling_params`: defaults for the fields a `Generate` leaves out. A row whose
         program fails gives `{"error": message}` (on_error="row") or raises `ProgramError`.
         """
+        if not isinstance(self.engine, Engine):
+            raise ValueError("run(program): programs need one engine (their steps keep KV "
+                             "pinned in it); start this LLM without data_parallel_size")
         if not isinstance(program, Program):
             raise TypeError(f"program must be a @batchgen_data.program, got "
                             f"{type(program).__name__}")
@@ -213,3 +231,25 @@ def _lora_list(lora: Any, n: int) -> list[LoRARequest | None]:
         if lr is not None and not isinstance(lr, LoRARequest):
             raise TypeError(f"lora_request[{i}] must be a LoRARequest or None")
     return list(lora)
+
+
+def _engine_group(model: str | None, dp: Any, repartition: Any,
+                  engine_kwargs: dict[str, Any]) -> Any:
+    """`data_parallel_size=N` engines of one device each on this machine, one process each,
+    as one `EngineGroup` (engine/partition.py); `repartition` (True, or a `PartitionPolicy`)
+    lets the group join them into one tensor-parallel engine for a job's tail and split back
+    (docs/parallel.md)."""
+    from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+
+    size = 2 if dp is None else dp
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise ValueError(f"data_parallel_size={dp!r}: an int >= 1 (with repartition, >= 2)")
+    if repartition is True:
+        policy: PartitionPolicy | None = PartitionPolicy()
+    elif repartition is False or repartition is None:
+        policy = None
+    elif isinstance(repartition, PartitionPolicy):
+        policy = repartition
+    else:
+        raise ValueError(f"repartition={repartition!r}: True, False or a PartitionPolicy")
+    return EngineGroup.from_kwargs(model, size=size, policy=policy, **engine_kwargs)

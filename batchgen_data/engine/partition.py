@@ -153,9 +153,24 @@ class EngineGroup:
         return cls(make_engine_config(model, **kwargs), size, policy)
 
     # ---- work -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_request(self, prompt_token_ids: Any, params: Any) -> None:
+        """`Engine.check_request` (every engine of a group has the same model and limits)."""
+        self.engine.check_request(prompt_token_ids, params)
+
+    def check_lora(self, lora_request: Any) -> None:
+        if lora_request is not None:
+            raise ValueError("lora_request: an engine group runs the base model only "
+                             "(LoRA groups are not built: docs/parallel.md)")
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-               request_id: str | None = None, prompt: str | None = None) -> str:
+               request_id: str | None = None, prompt: str | None = None,
+               lora_request: Any = None) -> str:
         self._alive()
+        self.check_lora(lora_request)
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"group-{next(self._ids)}"
         if rid in self.where:

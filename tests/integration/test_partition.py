@@ -114,3 +114,33 @@ def test_a_rank_killed_during_the_switch_fails_the_group_fast(tmp_path: Path) ->
             group.step()
     finally:
         group.close()
+
+
+def test_llm_with_data_parallel_engines_and_repartition(tmp_path: Path) -> None:
+    """The front door: `LLM(data_parallel_size=2)` runs two one-device engines as a group
+    (rows spread over both); with `repartition` a policy joins them for the tail. Greedy tokens
+    equal HF `generate` either way, in the order asked."""
+    from batchgen_data import LLM
+
+    torch.set_num_threads(1)
+    path = _model(tmp_path, "llama")
+    want = _want(path, ROWS)
+    prompts = [{"prompt_token_ids": p} for p, _ in ROWS]
+    params = [greedy(n) for _, n in ROWS]
+    llm = LLM(str(path), data_parallel_size=2, **KW)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.switches == []  # no policy: the two engines only
+    finally:
+        llm.close()
+    assert [list(o.outputs[0].token_ids) for o in got] == want
+    llm = LLM(str(path), data_parallel_size=2, **KW, repartition=PartitionPolicy(
+        join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0))
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [s.direction for s in llm.engine.switches][:1] == ["join"]
+        with pytest.raises(ValueError, match="programs need one engine"):
+            llm.run([{"x": 1}], program=None)  # type: ignore[arg-type]
+    finally:
+        llm.close()
+    assert [list(o.outputs[0].token_ids) for o in got] == want

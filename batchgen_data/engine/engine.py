@@ -59,6 +59,8 @@ class Engine:
         self.stopper = p.stopper
         self.sampler = Sampler(p.stopper.eos_token_ids, p.tokenizer)
         self.stats = EngineStats()
+        if config.enable_expert_parallel and config.tensor_parallel_size > 1:
+            self.stats.tokens_per_expert.ranks = config.tensor_parallel_size  # per-rank shares
         self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (engine/pins.py)
         self.scheduler.reclaim = self._reclaim_pins
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory

@@ -26,6 +26,9 @@ class ExpertLoad:
     mean_sum: float = 0.0
     min_sum: int = 0
     max_sum: int = 0
+    # expert parallel: the ranks whose contiguous slices of the experts split the work (0: none)
+    ranks: int = 0
+    rank_sums: list[int] = field(default_factory=list)  # [ranks] (token, expert) pairs each
 
     def record(self, counts: torch.Tensor) -> None:
         """One step's counts [moe_layers, experts]; an empty tensor (dense model) is skipped."""
@@ -35,15 +38,25 @@ class ExpertLoad:
         self.mean_sum += counts.float().mean(dim=1).sum().item()
         self.min_sum += int(counts.min(dim=1).values.sum())
         self.max_sum += int(counts.max(dim=1).values.sum())
+        if self.ranks > 1 and counts.shape[1] % self.ranks == 0:
+            # rank r holds experts [r E / ranks, (r + 1) E / ranks)
+            per = counts.sum(0).view(self.ranks, -1).sum(1).tolist()
+            self.rank_sums = [a + int(b) for a, b in
+                              zip(self.rank_sums or [0] * self.ranks, per)]
 
-    def summary(self) -> dict[str, float] | None:
+    def summary(self) -> dict[str, Any] | None:
         """{"mean", "min", "max"} tokens per expert per step and layer, and "layer_steps";
-        None before any MoE step."""
+        with expert parallelism also "per_rank": the (token, expert) pairs routed to each rank's
+        slice of the experts per step and layer (its share of the expert work); None before
+        any MoE step."""
         if not self.layer_steps:
             return None
         n = self.layer_steps
-        return {"mean": self.mean_sum / n, "min": self.min_sum / n, "max": self.max_sum / n,
-                "layer_steps": n}
+        out: dict[str, Any] = {"mean": self.mean_sum / n, "min": self.min_sum / n,
+                               "max": self.max_sum / n, "layer_steps": n}
+        if self.rank_sums:
+            out["per_rank"] = [total / n for total in self.rank_sums]
+        return out
 
 
 class DecodeSpeed:

@@ -121,6 +121,12 @@ def test_tp2_moe_greedy_matches_hf(arch: str, expert_parallel: bool, tmp_path: P
         load = engine.stats.tokens_per_expert.summary()
         pairs = engine.stats.computed_tokens * moe.top_k * len(engine.runner.model.moe_layers)
         assert load["mean"] * load["layer_steps"] * moe.num_experts == pytest.approx(pairs)
+        if expert_parallel:  # each rank's share: the pairs its half of the experts received
+            per_rank = load["per_rank"]
+            assert len(per_rank) == 2 and min(per_rank) > 0
+            assert sum(per_rank) * load["layer_steps"] == pytest.approx(pairs)
+        else:
+            assert "per_rank" not in load
     finally:
         engine.runner.close()
 

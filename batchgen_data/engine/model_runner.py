@@ -330,11 +330,14 @@ class ModelRunner:
         self.kv = torch.empty(0, device=self.device)
         self.kv_caches = []
 
-    def take_expert_tokens(self) -> torch.Tensor:
+    def take_expert_tokens(self, on_device: bool = False) -> torch.Tensor:
         """Tokens per expert of each MoE layer since the last call, [moe_layers, experts]
-        (empty for a dense model)."""
+        (empty for a dense model); `on_device`: left where the layers count them, for a
+        caller that reads them only after waiting for the device."""
         take = self._take_expert_tokens
-        return take() if take is not None else _NO_EXPERTS
+        if take is None:
+            return _NO_EXPERTS
+        return take(on_device=True) if on_device else take()
 
     # ---- KV movement for hold / resume / export / import ---------------------------------
     def _cache_of(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:

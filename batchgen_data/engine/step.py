@@ -61,6 +61,7 @@ class _Step:
     # the step it was queued behind on the device thread, until its tokens are filled in
     after: "_Step | None" = None
     started: threading.Event = field(default_factory=threading.Event)  # by the device thread
+    expert_tokens: torch.Tensor | None = None  # MoE: the step's counts (overlapped steps)
 
 
 def _reads_own_tokens(p: SamplingParams) -> bool:
@@ -139,6 +140,11 @@ class Stepper:
         """Resume the step's coroutines with their results, publish its full blocks, retire
         the sequences that finished; the requests they complete, and the step's stats."""
         e, out, inp = self.engine, step.out, step.inp
+        # the rows the model ran, dropped ones too; an overlapped step's counts were taken on
+        # the device thread right after its launch, before the next step's layers add to them
+        counts = step.expert_tokens if step.expert_tokens is not None \
+            else e.runner.take_expert_tokens()
+        e.stats.tokens_per_expert.record(counts.cpu())
         for seq, entries in inp.prompt_logprobs or ():
             seq.prompt_logprobs.extend(entries)
         sample_seqs = inp.sample_seqs
@@ -175,7 +181,6 @@ class Stepper:
         stats.record(len(out.seqs), out.total_tokens, len(sample_seqs), device_s,
                      light_seqs=max(1, e.scheduler.config.max_num_seqs // 2),
                      kv_tokens=step.shape.kv_tokens)
-        stats.tokens_per_expert.record(e.runner.take_expert_tokens())
         stats.num_preemptions = e.scheduler.num_preemptions
         stats.offload_bytes_moved, stats.offload_peak_resident_bytes = e.runner.offload_counters()
         stats.kv_host_bytes_moved, stats.kv_host_seqs_peak = e.runner.kv_tier_counters()
@@ -267,6 +272,7 @@ class Stepper:
             if inp.sample_seqs else None
         if pending is not None:
             pending.to_host()
+        step.expert_tokens = e.runner.take_expert_tokens(on_device=True)
         return pending, _mark(e.runner), t0
 
     def _look_ahead(self, cur: _Step) -> _Step | None:

@@ -92,11 +92,14 @@ class MoeForCausalLM(DecoderForCausalLM):
         return FusedMoE(shape.hidden, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob,
                         shared_expert=self.shared_expert(config, shape))
 
-    def take_expert_tokens(self) -> torch.Tensor:
-        """Tokens each expert of each MoE layer received since the last call: [layers, E]."""
+    def take_expert_tokens(self, on_device: bool = False) -> torch.Tensor:
+        """Tokens each expert of each MoE layer received since the last call: [layers, E], in
+        host memory, or left on the device (`on_device`: no wait for the device; an
+        overlapped step takes its counts so, right after its launch)."""
         if not self.moe_layers:
             return torch.zeros(0, self.moe.num_experts, dtype=torch.long)
-        return torch.stack([layer.take_expert_tokens() for layer in self.moe_layers]).cpu()
+        counts = torch.stack([layer.take_expert_tokens() for layer in self.moe_layers])
+        return counts if on_device else counts.cpu()
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

@@ -279,3 +279,32 @@ def test_graph_padding_rows_are_not_counted(moe_model) -> None:  # type: ignore[
     assert 3 in padded, padded  # a step of 3 ran as a graph of 4
     assert got_tokens == want_tokens
     assert got == want
+
+
+def test_overlapped_steps_count_every_routed_row_once(moe_model) -> None:  # type: ignore[no-untyped-def]
+    """With `async_scheduling` a step's expert counts are taken on the device thread right
+    after its launch, so the next step's layers (running while this step's results are read)
+    add to the next step's counts: over the job, the counts are exactly top_k x MoE layers x
+    the rows the model ran (rows of sequences that stopped a step earlier included: they run),
+    and the tokens equal the synchronous engine's."""
+    path, _ = moe_model("qwen3_moe")
+    prompts = prompts_with_shared_prefix(seed=3)
+    params = [greedy(random.Random(i).randint(4, 12)) for i in range(len(prompts))]
+    items = [{"prompt_token_ids": p} for p in prompts]
+    want = [o.outputs[0].token_ids for o in LLM(str(path), block_size=4).generate(
+        items, params, use_tqdm=False)]
+    llm = LLM(str(path), block_size=4, async_scheduling=True)
+    runner, rows = llm.engine.runner, [0]
+    run = runner.run
+    runner.run = lambda inp: (rows.__setitem__(0, rows[0] + inp.input_ids.shape[0]),  # type: ignore
+                              run(inp))[1]
+    counted = [0]
+    load = llm.engine.stats.tokens_per_expert
+    record = load.record
+    load.record = lambda c: (counted.__setitem__(0, counted[0] + int(c.sum())), record(c))  # type: ignore
+    got = [o.outputs[0].token_ids for o in llm.generate(items, params, use_tqdm=False)]
+    assert got == want
+    llm.engine._stepper.drain()  # the step launched past the last output (its rows dropped)
+    model = runner.model
+    assert llm.engine.stats.overlapped_steps > 0
+    assert counted[0] == rows[0] * model.moe.top_k * len(model.moe_layers)

@@ -153,7 +153,7 @@ class ModelRunner:
             return own()
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # this runner's device
             return _CudaMark(event)
         return DONE
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_not
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from batchgen_data.devices import device_scope
+from batchgen_data.engine.device_mark import DeviceMark, mark_now
 from batchgen_data.engine import prompt_logprobs
 from batchgen_data.engine.block_tables import BlockTables
 from batchgen_data.engine.fast_paths import FastPath, build_fast_paths
@@ -28,7 +29,7 @@ from batchgen_data.engine.sampling_batch import to_device
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.kvcache.held_kv import KVCopy
-from batchgen_data.kvcache.planes import kv_planes, layer_caches
+from batchgen_data.kvcache.planes import check_one_plane_scales, kv_planes, layer_caches
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.lora import LoRABatch
@@ -43,28 +44,6 @@ _COMPUTED = attrgetter("num_computed_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
 _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 _NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
-
-
-class DeviceMark(Protocol):
-    def wait(self) -> None: ...
-
-
-class _Done:
-    """The mark of a device whose queued work is already done (the CPU)."""
-
-    def wait(self) -> None:
-        return None
-
-
-DONE = _Done()
-
-
-@dataclass
-class _CudaMark:
-    event: "torch.cuda.Event"
-
-    def wait(self) -> None:
-        self.event.synchronize()
 
 
 @dataclass
@@ -149,13 +128,7 @@ class ModelRunner:
         when it is queued). A model may stand for an asynchronous device of its own by having
         a `device_mark()` (benchmarks/_stub_parts.py)."""
         own = self._device_mark
-        if own is not None:
-            return own()
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))  # this runner's device
-            return _CudaMark(event)
-        return DONE
+        return own() if own is not None else mark_now(self.device)
 
     def device_step_s(self) -> float | None:
         """Seconds the device spent on the last `run`, where the runner knows them apart from
@@ -368,18 +341,6 @@ class ModelRunner:
         for layer, (k, v) in zip(cache, kv):  # layer: [planes, blocks, block_size, Hkv, D]
             for c, new in zip(layer, (k, v)):  # one plane: K only (V is the same rows)
                 c.view(-1, *c.shape[2:])[slots] = new.to(cache.device, cache.dtype)
-
-
-def check_one_plane_scales(model: torch.nn.Module, planes: int) -> None:
-    """A one-plane FP8 cache holds one code per number for K and V alike: their scales must
-    be one (ValueError naming the layer otherwise)."""
-    if planes != 1:
-        return
-    for name, mod in model.named_modules():
-        kvs = getattr(mod, "kv_scales", None)
-        if kvs is not None and kvs.k != kvs.v:
-            raise ValueError(f"{name}: k_scale={kvs.k} and v_scale={kvs.v} differ, but this "
-                             "model's KV cache keeps its values in the key rows (one plane)")
 
 
 def _scheduled_arrays(out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:

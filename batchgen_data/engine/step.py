@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen_data.engine import coroutine
-from batchgen_data.engine.model_runner import DONE, DeviceMark, ModelInput, ModelRunner
+from batchgen_data.engine.device_mark import DONE, DeviceMark
+from batchgen_data.engine.model_runner import ModelInput, ModelRunner
 from batchgen_data.engine.sampler import PendingSample, SamplerOutput
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.scheduler import SchedulerOutput
-from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.stats import StepShape
 
 if TYPE_CHECKING:

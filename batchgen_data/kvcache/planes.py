@@ -20,3 +20,15 @@ def layer_caches(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) views of a [layers, planes, ...] cache; one plane is both."""
     last = kv.shape[1] - 1
     return [(kv[i, 0], kv[i, last]) for i in range(kv.shape[0])]
+
+
+def check_one_plane_scales(model: torch.nn.Module, planes: int) -> None:
+    """A one-plane FP8 cache holds one code per number for K and V alike: their scales must
+    be one (ValueError naming the layer otherwise)."""
+    if planes != 1:
+        return
+    for name, mod in model.named_modules():
+        kvs = getattr(mod, "kv_scales", None)
+        if kvs is not None and kvs.k != kvs.v:
+            raise ValueError(f"{name}: k_scale={kvs.k} and v_scale={kvs.v} differ, but this "
+                             "model's KV cache keeps its values in the key rows (one plane)")

@@ -7,9 +7,8 @@ import types
 import pytest
 import torch
 
-from batchgen_data.engine.model_runner import check_one_plane_scales
 from batchgen_data.kvcache.held_kv import kv_nbytes
-from batchgen_data.kvcache.planes import kv_planes, layer_caches
+from batchgen_data.kvcache.planes import check_one_plane_scales, kv_planes, layer_caches
 from batchgen_data.layers.kv_quant import KVScales
 
 

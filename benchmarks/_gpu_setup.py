@@ -176,7 +176,7 @@ def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device,
     sp = SamplingParams(max_tokens=p.check_tokens, temperature=0, ignore_eos=True)
     ours = [list(o.outputs[0].token_ids) for o in
             llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False)]
-    graphs = llm.engine.runner.graphs
+    graphs, mixed = llm.engine.runner.graphs, llm.engine.runner.mixed_graphs
     del llm
     hf = load_hf(hf_path or path, dtype, device)
     exact = in_top5 = total = 0
@@ -196,4 +196,5 @@ def check_against_hf(path: Path, p: Profile, dtype: str, device: torch.device,
     free_device(device)
     return {"bench": "check", "dtype": dtype, "exact_greedy_match": f"{exact}/{len(prompts)}",
             "top5_positions": f"{in_top5}/{total}", "top5_ok": in_top5 == total,
-            "cuda_graph_sizes": graphs.sizes if graphs is not None else None}
+            "cuda_graph_sizes": graphs.sizes if graphs is not None else None,
+            "mixed_graph_steps": mixed.steps_run if mixed is not None else None}

@@ -87,8 +87,10 @@ def run_ours(llm: Any, requests: list[Request]) -> Outcome:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     runner = llm.engine.runner
+    mixed = runner.mixed_graphs
     extra = {"engine_steps": stats.num_steps - steps0,
-             "cuda_graph_sizes": runner.graphs.sizes if runner.graphs is not None else None}
+             "cuda_graph_sizes": runner.graphs.sizes if runner.graphs is not None else None,
+             "mixed_graph_steps": mixed.steps_run if mixed is not None else None}
     load = expert_load_since(stats, load0)
     if load is not None:
         extra["tokens_per_expert"] = load

@@ -25,6 +25,7 @@ from batchgen_data.engine.block_tables import BlockTables
 from batchgen_data.engine.fast_paths import FastPath, build_fast_paths
 from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs
+from batchgen_data.engine.fast_paths.piecewise_graphs import MixedGraphs
 from batchgen_data.engine.sampling_batch import to_device
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.sequence import Sequence
@@ -93,10 +94,12 @@ class ModelRunner:
         self.block_tables = BlockTables()  # the running sequences' rows, kept across steps
 
     def build_fast_paths(self, max_num_seqs: int, max_model_len: int,
-                         cuda_graphs: bool = True) -> None:
+                         cuda_graphs: bool = True,
+                         max_num_batched_tokens: int | None = None) -> None:
         """Set up the fast paths this model and cache allow (captures CUDA graphs on a GPU)."""
         self.fast_paths = build_fast_paths(self.model, self.kv_caches, self.backend, max_num_seqs,
-                                           max_model_len, self.block_size, cuda_graphs)
+                                           max_model_len, self.block_size, cuda_graphs,
+                                           max_num_batched_tokens)
         self.take_expert_tokens()  # graph captures ran the MoE layers: not a step's tokens
 
     def fast_path(self, kind: type) -> FastPath | None:
@@ -110,6 +113,10 @@ class ModelRunner:
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self.fast_path(DecodeGraphs)  # type: ignore[return-value]
+
+    @property
+    def mixed_graphs(self) -> MixedGraphs | None:
+        return self.fast_path(MixedGraphs)  # type: ignore[return-value]
 
     def offload_counters(self) -> tuple[int, int]:
         """(bytes of weights streamed to the device so far, peak weight bytes resident)."""

@@ -171,7 +171,8 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
     else:
         runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
     if store is None and ranks is None:  # the fast paths bake weight addresses in
-        runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager)
+        runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager,
+                                max_num_batched_tokens=sc.max_num_batched_tokens)
     return max_len, pool, host, runner
 
 

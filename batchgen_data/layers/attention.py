@@ -15,6 +15,9 @@ so every path attends over the values the cache holds.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,25 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
 
 
+# (layer, q, k, v, kv_cache, meta) -> [T, H, D]: what an Attention call becomes inside
+# `split_at_attention` (the cut points of piecewise CUDA graphs, engine/fast_paths/)
+SplitHook = Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor,
+                      "tuple[torch.Tensor, torch.Tensor]", AttentionMetadata], torch.Tensor]
+_split: ContextVar[SplitHook | None] = ContextVar("attention_split", default=None)
+
+
+@contextlib.contextmanager
+def split_at_attention(hook: SplitHook) -> Iterator[None]:
+    """Within the block, every `Attention` call is handed to `hook` instead of attending: a
+    forward run there is cut into the pieces between its attention calls (the model code does
+    not know)."""
+    token = _split.set(hook)
+    try:
+        yield
+    finally:
+        _split.reset(token)
+
+
 class Attention(nn.Module):
     """Writes the new tokens' K/V into the paged cache and attends over it, where the cache is:
     a cache on another device than q (KV held in host memory, `offload/kv_tier.py`) is written
@@ -64,6 +86,15 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens); caches [num_blocks, block_size, Hkv, D].
         Returns [T, H, D]."""
+        hook = _split.get()
+        if hook is not None:
+            return hook(self, q, k, v, kv_cache, meta)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """`forward` itself, whatever the split: writes the K/V and attends."""
         k_cache, v_cache = kv_cache
         if k_cache.device != q.device:
             there = k_cache.device

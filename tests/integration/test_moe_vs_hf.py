@@ -308,3 +308,39 @@ def test_overlapped_steps_count_every_routed_row_once(moe_model) -> None:  # typ
     model = runner.model
     assert llm.engine.stats.overlapped_steps > 0
     assert counted[0] == rows[0] * model.moe.top_k * len(model.moe_layers)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_piecewise_graphs_route_and_count_real_rows(arch: str, moe_model) -> None:  # type: ignore[no-untyped-def]
+    """Every step (prefill chunks and decodes mixed, padded to 8 or 16 tokens) through piecewise
+    graphs on the recording capture seam (tests/recording_capture.py: a piece's aten ops replayed
+    on the same tensors, a host read inside a piece refused): HF's greedy tokens, and the expert
+    counts of each step are top_k x MoE layers x the step's real rows (padding routed, not
+    counted)."""
+    from recording_capture import RecordingPieces
+
+    from batchgen_data.engine.fast_paths.piecewise_graphs import MixedGraphs
+
+    path, hf = moe_model(arch)
+    llm = LLM(str(path), block_size=4, max_num_seqs=5, max_model_len=64, dtype="float32",
+              max_num_batched_tokens=16, cpu_kernels=False)
+    runner = llm.engine.runner
+    graphs = MixedGraphs(runner.model, runner.kv_caches, 16, runner.device, RecordingPieces())
+    runner.fast_paths = [graphs]
+    runner.take_expert_tokens()  # the captures' own forwards
+    rows: list[int] = []
+    run = graphs.run
+    graphs.run = lambda inp: (rows.append(inp.input_ids.shape[0]), run(inp))[1]  # type: ignore
+    counts: list[int] = []
+    load = llm.engine.stats.tokens_per_expert
+    record = load.record
+    load.record = lambda c: (counts.append(int(c.sum())), record(c))  # type: ignore
+    prompts = [[random.Random(i).randrange(3, 290) for _ in range(3 + 4 * i)] for i in range(5)]
+    max_tokens = [2, 6, 3, 5, 4]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(m) for m in max_tokens], use_tqdm=False)
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, m)
+    model = runner.model
+    assert any(n not in graphs.sizes for n in rows), rows  # some steps padded
+    assert counts == [n * model.moe.top_k * len(model.moe_layers) for n in rows]

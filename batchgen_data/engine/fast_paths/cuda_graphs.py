@@ -135,6 +135,7 @@ class DecodeGraphs:
         # capture, its pool and its synchronize all act on the current device: make it ours
         with device_scope(device), torch.inference_mode():
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+            self.pool = pool  # MixedGraphs captures into it too
             for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
                 meta = buf.metadata(b)
 

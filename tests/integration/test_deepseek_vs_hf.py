@@ -156,3 +156,21 @@ def test_kv_host_tier_holds_latent_blocks(deepseek_model, cpu_kernels: bool) -> 
     stats = llm.engine.stats
     assert stats.kv_host_seqs_peak >= 2 and stats.kv_host_bytes_moved > 0
     assert stats.max_batch_seqs > 2  # more sequences in a step than the device KV holds
+
+
+def test_piecewise_graphs_give_hf_tokens(deepseek_model) -> None:  # type: ignore[no-untyped-def]
+    """MLA (one latent plane read as K and V) and grouped routing through piecewise graphs on the
+    recording capture seam (tests/recording_capture.py): every step of up to 16 tokens replayed
+    in pieces around the attention gives HF's greedy tokens."""
+    from recording_capture import RecordingPieces
+
+    from batchgen_data.engine.fast_paths.piecewise_graphs import MixedGraphs
+
+    path, hf = deepseek_model("q_lora")
+    llm = LLM(str(path), block_size=4, max_num_seqs=4, max_model_len=64,
+              max_num_batched_tokens=16, cpu_kernels=False)
+    runner = llm.engine.runner
+    graphs = MixedGraphs(runner.model, runner.kv_caches, 16, runner.device, RecordingPieces())
+    runner.fast_paths = [graphs]
+    check_greedy_case(llm, hf, "tiny_chunks")
+    assert graphs.steps_run == llm.engine.stats.num_steps

@@ -34,6 +34,9 @@ token's race value ``L`` is known, a token with ``s < L - G_MAX`` cannot win. So
     (`engine/dense_draw.py`): its nucleus cut from a histogram of its mass by scaled logit, only
     the one bucket where the mass crosses top_p ranked. Same tokens (a test draws both ways
     against the full sort).
+A compare and its listing are `engine/candidate_scan.py`'s: on the CPU a few rows at a time,
+the rows still in cache while their candidates are listed and top-p's mass summed, so the
+first compare, the count of each row's band and the mass are one pass over the logits.
 Same tokens as the full-vocabulary race: candidates get the same float operations. The floors
 are lowered by a margin far above float rounding, so they only ever take more candidates.
 The probabilities that top-p and min-p compare are computed from ``exp(s - s_max)``, so a
@@ -47,6 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from batchgen_data.engine import candidate_scan
+from batchgen_data.engine.candidate_scan import Listing
 
 _M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
 _M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
@@ -202,23 +208,34 @@ def race_over_candidates(vals: torch.Tensor, ids: torch.Tensor, rows: Rows,
     return token, best.squeeze(1), settled
 
 
-def flat_race(at_row: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, rows: Rows,
-              top: torch.Tensor) -> torch.Tensor:
-    """The race over candidates listed flat, for rows without top-k and top-p: ``at_row``,
-    ``cols``, ``vals [M]`` the candidates' rows, ids and logits, ``top [N, 1]`` each row's best
-    scaled logit. Tokens ``[N]`` (a row without candidates gets ``V``-or-more)."""
-    n = top.shape[0]
-    s = vals / rows.temperature.squeeze(1)[at_row]  # [M]: the division of the full race
-    u = keyed_uniform(stream_keys(rows.seeds, rows.steps)[at_row], cols)
-    race = s - torch.log(-torch.log(u))
+def flat_race(logits: torch.Tensor, listing: Listing, rows: Rows, top: torch.Tensor
+              ) -> torch.Tensor:
+    """The race over candidates listed flat (`candidate_scan.scan`), for rows without top-k and
+    top-p: ``top [N, 1]`` each row's best scaled logit. Tokens ``[N]`` (a row without
+    candidates gets ``V``-or-more)."""
+    n, vocab = logits.shape
+    counts, m, each = listing.counts, listing.flat.shape[0], listing.each
+    at_row, cols = listing.rows_cols(vocab)
+    s = listing.vals / each(rows.temperature.squeeze(1))
+    u = keyed_uniform(each(stream_keys(rows.seeds, rows.steps)), cols)
+    race = s - torch.log(-torch.log(u))  # [M]: the same float operations as the full race
     if rows.min_p is not None:
-        drop = torch.exp(s - top.squeeze(1)[at_row]) < rows.min_p.squeeze(1)[at_row]
+        drop = torch.exp(s - each(top.squeeze(1))) < each(rows.min_p.squeeze(1))
         race.masked_fill_(drop, float("-inf"))
-    best = torch.full((n,), float("-inf"), device=vals.device).scatter_reduce_(
-        0, at_row, race, "amax")
     big = torch.iinfo(torch.long).max
+    if race.device.type == "cpu" and m:  # numpy's segment reductions over the sorted rows
+        c = counts.numpy()
+        live = c > 0
+        starts = (np.cumsum(c) - c)[live]
+        best = np.maximum.reduceat(race.numpy(), starts)
+        win = np.where(race.numpy() == np.repeat(best, c[live]), cols.numpy(), big)
+        token = np.full(n, big, dtype=np.int64)
+        token[live] = np.minimum.reduceat(win, starts)  # a tie: the lower id
+        return torch.from_numpy(token)
+    best = torch.full((n,), float("-inf"), device=logits.device).scatter_reduce_(
+        0, at_row, race, "amax")
     win = torch.where(race == best[at_row], cols, big)  # a tie: the lower id
-    return torch.full((n,), big, dtype=torch.long, device=vals.device).scatter_reduce_(
+    return torch.full((n,), big, dtype=torch.long, device=logits.device).scatter_reduce_(
         0, at_row, win, "amin")
 
 
@@ -227,41 +244,25 @@ RaceFn = Callable[[torch.Tensor, torch.Tensor, Rows, "torch.Tensor | None", bool
 
 
 def band_candidates(logits: torch.Tensor, floor: torch.Tensor, ranked: bool,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    listing: Listing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens with ``logits >= floor [N, 1]`` (``+inf``: none), as padded
     ``vals, ids [N, C]`` with ``C`` the largest count of a row: in id order, or best first
-    (ties by id) when ``ranked``. Padding: ``-inf`` and id ``V``. ``mask``: that compare,
+    (ties by id) when ``ranked``. Padding: ``-inf`` and id ``V``. ``listing``: that scan,
     when the caller has it already."""
-    rows, cols, _ = listed(logits, floor, mask)
-    return padded(logits, rows, cols, ranked)
+    listing = candidate_scan.scan(logits, floor) if listing is None else listing
+    return padded(listing, logits.shape[1], ranked)
 
 
-def listed(logits: torch.Tensor, floor: torch.Tensor, mask: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tokens with ``logits >= floor [N, 1]``, row-major (ids ascending in a row): their
-    rows, ids and logits ``[M]``. On the CPU numpy's flatnonzero lists them (twice as fast as
-    torch's nonzero there)."""
-    vocab = logits.shape[1]
-    mask = (logits >= floor if mask is None else mask).reshape(-1)
-    if mask.device.type == "cpu":
-        flat = torch.from_numpy(np.flatnonzero(mask.numpy()))
-    else:
-        flat = mask.nonzero().squeeze(1)
-    rows = flat // vocab
-    return rows, flat - rows * vocab, logits.view(-1).index_select(0, flat)
-
-
-def padded(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ranked: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates ``(rows, cols) [M]`` (row-major) as ``vals, ids [N, C]``
-    (`band_candidates`)."""
-    n, vocab = logits.shape
-    counts = torch.bincount(rows, minlength=n)
+def padded(listing: Listing, vocab: int, ranked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates of ``listing`` as ``vals, ids [N, C]`` (`band_candidates`)."""
+    counts = listing.counts
+    n, device = counts.shape[0], counts.device
+    rows, cols = listing.rows_cols(vocab)
     width = max(1, int(counts.max())) if rows.numel() else 1
-    pos = torch.arange(rows.numel(), device=logits.device) - (counts.cumsum(0) - counts)[rows]
-    vals = torch.full((n, width), float("-inf"), device=logits.device)
-    ids = torch.full((n, width), vocab, dtype=torch.long, device=logits.device)
-    vals[rows, pos] = logits.view(-1).index_select(0, rows * vocab + cols)
+    pos = torch.arange(rows.numel(), device=device) - listing.each(counts.cumsum(0) - counts)
+    vals = torch.full((n, width), float("-inf"), device=device)
+    ids = torch.full((n, width), vocab, dtype=torch.long, device=device)
+    vals[rows, pos] = listing.vals
     ids[rows, pos] = cols
     if ranked:
         vals, order = vals.sort(dim=-1, descending=True, stable=True)
@@ -305,14 +306,6 @@ def _margin(top: torch.Tensor) -> torch.Tensor:
     return 1e-4 * (1.0 + top.abs() + G_MAX)
 
 
-def _row_counts(mask: torch.Tensor) -> torch.Tensor:
-    """``[N]`` the true entries of each row of ``mask [N, V]`` (numpy on the CPU: torch's counts
-    of a bool tensor convert it to a wider integer type first, several times its size)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.count_nonzero(mask.numpy(), axis=1))
-    return torch.count_nonzero(mask, -1)
-
-
 def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
                    race: RaceFn = race_over_candidates, flat: bool = True) -> torch.Tensor:
     """Tokens ``[N]`` for the ``active [N]`` rows of ``logits [N, V]`` whose top_k is off
@@ -321,7 +314,7 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     without top-p race over their candidates listed flat (``flat``), or padded through
     ``race``."""
     n, vocab = logits.shape
-    logits = logits.contiguous()  # listed views it flat
+    logits = logits.contiguous()  # the scan views it flat
     temp = rows.temperature
     at, l_top, near = row_argmax(logits)
     top = l_top / temp  # [N, 1]: the best scaled logit
@@ -341,36 +334,34 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     margin = _margin(top)
     inf = torch.full_like(top, float("inf"))
     uses_p = rows.top_p is not None
-    total = scaled_sumexp(logits, temp, top) if uses_p else None
     floor = known - G_MAX
     if rows.min_p is not None:
         floor = torch.maximum(floor, top + torch.log(rows.min_p))
     if uses_p:
         floor = torch.where(rows.top_p < 1, torch.maximum(floor, top - BAND_TOP_P), floor)
     lowest = torch.where(active.unsqueeze(1), (floor - margin) * temp, inf)
-    dense = mask = None
-    if flat:  # flat rows race over the dense logits (dense_top_p_race), the rest over the band
-        mask = logits >= lowest
-        dense = active & (_row_counts(mask) > FLAT_SHARE * vocab)
-        if bool(dense.any()):
-            idx = dense.nonzero().squeeze(1)
-            dense_tok = torch.zeros_like(rows.seeds)
-            from batchgen_data.engine import dense_draw  # only flat rows need it
-            dense_tok[idx] = dense_draw.dense_top_p_race(logits[idx], rows.take(idx), top[idx])
-            active = active & ~dense
-            if not bool(active.any()):
-                return dense_tok
-            lowest = torch.where(dense.unsqueeze(1), inf, lowest)
-            mask[idx] = False
-        else:
-            dense = None
+    # flat rows (over the cap) race over the dense logits (dense_top_p_race), the rest over
+    # the listed candidates; one pass lists them and sums top-p's mass
+    listing = candidate_scan.scan(logits, lowest, FLAT_SHARE * vocab if flat else None,
+                                  temp if uses_p else None, top)
+    total = None
+    if uses_p:
+        total = scaled_sumexp(logits, temp, top) if listing.total is None else listing.total
+    dense = listing.over if listing.over is not None and bool(listing.over.any()) else None
+    if dense is not None:
+        idx = dense.nonzero().squeeze(1)
+        dense_tok = torch.zeros_like(rows.seeds)
+        from batchgen_data.engine import dense_draw  # only flat rows need it
+        dense_tok[idx] = dense_draw.dense_top_p_race(logits[idx], rows.take(idx), top[idx])
+        active = active & ~dense
+        if not bool(active.any()):
+            return dense_tok
     if not uses_p:
-        at_row, cols, vals = listed(logits, lowest, mask)
         if flat:
-            token = flat_race(at_row, cols, vals, rows, top)
+            token = flat_race(logits, listing, rows, top)
             return token if dense is None else torch.where(dense, dense_tok, token)
-        return race(*padded(logits, at_row, cols, False), rows, None, False)[0]
-    vals, ids = band_candidates(logits, lowest, True, mask)
+        return race(*padded(listing, vocab, False), rows, None, False)[0]
+    vals, ids = band_candidates(logits, lowest, True, listing)
     token, best, settled = race(vals, ids, rows, total, True)
     if dense is not None:
         token = torch.where(dense, dense_tok, token)

@@ -5,15 +5,24 @@ Kept apart from ``attention.py`` so that file holds only the kernels and their l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _checks
-from ._checks import check_contiguous, check_same_dtype, check_shape, check_tensor
+from ._checks import check_contiguous, check_same_dtype, check_shape, check_tensor, tile
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 16
 # Below this many tokens per split, merging partial results costs more than the parallelism buys.
 _MIN_TOKENS_PER_SPLIT = 256
+# One prefill program's tiles, in bytes of q's dtype: its q tile, and its K and V tiles
+# together. For bf16 that is 48 KB of shared memory (MLA's 1024-wide head tile: 96 KB, rows
+# and tokens held at 16, tl.dot's least), well under the H200's 228 KB per SM. Compiled for
+# sm_90, larger K/V tiles, or q tiles of more than half the rows in distinct positions, spilled
+# registers (a tile is loaded through one 64-bit address per element).
+PREFILL_Q_TILE_BYTES = 32768
+PREFILL_KV_TILE_BYTES = 16384
 
 
 def check_attention_args(
@@ -87,3 +96,35 @@ def pick_num_splits(
     ):
         splits *= 2
     return splits
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """How `paged_prefill_attention` cuts its work: a program owns ``positions`` new tokens x
+    ``heads`` query heads of one kv head (the rows of its q tile, heads fastest), so each K/V
+    tile it loads serves all those heads."""
+
+    heads: int  # the whole GQA group, or a block of it when the group alone overflows a tile
+    rows: int  # power of two >= positions * heads (the rows past that product are masked)
+    block_n: int  # KV tokens per tile
+    num_warps: int
+
+    @property
+    def positions(self) -> int:
+        return self.rows // self.heads
+
+
+def prefill_tiles(head_dim: int, group: int, max_seqlen_q: int, elem_size: int
+                  ) -> PrefillTiles:
+    """Tiles for a prefill of ``group`` query heads per kv head, q elements of ``elem_size``
+    bytes."""
+    block_d = tile(head_dim)
+    cap = max(16, min(128, PREFILL_Q_TILE_BYTES // (block_d * elem_size)))
+    heads = min(group, cap)
+    # positions fill at most half the rows (the causal diagonal's masked work grows with them,
+    # a group's heads add none), and a short chunk gets a short tile
+    rows = min(cap, tile(min(max_seqlen_q, cap // 2) * heads))
+    block_n = max(16, min(64, PREFILL_KV_TILE_BYTES // (2 * block_d * elem_size)))
+    # the [rows, block_d] fp32 accumulator sits in registers: 32 a thread at 4096 over 4 warps
+    num_warps = 8 if rows * block_d >= 4096 else 4
+    return PrefillTiles(heads, rows, block_n, num_warps)

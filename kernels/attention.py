@@ -9,8 +9,11 @@ keep a flash-attention online softmax in float32 (log2 domain, ``exp2``).
   dot, so each KV tile is read once per kv head group, not once per query head. Long contexts are
   cut into ``num_splits`` token ranges processed in parallel; a second small kernel merges the
   partial (max, sum, acc) triples. With one split the first kernel writes the output directly.
-* Prefill: one program owns ``BLOCK_M`` new tokens of one (sequence, query head); the new tokens
-  are the last ``q_len`` of ``seq_len`` (cached prefix first), with a causal mask.
+* Prefill: one program owns a few new tokens of one sequence for the query heads of one kv head
+  (the whole group, or a block of it when the group alone fills a tile: MLA's 128). Its q tile's
+  rows are (token, head) pairs, heads fastest, so each KV tile is read once for all of them, as
+  in decode. The new tokens are the last ``q_len`` of ``seq_len`` (cached prefix first), with a
+  causal mask. Tile sizes: `_attention_checks.prefill_tiles`.
 
 An FP8 cache (float8_e4m3fn codes, per-tensor ``k_scale`` / ``v_scale``:
 `batchgen_data/layers/kv_quant.py`) is read as bytes and widened in registers: the 7 magnitude
@@ -26,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_device, check_last_dim_contiguous, check_tensor, tile
-from ._attention_checks import check_attention_args, pick_num_splits
+from ._attention_checks import check_attention_args, pick_num_splits, prefill_tiles
 
 _LOG2E = 1.4426950408889634
 _FP8_UNIT = 256.0  # `_e4m3_over_256` gives code / 256
@@ -148,33 +151,40 @@ def _decode_merge_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
-    scale_log2, num_heads, num_kv_heads, head_dim, block_size,
+    scale_log2, num_kv_heads, head_dim, block_size,
     stride_qt, stride_qh, stride_bt, v_factor,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, H_BLOCKS: tl.constexpr,
+    POSITIONS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1) // H_BLOCKS  # axis 1: (kv head, block of its query heads)
+    h_block = tl.program_id(1) % H_BLOCKS
     seq = tl.program_id(2).to(tl.int64)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start  # int32, like every position below
-    if m_block * BLOCK_M >= q_len:
+    if m_block * POSITIONS >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
+    # Row r of the q tile is (new token r // HEADS, query head r % HEADS of this block), heads
+    # fastest: one [ROWS, N] dot per KV tile serves every head of the block.
+    r = tl.arange(0, ROWS)
+    g = h_block * HEADS + r % HEADS  # [ROWS] head within the group
+    offs_m = m_block * POSITIONS + r // HEADS  # [ROWS] index among the new tokens
+    row_ok = (r < POSITIONS * HEADS) & (offs_m < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
     dims = tl.arange(0, BLOCK_D)
-    qo_mask = (offs_m < q_len)[:, None] & (dims < head_dim)[None, :]
+    qo_mask = row_ok[:, None] & (dims < head_dim)[None, :]
     q_rows = q_start.to(tl.int64) + offs_m
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=qo_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-    q_pos = prefix + offs_m  # absolute position of each query token
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Causal: no query in this tile sees past its last row's position.
-    kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, seq_len)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=qo_mask, other=0.0)  # [ROWS, BLOCK_D]
+    q_pos = prefix + offs_m  # absolute position of each row's token
+    m_i = tl.full([ROWS], -1e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    # Causal: no query in this tile sees past its last token's position.
+    kv_end = tl.minimum(prefix + (m_block + 1) * POSITIONS, seq_len)
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
@@ -186,7 +196,8 @@ def _prefill_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:
         out = out * v_factor
-    tl.store(out_ptr + (q_rows[:, None] * num_heads + head) * head_dim + dims[None, :],
+    num_heads = num_kv_heads * GROUP
+    tl.store(out_ptr + (q_rows[:, None] * num_heads + heads[:, None]) * head_dim + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
@@ -315,17 +326,16 @@ def paged_prefill_attention(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_seqlen_q <= 0:
         return out
-    # 64x64 fp32 tiles with head_dim 128 need ~115 KB of shared memory; stay under 100 KB.
-    block_m = 64 if head_dim <= 128 and q.dtype != torch.float32 else 32
-    if head_dim > 256:  # MLA's 576 (tile 1024): q, K and V tiles of 16 rows are 96 KB of bf16
-        block_m = 16
-    block_m = min(block_m, tile(max_seqlen_q))
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)](
+    t = prefill_tiles(head_dim, group, max_seqlen_q, q.element_size())
+    h_blocks = triton.cdiv(group, t.heads)
+    grid = (triton.cdiv(max_seqlen_q, t.positions), num_kv_heads * h_blocks, num_seqs)
+    _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * k_factor * _LOG2E, num_heads, num_kv_heads, head_dim, block_size,
+        scale * k_factor * _LOG2E, num_kv_heads, head_dim, block_size,
         q.stride(0), q.stride(1), block_tables.stride(0), v_factor,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=tile(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8,
+        GROUP=group, HEADS=t.heads, H_BLOCKS=h_blocks, POSITIONS=t.positions, ROWS=t.rows,
+        BLOCK_N=t.block_n, BLOCK_D=tile(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+        FP8=fp8, num_warps=t.num_warps,
     )
     return out

@@ -27,6 +27,8 @@ _SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from batchgen_data.kernels import (activation, attention, fused_moe, kv_cache, moe_align,
                                        rmsnorm, rotary)
+    from batchgen_data.kernels._attention_checks import prefill_tiles
+    from batchgen_data.kernels._checks import tile
 
     FP32_SCALARS = {"scale_log2", "eps", "v_factor", "inv_k_scale", "inv_v_scale"}
 
@@ -40,8 +42,8 @@ _SCRIPT = textwrap.dedent(
                 sig[name] = "*" + pointers[name]
             else:
                 sig[name] = "fp32" if name in FP32_SCALARS else "i32"
-        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
 
     # bf16 is the CUDA default dtype; fp16 where a kernel's dots or casts differ by dtype
     # and each attention kernel over an FP8 KV cache too (e4m3 codes read as bytes)
@@ -56,8 +58,15 @@ _SCRIPT = textwrap.dedent(
                 DOT_PRECISION="tf32", FP8=fp8))
             compile_sm90(attention._decode_merge_kernel, attn,
                          dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128, FP8=fp8))
-            compile_sm90(attention._prefill_kernel, attn, dict(
-                GROUP=3, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32", FP8=fp8))
+            # the launcher's tiles for a GQA group of 3 and for MLA (head dim 576, 128 heads):
+            # shared memory well under the H200's 228 KB
+            for dim, group in ((128, 3), (576, 128)):
+                t = prefill_tiles(dim, group, 4096, 2)
+                kernel = compile_sm90(attention._prefill_kernel, attn, dict(
+                    GROUP=group, HEADS=t.heads, H_BLOCKS=-(-group // t.heads),
+                    POSITIONS=t.positions, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_D=tile(dim),
+                    DOT_PRECISION="tf32", FP8=fp8), num_warps=t.num_warps)
+                assert kernel.metadata.shared <= 100 * 1024, (dim, group, kernel.metadata.shared)
         moe = dict(a_ptr=dt, b_ptr=dt, c_ptr=dt, weights_ptr="fp32", sorted_ptr="i32",
                    expert_ids_ptr="i32", total_ptr="i32")
         for gated, block_m in ((True, 16), (False, 64)):  # gate/up at decode, down at prefill

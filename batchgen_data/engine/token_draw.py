@@ -214,17 +214,17 @@ def flat_race(logits: torch.Tensor, listing: Listing, rows: Rows, top: torch.Ten
     top-p: ``top [N, 1]`` each row's best scaled logit. Tokens ``[N]`` (a row without
     candidates gets ``V``-or-more)."""
     n, vocab = logits.shape
-    counts, m, each = listing.counts, listing.flat.shape[0], listing.each
+    m = listing.flat.shape[0]
     at_row, cols = listing.rows_cols(vocab)
-    s = listing.vals / each(rows.temperature.squeeze(1))
-    u = keyed_uniform(each(stream_keys(rows.seeds, rows.steps)), cols)
+    s = listing.vals / rows.temperature.squeeze(1)[at_row]
+    u = keyed_uniform(stream_keys(rows.seeds, rows.steps)[at_row], cols)
     race = s - torch.log(-torch.log(u))  # [M]: the same float operations as the full race
     if rows.min_p is not None:
-        drop = torch.exp(s - each(top.squeeze(1))) < each(rows.min_p.squeeze(1))
+        drop = torch.exp(s - top.squeeze(1)[at_row]) < rows.min_p.squeeze(1)[at_row]
         race.masked_fill_(drop, float("-inf"))
     big = torch.iinfo(torch.long).max
     if race.device.type == "cpu" and m:  # numpy's segment reductions over the sorted rows
-        c = counts.numpy()
+        c = listing.counts.numpy()
         live = c > 0
         starts = (np.cumsum(c) - c)[live]
         best = np.maximum.reduceat(race.numpy(), starts)
@@ -341,30 +341,21 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
         floor = torch.where(rows.top_p < 1, torch.maximum(floor, top - BAND_TOP_P), floor)
     lowest = torch.where(active.unsqueeze(1), (floor - margin) * temp, inf)
     # flat rows (over the cap) race over the dense logits (dense_top_p_race), the rest over
-    # the listed candidates; one pass lists them and sums top-p's mass
-    listing = candidate_scan.scan(logits, lowest, FLAT_SHARE * vocab if flat else None,
-                                  temp if uses_p else None, top)
-    total = None
-    if uses_p:
-        total = scaled_sumexp(logits, temp, top) if listing.total is None else listing.total
-    dense = listing.over if listing.over is not None and bool(listing.over.any()) else None
-    if dense is not None:
-        idx = dense.nonzero().squeeze(1)
-        dense_tok = torch.zeros_like(rows.seeds)
-        from batchgen_data.engine import dense_draw  # only flat rows need it
-        dense_tok[idx] = dense_draw.dense_top_p_race(logits[idx], rows.take(idx), top[idx])
-        active = active & ~dense
-        if not bool(active.any()):
-            return dense_tok
+    # the listed candidates
+    cap = FLAT_SHARE * vocab if flat else None
+    if flat and not uses_p:
+        token, over = _flat_blocks(logits, lowest, rows, top, cap)
+        return _with_dense(token, over, logits, rows, top)
+    listing = candidate_scan.scan(logits, lowest, cap, temp if uses_p else None, top)
     if not uses_p:
-        if flat:
-            token = flat_race(logits, listing, rows, top)
-            return token if dense is None else torch.where(dense, dense_tok, token)
-        return race(*padded(listing, vocab, False), rows, None, False)[0]
+        token = race(*padded(listing, vocab, False), rows, None, False)[0]
+        return _with_dense(token, listing.over, logits, rows, top)
+    total = scaled_sumexp(logits, temp, top) if listing.total is None else listing.total
     vals, ids = band_candidates(logits, lowest, True, listing)
     token, best, settled = race(vals, ids, rows, total, True)
-    if dense is not None:
-        token = torch.where(dense, dense_tok, token)
+    token = _with_dense(token, listing.over, logits, rows, top)
+    if listing.over is not None:
+        active = active & ~listing.over
     # a top-p row whose band holds less than top_p of the mass: its nucleus floor, in one
     # more pass (every token below it has more than top_p of better-ranked mass)
     wide = best.unsqueeze(1) - G_MAX
@@ -378,6 +369,39 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
         logits, torch.where(again.unsqueeze(1), (wide - margin) * temp, inf), True)
     wider, _, _ = race(vals, ids, rows, total, True)
     return torch.where(again, wider, token)
+
+
+def _flat_blocks(logits: torch.Tensor, lowest: torch.Tensor, rows: Rows, top: torch.Tensor,
+                 cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens ``[N]``, rows over the cap ``[N]``) of rows without top-p: listed and raced
+    `_FLAT_BLOCK_ELEMS` of logits at a time, so no list of the whole batch's candidates
+    (a dozen of ``[M]`` temporaries, fresh pages on every call) is ever made."""
+    n, vocab = logits.shape
+    step = max(1, _FLAT_BLOCK_ELEMS // vocab)
+    token = torch.empty(n, dtype=torch.long, device=logits.device)
+    over = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    for r0 in range(0, n, step):
+        part = slice(r0, min(r0 + step, n))
+        listing = candidate_scan.scan(logits[part], lowest[part], cap)
+        take = torch.arange(part.start, part.stop, device=logits.device)
+        token[part] = flat_race(logits[part], listing, rows.take(take), top[part])
+        if listing.over is not None:
+            over[part] = listing.over
+    return token, over
+
+
+_FLAT_BLOCK_ELEMS = 1 << 21  # logits per block of `_flat_blocks`: 8 MiB of float32
+
+
+def _with_dense(token: torch.Tensor, over: torch.Tensor | None, logits: torch.Tensor,
+                rows: Rows, top: torch.Tensor) -> torch.Tensor:
+    """``token`` with the rows ``over`` the cap (flat rows) drawn by the dense race."""
+    if over is None or not bool(over.any()):
+        return token
+    from batchgen_data.engine import dense_draw  # only flat rows need it
+    idx = over.nonzero().squeeze(1)
+    return token.index_copy(0, idx, dense_draw.dense_top_p_race(logits[idx], rows.take(idx),
+                                                                top[idx]))
 
 
 FLAT_SHARE = 0.125  # a row with more of its vocabulary than this in its band is flat

@@ -4,11 +4,12 @@
 
 A user on new hardware (or this project's GPU script, before it times anything) runs it to
 learn whether the compiled kernels compute what the references compute: bf16 and fp16, head
-dims 64/128/256 and MLA's 576, contexts up to 8k, GQA groups 1-8 (128 for MLA), and one
-CUDA-graph capture and replay of a decode step against eager. Each case reports its error as ``max|got - want| / max|want|`` (a
-relative error that stays meaningful for outputs near zero) against a tolerance set by the
-dtype; the exit code is 1 when a case fails, 2 when there is no CUDA device. Prints a table and
-one JSON line. Needs torch with CUDA and triton; imports nothing else of the engine.
+dims 64/128/256 and MLA's 576, contexts up to 8k, GQA groups 1-8 (prefill: 3 too; 128 for
+MLA), and one CUDA-graph capture and replay of a decode step against eager. Each case reports
+its error as ``max|got - want| / max|want|`` (a relative error that stays meaningful for
+outputs near zero) against a tolerance set by the dtype; the exit code is 1 when a case fails,
+2 when there is no CUDA device. Prints a table and one JSON line. Needs torch with CUDA and
+triton; imports nothing else of the engine.
 """
 from __future__ import annotations
 
@@ -285,6 +286,10 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
             for c in ctxs:
                 out.append((f"prefill D={d} group=4 ctx={c}", dt,
                             lambda dev, dt=dt, d=d, c=c: case_prefill(dt, d, 4, c, dev)))
+            # q tile rows: all tokens; a row left over; 8 heads a token (one compile each)
+            for g in (8,) if quick else (1, 3, 8):
+                out.append((f"prefill D={d} group={g} ctx=2048", dt,
+                            lambda dev, dt=dt, d=d, g=g: case_prefill(dt, d, g, 2048, dev)))
             out.append((f"write_kv D={d}", dt, lambda dev, dt=dt, d=d: case_write_kv(dt, d, dev)))
         out.append(("norm/rotary/silu", dt, lambda dev, dt=dt: case_norm_rotary_act(dt, 128, dev)))
         for t in (1, 64, 512):

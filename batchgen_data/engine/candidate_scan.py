@@ -1,6 +1,7 @@
 """The candidates of the draw (`engine/token_draw.py`): the tokens whose logit is at least their
 row's floor, listed row-major, and, for top-p, each row's softmax mass, in one pass over the
-logits.
+logits (`scan`); those candidates padded per row for the per-row race (`padded`), or raced as
+listed (`flat_race`, the rows without top-k and top-p).
 
 On the CPU the pass goes a few rows at a time: the compare's mask of a block of rows, and the
 rows themselves for the mass, stay in the core's cache while numpy lists the mask's true
@@ -12,9 +13,15 @@ and ``nonzero``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from batchgen_data.engine import draw_hash  # looked up at call time: one hash for all paths
+
+if TYPE_CHECKING:
+    from batchgen_data.engine.token_draw import Rows
 
 # logits per block of rows on the CPU (at least one row): 1 MiB of float32, which with its
 # mask and the mass's buffer stays within a core's L2 (2 MiB on the Xeon measured; blocks of
@@ -105,3 +112,52 @@ def _scan_cpu(logits: torch.Tensor, lowest: torch.Tensor, cap: float | None,
     return Listing(torch.from_numpy(flat), torch.from_numpy(val), torch.from_numpy(counts),
                    torch.from_numpy(over) if cap is not None else None,
                    total if want_total else None)
+
+
+def padded(listing: Listing, vocab: int, ranked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates of ``listing`` as ``vals, ids [N, C]`` (`band_candidates`)."""
+    counts = listing.counts
+    n, device = counts.shape[0], counts.device
+    rows, cols = listing.rows_cols(vocab)
+    width = max(1, int(counts.max())) if rows.numel() else 1
+    pos = torch.arange(rows.numel(), device=device) - listing.each(counts.cumsum(0) - counts)
+    vals = torch.full((n, width), float("-inf"), device=device)
+    ids = torch.full((n, width), vocab, dtype=torch.long, device=device)
+    vals[rows, pos] = listing.vals
+    ids[rows, pos] = cols
+    if ranked:
+        vals, order = vals.sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+    return vals, ids
+
+
+def flat_race(logits: torch.Tensor, listing: Listing, rows: Rows, top: torch.Tensor
+              ) -> torch.Tensor:
+    """The race over the candidates of ``listing``, for rows without top-k and top-p (the same
+    float operations as the race over the whole vocabulary): ``top [N, 1]`` each row's best
+    scaled logit. Tokens ``[N]`` (a row without
+    candidates gets ``V``-or-more)."""
+    n, vocab = logits.shape
+    m = listing.flat.shape[0]
+    at_row, cols = listing.rows_cols(vocab)
+    s = listing.vals / rows.temperature.squeeze(1)[at_row]
+    u = draw_hash.keyed_uniform(draw_hash.stream_keys(rows.seeds, rows.steps)[at_row], cols)
+    race = s - torch.log(-torch.log(u))  # [M]: the same float operations as the full race
+    if rows.min_p is not None:
+        drop = torch.exp(s - top.squeeze(1)[at_row]) < rows.min_p.squeeze(1)[at_row]
+        race.masked_fill_(drop, float("-inf"))
+    big = torch.iinfo(torch.long).max
+    if race.device.type == "cpu" and m:  # numpy's segment reductions over the sorted rows
+        c = listing.counts.numpy()
+        live = c > 0
+        starts = (np.cumsum(c) - c)[live]
+        best = np.maximum.reduceat(race.numpy(), starts)
+        win = np.where(race.numpy() == np.repeat(best, c[live]), cols.numpy(), big)
+        token = np.full(n, big, dtype=np.int64)
+        token[live] = np.minimum.reduceat(win, starts)  # a tie: the lower id
+        return torch.from_numpy(token)
+    best = torch.full((n,), float("-inf"), device=logits.device).scatter_reduce_(
+        0, at_row, race, "amax")
+    win = torch.where(race == best[at_row], cols, big)  # a tie: the lower id
+    return torch.full((n,), big, dtype=torch.long, device=logits.device).scatter_reduce_(
+        0, at_row, win, "amin")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen_data.engine import token_draw  # its hash and chunks, looked up at call time
+from batchgen_data.engine import draw_hash, token_draw  # attributes looked up at call time
 from batchgen_data.engine.token_draw import Rows
 
 # A flat row (more than FLAT_SHARE of its vocabulary inside the top-p band) races over the
@@ -58,14 +58,14 @@ def dense_top_p_race(logits: torch.Tensor, rows: Rows, top: torch.Tensor) -> tor
         cut = torch.where(top_p >= 1, BUCKETS, cut)
         above = torch.where(cut > 0, cum.gather(1, (cut - 1).clamp(0, BUCKETS - 1)), 0.0)
 
-    keys = token_draw.stream_keys(rows.seeds, rows.steps).unsqueeze(1)
+    keys = draw_hash.stream_keys(rows.seeds, rows.steps).unsqueeze(1)
     best = torch.full((n, 1), float("-inf"), device=logits.device)
     win = torch.full((n, 1), vocab, dtype=torch.long, device=logits.device)
     edge_rows, edge_cols, edge_s, edge_race = [], [], [], []
     for lo, hi in chunks:
         s = logits[:, lo:hi] / temp
         cols = torch.arange(lo, hi, device=logits.device).unsqueeze(0)
-        race = s - torch.log(-torch.log(token_draw.keyed_uniform(keys, cols)))
+        race = s - torch.log(-torch.log(draw_hash.keyed_uniform(keys, cols)))
         below_p = torch.exp(s - top) < rows.min_p if rows.min_p is not None else None
         if not cuts:  # no nucleus: every token races (min-p applied)
             if below_p is not None:

@@ -53,85 +53,12 @@ import torch
 
 from batchgen_data.engine import candidate_scan
 from batchgen_data.engine.candidate_scan import Listing
+from batchgen_data.engine.candidate_scan import flat_race, padded
+from batchgen_data.engine.draw_hash import G_MAX, hash_uniform_at
+from batchgen_data.engine.draw_hash import sample_seed as sample_seed  # the engine imports it here
 
-_M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as signed int64
-_M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
-_SEED_MIX = 0x2545F4914F6CDD1D
 _CHUNK_ELEMS = 1 << 21  # rows x columns per pass of the vocabulary-wide sum
-_U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
 BAND_TOP_P = 10.0  # top-p rows: first candidates within this of the best scaled logit
-
-
-def _shr_xor_(z: torch.Tensor, s: int) -> torch.Tensor:
-    """In place: ``z ^= z >>> s`` (a logical shift; torch's >> on int64 is arithmetic)."""
-    t = z >> s
-    t &= (1 << (64 - s)) - 1
-    return z.bitwise_xor_(t)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser of int64 ``z`` (a new tensor; multiplies wrap as uint64 would)."""
-    z = z.clone()
-    _shr_xor_(z, 30).mul_(_M1)
-    _shr_xor_(z, 27).mul_(_M2)
-    return _shr_xor_(z, 31)
-
-
-def stream_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One well-mixed int64 key per (seed, step), ``[N]``: the seed goes through a full
-    splitmix64 round, then the step is added and mixed again, so no two (seed, step) pairs
-    are a shifted copy of each other. (The old ``seed*MIX + step*GOLDEN + token*GOLDEN``
-    depended on ``step + token`` only: the next step's noise was this step's moved by one
-    token.)"""
-    key = _mix64(seeds.long() * _SEED_MIX + _GOLDEN)
-    return _mix64(key + steps.long() * _GOLDEN)
-
-
-def keyed_uniform(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Float32 uniforms in (0, 1): output ``tokens`` of the splitmix64 streams that start at
-    ``keys`` (int64, broadcastable with tokens). In-place steps: two int64 tensors of the
-    output's size live at a time."""
-    z = tokens * _GOLDEN + keys  # int64 multiply and add wrap, as in splitmix64
-    _shr_xor_(z, 30).mul_(_M1)
-    _shr_xor_(z, 27).mul_(_M2)
-    _shr_xor_(z, 31)
-    z >>= 40  # top 24 bits, non-negative after the mask
-    z &= (1 << 24) - 1
-    return ((z.float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=_U_MAX)
-
-
-def hash_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor
-                    ) -> torch.Tensor:
-    """Float32 uniforms in (0, 1) from a hash of (seed, step, token): seeds and steps
-    ``[N]``, tokens int64 broadcastable to ``[N, C]`` (e.g. ``[1, C]`` or ``[N, C]``).
-    Token ``t`` of a row takes output ``t`` of the splitmix64 stream that starts at the row's
-    mixed (seed, step) key."""
-    return keyed_uniform(stream_keys(seeds, steps).unsqueeze(1), tokens)
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(u))
-
-
-# the bounds of the noise, from the same float operations as the race
-G_MAX = float(_gumbel(torch.tensor(_U_MAX)))
-G_MIN = float(_gumbel(torch.tensor(0.5 / (1 << 24))))
-
-_MASK64 = (1 << 64) - 1
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``seed`` (``n > 1``): sample 0
-    keeps the user's seed; the others take a splitmix64 of (seed, index), the same on every
-    Python and every machine (Python's ``hash`` of a tuple is not a promise across versions).
-    62 bits, non-negative."""
-    if index == 0:
-        return seed
-    z = (seed * 0x2545F4914F6CDD1D + index * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 62) - 1)
 
 
 def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
@@ -208,37 +135,6 @@ def race_over_candidates(vals: torch.Tensor, ids: torch.Tensor, rows: Rows,
     return token, best.squeeze(1), settled
 
 
-def flat_race(logits: torch.Tensor, listing: Listing, rows: Rows, top: torch.Tensor
-              ) -> torch.Tensor:
-    """The race over candidates listed flat (`candidate_scan.scan`), for rows without top-k and
-    top-p: ``top [N, 1]`` each row's best scaled logit. Tokens ``[N]`` (a row without
-    candidates gets ``V``-or-more)."""
-    n, vocab = logits.shape
-    m = listing.flat.shape[0]
-    at_row, cols = listing.rows_cols(vocab)
-    s = listing.vals / rows.temperature.squeeze(1)[at_row]
-    u = keyed_uniform(stream_keys(rows.seeds, rows.steps)[at_row], cols)
-    race = s - torch.log(-torch.log(u))  # [M]: the same float operations as the full race
-    if rows.min_p is not None:
-        drop = torch.exp(s - top.squeeze(1)[at_row]) < rows.min_p.squeeze(1)[at_row]
-        race.masked_fill_(drop, float("-inf"))
-    big = torch.iinfo(torch.long).max
-    if race.device.type == "cpu" and m:  # numpy's segment reductions over the sorted rows
-        c = listing.counts.numpy()
-        live = c > 0
-        starts = (np.cumsum(c) - c)[live]
-        best = np.maximum.reduceat(race.numpy(), starts)
-        win = np.where(race.numpy() == np.repeat(best, c[live]), cols.numpy(), big)
-        token = np.full(n, big, dtype=np.int64)
-        token[live] = np.minimum.reduceat(win, starts)  # a tie: the lower id
-        return torch.from_numpy(token)
-    best = torch.full((n,), float("-inf"), device=logits.device).scatter_reduce_(
-        0, at_row, race, "amax")
-    win = torch.where(race == best[at_row], cols, big)  # a tie: the lower id
-    return torch.full((n,), big, dtype=torch.long, device=logits.device).scatter_reduce_(
-        0, at_row, win, "amin")
-
-
 RaceFn = Callable[[torch.Tensor, torch.Tensor, Rows, "torch.Tensor | None", bool],
                   "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
@@ -251,23 +147,6 @@ def band_candidates(logits: torch.Tensor, floor: torch.Tensor, ranked: bool,
     when the caller has it already."""
     listing = candidate_scan.scan(logits, floor) if listing is None else listing
     return padded(listing, logits.shape[1], ranked)
-
-
-def padded(listing: Listing, vocab: int, ranked: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates of ``listing`` as ``vals, ids [N, C]`` (`band_candidates`)."""
-    counts = listing.counts
-    n, device = counts.shape[0], counts.device
-    rows, cols = listing.rows_cols(vocab)
-    width = max(1, int(counts.max())) if rows.numel() else 1
-    pos = torch.arange(rows.numel(), device=device) - listing.each(counts.cumsum(0) - counts)
-    vals = torch.full((n, width), float("-inf"), device=device)
-    ids = torch.full((n, width), vocab, dtype=torch.long, device=device)
-    vals[rows, pos] = listing.vals
-    ids[rows, pos] = cols
-    if ranked:
-        vals, order = vals.sort(dim=-1, descending=True, stable=True)
-        ids = ids.gather(1, order)
-    return vals, ids
 
 
 def row_argmax(logits: torch.Tensor, block: int = 128, others: int = 8
@@ -341,28 +220,39 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
         floor = torch.where(rows.top_p < 1, torch.maximum(floor, top - BAND_TOP_P), floor)
     lowest = torch.where(active.unsqueeze(1), (floor - margin) * temp, inf)
     # flat rows (over the cap) race over the dense logits (dense_top_p_race), the rest over
-    # the listed candidates
+    # their listed candidates, a block of rows at a time
     cap = FLAT_SHARE * vocab if flat else None
-    if flat and not uses_p:
-        token, over = _flat_blocks(logits, lowest, rows, top, cap)
-        return _with_dense(token, over, logits, rows, top)
-    listing = candidate_scan.scan(logits, lowest, cap, temp if uses_p else None, top)
+    token = torch.empty(n, dtype=torch.long, device=logits.device)
+    best = torch.empty(n, device=logits.device)
+    settled = torch.ones(n, dtype=torch.bool, device=logits.device)
+    total = torch.ones_like(top)
+    over = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    step = max(1, _BLOCK_ELEMS // vocab) if logits.device.type == "cpu" else n
+    for r0 in range(0, n, step):
+        part = slice(r0, min(r0 + step, n))
+        sub = rows.take(torch.arange(part.start, part.stop, device=logits.device))
+        listing = candidate_scan.scan(logits[part], lowest[part], cap,
+                                      temp[part] if uses_p else None, top[part])
+        if listing.over is not None:
+            over[part] = listing.over
+        if not uses_p:
+            token[part] = flat_race(logits[part], listing, sub, top[part]) if flat else \
+                race(*padded(listing, vocab, False), sub, None, False)[0]
+            continue
+        total[part] = scaled_sumexp(logits[part], temp[part], top[part]) \
+            if listing.total is None else listing.total
+        vals, ids = band_candidates(logits[part], lowest[part], True, listing)
+        token[part], best[part], settled[part] = race(vals, ids, sub, total[part], True)
+    token = _with_dense(token, over, logits, rows, top)
     if not uses_p:
-        token = race(*padded(listing, vocab, False), rows, None, False)[0]
-        return _with_dense(token, listing.over, logits, rows, top)
-    total = scaled_sumexp(logits, temp, top) if listing.total is None else listing.total
-    vals, ids = band_candidates(logits, lowest, True, listing)
-    token, best, settled = race(vals, ids, rows, total, True)
-    token = _with_dense(token, listing.over, logits, rows, top)
-    if listing.over is not None:
-        active = active & ~listing.over
+        return token
     # a top-p row whose band holds less than top_p of the mass: its nucleus floor, in one
     # more pass (every token below it has more than top_p of better-ranked mass)
     wide = best.unsqueeze(1) - G_MAX
     if rows.min_p is not None:
         wide = torch.maximum(wide, top + torch.log(rows.min_p))
     wide = torch.maximum(wide, top + torch.log(total) + torch.log((1 - rows.top_p) / (2 * vocab)))
-    again = active & (rows.top_p < 1).squeeze(1) & ~settled & (wide < floor).squeeze(1)
+    again = active & ~over & (rows.top_p < 1).squeeze(1) & ~settled & (wide < floor).squeeze(1)
     if not bool(again.any()):
         return token
     vals, ids = band_candidates(
@@ -371,26 +261,11 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     return torch.where(again, wider, token)
 
 
-def _flat_blocks(logits: torch.Tensor, lowest: torch.Tensor, rows: Rows, top: torch.Tensor,
-                 cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens ``[N]``, rows over the cap ``[N]``) of rows without top-p: listed and raced
-    `_FLAT_BLOCK_ELEMS` of logits at a time, so no list of the whole batch's candidates
-    (a dozen of ``[M]`` temporaries, fresh pages on every call) is ever made."""
-    n, vocab = logits.shape
-    step = max(1, _FLAT_BLOCK_ELEMS // vocab)
-    token = torch.empty(n, dtype=torch.long, device=logits.device)
-    over = torch.zeros(n, dtype=torch.bool, device=logits.device)
-    for r0 in range(0, n, step):
-        part = slice(r0, min(r0 + step, n))
-        listing = candidate_scan.scan(logits[part], lowest[part], cap)
-        take = torch.arange(part.start, part.stop, device=logits.device)
-        token[part] = flat_race(logits[part], listing, rows.take(take), top[part])
-        if listing.over is not None:
-            over[part] = listing.over
-    return token, over
-
-
-_FLAT_BLOCK_ELEMS = 1 << 21  # logits per block of `_flat_blocks`: 8 MiB of float32
+# logits per block of rows in `threshold_race` on the CPU: 8 MiB of float32 (13 rows of
+# 151,936). Each block's candidates are listed and raced before the next block's: the
+# temporaries of a whole batch's list (a dozen of [M] tensors) took fresh pages on every call,
+# which cost more than their math
+_BLOCK_ELEMS = 1 << 21
 
 
 def _with_dense(token: torch.Tensor, over: torch.Tensor | None, logits: torch.Tensor,

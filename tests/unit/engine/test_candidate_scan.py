@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen_data.engine import candidate_scan, token_draw
+from batchgen_data.engine import candidate_scan, draw_hash
 from batchgen_data.engine.sampler import Sampler
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.sampling_params import SamplingParams
@@ -78,9 +78,9 @@ def _full_race(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         kept[order[:k][keep]] = True
         if p.min_p > 0:
             kept &= ~(torch.exp(s - s.max()) < p.min_p)
-        key = token_draw.stream_keys(torch.tensor([seq.seed]),
+        key = draw_hash.stream_keys(torch.tensor([seq.seed]),
                                      torch.tensor([seq.num_output_tokens]))
-        u = token_draw.keyed_uniform(key.unsqueeze(1), torch.arange(vocab).unsqueeze(0))[0]
+        u = draw_hash.keyed_uniform(key.unsqueeze(1), torch.arange(vocab).unsqueeze(0))[0]
         race = (s - torch.log(-torch.log(u))).masked_fill(~kept, float("-inf"))
         out.append(int(race.argmax()))
     return out

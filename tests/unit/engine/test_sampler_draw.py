@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen_data.engine import dense_draw, token_draw
+from batchgen_data.engine import dense_draw, draw_hash, token_draw
 from batchgen_data.engine.sampler import Sampler, hash_uniform
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.sampling_params import SamplingParams
@@ -156,11 +156,11 @@ def test_a_uniform_of_one_no_longer_wins_whatever_its_logit() -> None:
     vocab = 1 << 16
     cols = torch.arange(vocab).unsqueeze(0)
     for seed in range(2000):
-        z = token_draw.stream_keys(torch.tensor([seed]), torch.tensor([0]))
-        z = cols * token_draw._GOLDEN + z.unsqueeze(1)
-        token_draw._shr_xor_(z, 30).mul_(token_draw._M1)
-        token_draw._shr_xor_(z, 27).mul_(token_draw._M2)
-        token_draw._shr_xor_(z, 31)
+        z = draw_hash.stream_keys(torch.tensor([seed]), torch.tensor([0]))
+        z = cols * draw_hash._GOLDEN + z.unsqueeze(1)
+        draw_hash._shr_xor_(z, 30).mul_(draw_hash._M1)
+        draw_hash._shr_xor_(z, 27).mul_(draw_hash._M2)
+        draw_hash._shr_xor_(z, 31)
         top = ((z >> 40) & ((1 << 24) - 1)) == (1 << 24) - 1
         if bool(top.any()):
             token = int(top.nonzero()[0, 1])

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from batchgen_data.engine import token_draw
+from batchgen_data.engine import draw_hash, token_draw
 from batchgen_data.engine.sampler import Sampler
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.token_draw import sample_seed
@@ -191,11 +191,11 @@ def test_rows_with_consecutive_seeds_draw_independently() -> None:
 
 def _old_hash(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The hash this project shipped before (seed, step and token entering one sum)."""
-    base = seeds.long() * token_draw._SEED_MIX + steps.long() * token_draw._GOLDEN
-    z = tokens * token_draw._GOLDEN + base.unsqueeze(1)
-    token_draw._shr_xor_(z, 30).mul_(token_draw._M1)
-    token_draw._shr_xor_(z, 27).mul_(token_draw._M2)
-    token_draw._shr_xor_(z, 31)
+    base = seeds.long() * draw_hash._SEED_MIX + steps.long() * draw_hash._GOLDEN
+    z = tokens * draw_hash._GOLDEN + base.unsqueeze(1)
+    draw_hash._shr_xor_(z, 30).mul_(draw_hash._M1)
+    draw_hash._shr_xor_(z, 27).mul_(draw_hash._M2)
+    draw_hash._shr_xor_(z, 31)
     z >>= 40
     z &= (1 << 24) - 1
     return (z.float() + 0.5) * (1.0 / (1 << 24))
@@ -203,7 +203,7 @@ def _old_hash(seeds: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) ->
 
 def _old_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The old hash's stream keys: with them, ``keyed_uniform`` is `_old_hash`."""
-    return seeds.long() * token_draw._SEED_MIX + steps.long() * token_draw._GOLDEN
+    return seeds.long() * draw_hash._SEED_MIX + steps.long() * draw_hash._GOLDEN
 
 
 def test_the_tests_fail_on_a_shifted_hash(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,10 +211,10 @@ def test_the_tests_fail_on_a_shifted_hash(monkeypatch: pytest.MonkeyPatch) -> No
     seeds, steps = torch.tensor([3, 4]), torch.tensor([7, 8])
     tokens = torch.arange(50).unsqueeze(0)
     want = _old_hash(seeds, steps, tokens)
-    monkeypatch.setattr(token_draw, "stream_keys", _old_keys)
+    monkeypatch.setattr(draw_hash, "stream_keys", _old_keys)
     # (equal but where float32 rounded the top uniform to 1.0, now clamped below 1)
     assert torch.equal(token_draw.hash_uniform_at(seeds, steps, tokens),
-                       want.clamp(max=token_draw._U_MAX))
+                       want.clamp(max=draw_hash._U_MAX))
     share, expect, _ = _neighbour_share(PATHS["full"])
     assert share > 0.5 > 10 * expect
     assert _frequencies_p(PATHS["full"])[1] < P_FLOOR

@@ -36,7 +36,7 @@ class Listing:
     vals: torch.Tensor  # [M] float32: their logits
     counts: torch.Tensor  # [N] int64: how many of each row's tokens ``flat`` lists
     over: torch.Tensor | None  # [N] bool: rows over the cap, not listed; None without a cap
-    total: torch.Tensor | None  # [N, 1] float32: sum_v exp(logit_v / T - top), or None
+    total: torch.Tensor | None  # [N, 1] float32: sum_v exp(logit_v / T - top), when asked
 
     def each(self, t: torch.Tensor) -> torch.Tensor:
         """``[N] -> [M]``: each candidate's copy of its row's value (numpy's repeat on the
@@ -55,10 +55,9 @@ def scan(logits: torch.Tensor, lowest: torch.Tensor, cap: float | None = None,
          temp: torch.Tensor | None = None, top: torch.Tensor | None = None) -> Listing:
     """The tokens with ``logits [N, V] >= lowest [N, 1]`` (``+inf``: none of the row's). A row
     with a finite floor and more than ``cap`` of them is flagged in ``over`` and left out of
-    the listing. With ``temp`` and ``top`` (``[N, 1]``), on the CPU, also the mass
-    ``sum exp(logits / T - top)`` of each row that lists candidates (1 for the others;
-    elsewhere ``total`` is None and the caller sums chunk by chunk,
-    `token_draw.scaled_sumexp`)."""
+    the listing. With ``temp`` and ``top`` (``[N, 1]``), also the mass
+    ``sum exp(logits / T - top)`` of each row that lists candidates (1 for the others on the
+    CPU): a few rows at a time there, of the whole ``[N, V]`` elsewhere (the caller's block)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 \
             and logits.is_contiguous() and logits.shape[1] > 0:
         return _scan_cpu(logits, lowest, cap, temp, top)
@@ -70,7 +69,10 @@ def scan(logits: torch.Tensor, lowest: torch.Tensor, cap: float | None = None,
         mask[over] = False
         counts = counts.masked_fill(over, 0)
     flat = mask.view(-1).nonzero().squeeze(1)
-    return Listing(flat, logits.reshape(-1).index_select(0, flat), counts, over, None)
+    total = None
+    if temp is not None and top is not None:
+        total = torch.exp(logits / temp - top).sum(-1, keepdim=True)
+    return Listing(flat, logits.reshape(-1).index_select(0, flat), counts, over, total)
 
 
 def _scan_cpu(logits: torch.Tensor, lowest: torch.Tensor, cap: float | None,

@@ -225,22 +225,28 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     token = torch.empty(n, dtype=torch.long, device=logits.device)
     best = torch.empty(n, device=logits.device)
     settled = torch.ones(n, dtype=torch.bool, device=logits.device)
-    total = torch.ones_like(top)
     over = torch.zeros(n, dtype=torch.bool, device=logits.device)
-    step = max(1, _BLOCK_ELEMS // vocab) if logits.device.type == "cpu" else n
+    threads = torch.get_num_threads() if logits.device.type == "cpu" else 0
+    # top-p's mass: on one thread the scan sums it while each row is in cache; with more,
+    # every row-sized op would wake the thread pool (slow under OMP_WAIT_POLICY=PASSIVE), so
+    # it is summed up front in scaled_sumexp's large chunks
+    fused_mass = uses_p and threads == 1
+    total = scaled_sumexp(logits, temp, top) if uses_p and not fused_mass else \
+        torch.ones_like(top)
+    step = max(1, _BLOCK_ELEMS * threads * threads // vocab) if threads else n
     for r0 in range(0, n, step):
         part = slice(r0, min(r0 + step, n))
         sub = rows.take(torch.arange(part.start, part.stop, device=logits.device))
         listing = candidate_scan.scan(logits[part], lowest[part], cap,
-                                      temp[part] if uses_p else None, top[part])
+                                      temp[part] if fused_mass else None, top[part])
         if listing.over is not None:
             over[part] = listing.over
         if not uses_p:
             token[part] = flat_race(logits[part], listing, sub, top[part]) if flat else \
                 race(*padded(listing, vocab, False), sub, None, False)[0]
             continue
-        total[part] = scaled_sumexp(logits[part], temp[part], top[part]) \
-            if listing.total is None else listing.total
+        if fused_mass:
+            total[part] = listing.total
         vals, ids = band_candidates(logits[part], lowest[part], True, listing)
         token[part], best[part], settled[part] = race(vals, ids, sub, total[part], True)
     token = _with_dense(token, over, logits, rows, top)
@@ -261,10 +267,12 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
     return torch.where(again, wider, token)
 
 
-# logits per block of rows in `threshold_race` on the CPU: 8 MiB of float32 (13 rows of
-# 151,936). Each block's candidates are listed and raced before the next block's: the
+# logits per block of rows in `threshold_race` on the CPU, times the square of torch's threads:
+# each block's candidates are listed and raced before the next block's, because the
 # temporaries of a whole batch's list (a dozen of [M] tensors) took fresh pages on every call,
-# which cost more than their math
+# which cost more than their math; with more threads, larger blocks, so that each op of a
+# block wakes the pool for enough work. At 256 x 151,936 on the Xeon measured: 13 rows a block
+# best on one thread, 52 on two (of 13, 52 and all 256)
 _BLOCK_ELEMS = 1 << 21
 
 

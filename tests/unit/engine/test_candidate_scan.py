@@ -25,11 +25,12 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_rows", [1, 3, 64])
-def test_the_scan_lists_what_a_torch_compare_lists(block_rows: int,
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the torch path
+def test_the_scan_lists_what_a_torch_compare_lists(block_rows: int, dtype: torch.dtype,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     rows, vocab = 10, 997
     monkeypatch.setattr(candidate_scan, "SCAN_ELEMS", block_rows * vocab)
-    x = _logits(rows, vocab, 1)
+    x = _logits(rows, vocab, 1).to(dtype)
     lowest = x.amax(-1, keepdim=True) - torch.linspace(0.5, 8.0, rows).unsqueeze(1)
     lowest[2] = x[2].sort(descending=True).values[100]  # a tied row cut at a repeated value
     assert int((x[2] == lowest[2]).sum()) > 1 and int((x[2] >= lowest[2]).sum()) < 200

@@ -145,6 +145,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # rank 0 waits at most this long on any collective: a dead or stuck rank fails the engine
     collective_timeout_s: float = 120.0
+    # vLLM's name: how ranks 1.. start: "mp" (None): processes on this node; "ray": Ray actors
+    # in the bundles of the placement group this engine runs in, on any node; "uni" (one
+    # device: no other rank; ray.data.llm's default then) (docs/parallel.md)
+    distributed_executor_backend: str | None = None
     # vLLM's name: MoE layers keep whole experts per rank instead of a slice of each (one
     # rank: nothing to split; docs/parallel.md)
     enable_expert_parallel: bool = False
@@ -194,6 +198,11 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise TypeError(f"enable_expert_parallel={self.enable_expert_parallel!r}: must be "
                             "True or False")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray", "uni") or (backend == "uni" and tp > 1):
+            raise ValueError(f"distributed_executor_backend={backend!r} with tensor_parallel_size"
+                             f"={tp}: use 'mp' (processes on this node) or 'ray' (Ray actors in "
+                             "this engine's placement group); 'uni' for one device only")
         if tp == 1:
             return
         together = {"cpu_offload_gb": (self.cpu_offload_gb, self.cpu_offload_gb > 0),

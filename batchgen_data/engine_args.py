@@ -58,8 +58,6 @@ VLLM_ARGS: dict[str, _Arg] = {
     "pipeline_parallel_size": _Arg(_is(1, None), _ONE_DEVICE),
     "data_parallel_size": _Arg(_is(1, None), _ONE_DEVICE + "; `LLM(data_parallel_size=N)` "
                                "runs N engines on this machine as one group"),
-    "distributed_executor_backend": _Arg(_any, "tensor-parallel ranks are always processes "
-                                               "started by the engine (docs/parallel.md)"),
     "disable_custom_all_reduce": _Arg(_any, "the all-reduce is torch.distributed's (gloo on the "
                                             "CPU, NCCL on CUDA)"),
     "max_seq_len_to_capture": _Arg(_any, "CUDA graphs cover every decode batch size"),

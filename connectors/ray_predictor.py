@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors import ray_blocks
+from batchgen_data.connectors import ray_blocks, ray_placement
 from batchgen_data.connectors.common import RequestBuilder, attach_outputs, error_row, to_arrow
 from batchgen_data.connectors.ray_metrics import start_stats_export
 from batchgen_data.connectors.pooling_rows import PoolingRows, check_task
@@ -146,6 +146,8 @@ class BatchGenPredictor:
         options = MigrationOptions(**{**(migration_options or {}), "move_queued": late_binding,
                                       "move_started": migration})
         self.driver = self.start_driver(model, engine_kwargs)
+        if engine_kwargs.get("distributed_executor_backend") == "ray":
+            ray_placement.claim_own_group()  # its group is removed once this actor is gone
         self.rows: Any
         if task != "generate":
             self.rows = PoolingRows(self.driver, task, pooling_params, on_error,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen_data.chat import check_template_kwargs
 from batchgen_data.config import make_engine_config
-from batchgen_data.connectors import ray_blocks, row_extras
+from batchgen_data.connectors import ray_blocks, ray_placement, row_extras
 from batchgen_data.connectors.migration_options import MigrationOptions
 from batchgen_data.connectors.ray_predictor import BatchGenPredictor
 from batchgen_data.connectors.resume import checkpoint_config
@@ -85,14 +85,38 @@ class BatchGenProcessorConfig:
     # ray.data.llm's: a local directory of LoRA adapters; a row's `model` (or `lora`) names one
     # (needs engine_kwargs enable_lora=True; docs/lora.md)
     dynamic_lora_loading_path: str | None = None
+    # ray.data.llm's: the placement group of each tensor-parallel engine actor,
+    # {"bundles": [one per rank], "strategy": "PACK"} or {"bundle_per_worker": {...}}; None:
+    # one bundle per rank of num_cpus, num_gpus / tensor_parallel_size GPUs and `resources`
+    # (connectors/ray_placement.py)
+    placement_group_config: Mapping[str, Any] | None = None
 
     @property
     def all_engine_kwargs(self) -> dict[str, Any]:
-        """`engine_kwargs` with the fields of this config that are engine settings."""
+        """`engine_kwargs` with the fields of this config that are engine settings; a
+        tensor-parallel engine's ranks are Ray actors in its placement group unless
+        `distributed_executor_backend` says otherwise (ray.data.llm's default)."""
         kw = dict(self.engine_kwargs)
         if self.dynamic_lora_loading_path is not None:
             kw["dynamic_lora_loading_path"] = self.dynamic_lora_loading_path
+        if self.tensor_parallel_size > 1:
+            kw.setdefault("distributed_executor_backend", "ray")
         return kw
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_kwargs.get("tensor_parallel_size", 1)
+
+    @property
+    def placement(self) -> tuple[list[dict[str, float]], str] | None:
+        """Bundles and strategy of each engine actor's placement group; None: no group (one
+        device, or ranks started as processes beside the actor)."""
+        backend = self.all_engine_kwargs.get("distributed_executor_backend")
+        if self.tensor_parallel_size <= 1 or backend != "ray":
+            return None
+        return ray_placement.rank_bundles(self.tensor_parallel_size, self.num_cpus,
+                                          self.num_gpus, self.resources,
+                                          self.placement_group_config)
 
     @property
     def late_binding_on(self) -> bool:
@@ -138,6 +162,7 @@ class BatchGenProcessorConfig:
                 not isinstance(v, (int, float)) or v < 0 for v in dict(self.resources).values()):
             raise ValueError(f"resources={self.resources!r}: amounts must be numbers >= 0")
         make_engine_config(self.model_source, **self.all_engine_kwargs)  # TypeError on typos
+        _ = self.placement  # ValueError on a group that cannot hold the ranks
         if self.task_type != "generate":
             from batchgen_data.connectors.pooling_rows import check_task, default_pooling_params
             check_task(self.task_type)
@@ -199,6 +224,13 @@ class BatchGenProcessorConfig:
             kw["num_gpus"] = self.num_gpus
         if self.resources:
             kw["resources"] = dict(self.resources)
+        placement = self.placement
+        if placement is not None:  # rank 0 in bundle 0 of a group of its own
+            bundles, strategy = placement
+            kw.pop("num_gpus", None)
+            kw.pop("resources", None)
+            kw.update(ray_placement.actor_resources(bundles[0]))
+            kw["ray_remote_args_fn"] = ray_placement.remote_args_fn(bundles, strategy)
         if self.accelerator_type is not None:
             kw["accelerator_type"] = self.accelerator_type
         if self.runtime_env is not None:

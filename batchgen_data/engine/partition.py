@@ -349,6 +349,9 @@ def _check(config: EngineConfig, size: int) -> EngineConfig:
                          "a group start with one device each (the group sets the TP size)")
     if config.parts_builder is not None:
         raise ValueError("parts_builder: an engine group re-shards real model weights")
+    if config.distributed_executor_backend == "ray":
+        raise ValueError("distributed_executor_backend='ray': an engine group runs its engines "
+                         "as processes on this node ('mp')")
     if config.cache.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: an engine group "
                          "re-splits KV caches in the model's dtype only (docs/parallel.md)")

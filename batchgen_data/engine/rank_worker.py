@@ -1,6 +1,7 @@
 """A tensor-parallel engine's rank > 0: `python -m batchgen_data.engine.rank_worker RANK SIZE
-PORT DEVICE_TYPE TIMEOUT_S EXPERT_PARALLEL [ROLE]`, the engine config on stdin
-(`distributed/launch.py` starts it).
+HOST PORT DEVICE_TYPE TIMEOUT_S EXPERT_PARALLEL ROLE`, the engine config on stdin
+(`distributed/launch.py` starts it), or `serve` called in a Ray actor
+(`connectors/ray_ranks.py`).
 
 Role "rank" (the default): it builds the same engine parts as rank 0, for its rank (its shard of
 the weights and the KV cache), then serves rank 0's broadcasts (`TPRunner.serve`). Role
@@ -13,6 +14,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen_data.distributed.launch import RankArgs
 
 
 def _exit_when_rank0_goes(stdin: object) -> None:
@@ -23,25 +28,32 @@ def _exit_when_rank0_goes(stdin: object) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from batchgen_data.distributed import launch
+
+    config = launch.read_config(sys.stdin.buffer)
+    threading.Thread(target=_exit_when_rank0_goes, args=(sys.stdin.buffer,), daemon=True).start()
+    return serve(config, launch.RankArgs.from_argv(argv))
+
+
+def serve(config: object, args: "RankArgs", own_host: str = "127.0.0.1",
+          num_threads: int | None = None) -> int:
+    """Join rank 0 and serve it until it says stop (or the process ends). `own_host`: the
+    address the other ranks reach this one at; `num_threads`: the CPU threads this rank may use
+    (None: the cores shared between the ranks of this node)."""
     import torch
 
     from batchgen_data.distributed import launch
     from batchgen_data.engine.setup import build_parts
 
-    rank, size, port = (int(a) for a in argv[:3])
-    device_type, timeout_s, expert_parallel = argv[3], float(argv[4]), argv[5] == "1"
-    role = argv[6] if len(argv) > 6 else "rank"
-    config = launch.read_config(sys.stdin.buffer)
-    threading.Thread(target=_exit_when_rank0_goes, args=(sys.stdin.buffer,), daemon=True).start()
-    # one process per device: share the CPU's cores between the ranks unless told
-    torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // size))
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)  # NCCL's collectives run on this rank's device
-    ranks = launch.join(rank, size, port, device_type, timeout_s, expert_parallel, role)
-    if role == "engine":
+    threads = config.num_threads or num_threads  # type: ignore[attr-defined]
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // args.size))
+    if args.device_type == "cuda":  # NCCL's collectives run on this rank's device
+        torch.cuda.set_device(args.rank if args.device_index is None else args.device_index)
+    ranks = launch.join(args, own_host)
+    if args.role == "engine":
         from batchgen_data.engine import partition_worker
 
-        partition_worker.serve(config, ranks, device_type)
+        partition_worker.serve(config, ranks, args.device_type)
         return 0
     parts = build_parts(config, ranks)
     parts.runner.serve()

@@ -96,7 +96,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
                          "whole layers")
     if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (engine/tp_runner.py)
         ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
-        device = tp_runner.rank_device(device, ranks.rank)
+        device = tp_runner.rank_device(device, ranks.rank, ranks.device_index)
     tp = ranks.tp if ranks is not None else parallel.current()
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config),
                                   config.cache.kv_cache_dtype)

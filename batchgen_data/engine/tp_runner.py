@@ -223,11 +223,15 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
     if quantized:
         raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
                          "yet (docs/parallel.md)")
-    if device.type == "cuda" and torch.cuda.device_count() < size:
+    if device.type == "cuda" and torch.cuda.device_count() < size and \
+            getattr(config, "distributed_executor_backend", None) != "ray":  # a GPU per actor
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
                          f"{torch.cuda.device_count()} visible")
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """One device per rank: rank r on cuda:r; on the CPU they share the host."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, rank: int, index: int | None = None) -> torch.device:
+    """One device per rank: rank r on cuda:r, or on cuda:`index` where its launcher says
+    (a Ray rank sees only its own GPU); on the CPU they share the host."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank if index is None else index)

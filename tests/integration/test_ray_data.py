@@ -12,7 +12,9 @@ import os
 import re
 import subprocess
 import sys
+import gc
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,123 @@ def test_a_tensor_parallel_actor_and_its_restart(ray_local: None, model: str, ll
     assert flag.exists()
     assert sorted(r["id"] for r in got) == [r["id"] for r in good]
     check_good(got, good, expected(llm, good))
+
+
+class RanksInGroup(BatchGenPredictor):
+    """Fails its construction unless its engine is two ranks, rank 1 a Ray actor in bundle 1 of
+    the placement group this actor runs in (bundle 0)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        from ray.util import get_current_placement_group
+
+        runner = self.driver.engine.runner
+        assert type(runner).__name__ == "TPRunner" and runner.ranks.size == 2, runner
+        (rank1,) = runner.ranks.handles
+        assert type(rank1).__name__ == "_RayRank", rank1
+        pg = get_current_placement_group()
+        assert pg is not None and len(pg.bundle_specs) == 2
+        table = ray.util.placement_group_table(pg)
+        assert table["strategy"] == "PACK", table
+
+
+class RanksInGroupDieOnce(RanksInGroup):
+    """`RanksInGroup` whose first actor's engine dies at its first step (`DiesOnce`)."""
+
+    def __init__(self, flag: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+
+        def step() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        self.driver.engine.step = step
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_processor_places_its_ranks_in_a_group(
+        ray_local: None, model: str, llm: LLM, tmp_path: Path) -> None:
+    """`build_processor` with `tensor_parallel_size=2` (ray.data.llm's way): each engine actor
+    gets a placement group of two bundles (PACK), sits in bundle 0 as rank 0, and its engine
+    starts rank 1 as a Ray actor in bundle 1 (`distributed_executor_backend="ray"`); rows equal
+    the one-device offline engine's. Then an engine that dies at its first step: the actor
+    restarts in its group, starts a new rank 1 there, and every row comes back once."""
+    good = good_rows()[:8]
+    want = expected(llm, good)
+
+    def through(predictor: type, **kw: Any) -> list[dict[str, Any]]:
+        config = BatchGenProcessorConfig(
+            model_source=model, batch_size=4, concurrency=1, num_cpus=0.5,
+            sampling_params=DEFAULTS, apply_chat_template=True,
+            engine_kwargs=dict(ENGINE, tensor_parallel_size=2))
+        processor = build_processor(config)
+        processor.predictor, processor.predictor_kwargs = predictor, kw
+        return processor(ray.data.from_items(good)).take_all()
+
+    got = through(RanksInGroup)
+    assert sorted(r["id"] for r in got) == [r["id"] for r in good]
+    check_good(got, good, want)
+    (first,) = own_groups()  # kept until the next engine actor starts (Ray Data says no "done")
+    gc.collect()  # the finished Dataset lets its actor go
+    wait_for(lambda: bundle_free(first), 120)
+    flag = tmp_path / "died"
+    got = through(RanksInGroupDieOnce, flag=str(flag))
+    assert flag.exists()
+    assert sorted(r["id"] for r in got) == [r["id"] for r in good]
+    check_good(got, good, want)
+    # the first job's group went when this job's actor started; this job's one is left
+    (second,) = own_groups()
+    assert second != first
+    ray.util.remove_placement_group(ray.util.get_placement_group(second))
+
+
+def bundle_free(name: str) -> bool:
+    """Whether bundle 0 of the named group has no actor in it."""
+    pg = ray.util.get_placement_group(name)
+    free = ray.available_resources()
+    return free.get(f"CPU_group_0_{pg.id.hex()}", 0.0) >= pg.bundle_specs[0]["CPU"]
+
+
+def wait_for(cond: Any, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def own_groups() -> list[str]:
+    """The placement groups `build_processor` made that are still there."""
+    from batchgen_data.connectors.ray_placement import GROUP_PREFIX
+
+    return [g["name"] for g in ray.util.placement_group_table().values()
+            if g["name"].startswith(GROUP_PREFIX) and g["state"] != "REMOVED"]
+
+
+def test_ray_ranks_need_a_placement_group(ray_local: None, model: str) -> None:
+    """`distributed_executor_backend="ray"` in a Ray task placed in no group, or in a group too
+    small, is refused by name before any weight loads."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0.25)
+    def build() -> str:
+        try:
+            LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+        except ValueError as exc:
+            return str(exc)
+        return "built"
+
+    assert "runs in no placement group" in ray.get(build.remote(), timeout=120)
+    pg = ray.util.placement_group([{"CPU": 0.25}])
+    try:
+        ray.get(pg.ready(), timeout=60)
+        placed = build.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote()
+        assert "the placement group has 1 bundles" in ray.get(placed, timeout=120)
+    finally:
+        ray.util.remove_placement_group(pg)
 
 
 def test_importing_the_predictor_adds_the_row_streaming_rule_once() -> None:

@@ -231,6 +231,40 @@ def test_map_batches_rows_equal_offline_with_actors_on_both_nodes(
     assert_from_the_wheel({r["package"] for r in got}, wheel_package)
 
 
+class RanksOnNodes(OnNode):
+    """`OnNode` whose rows also carry the node of its engine's rank 1 (a Ray actor)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        (rank1,) = self.driver.engine.runner.ranks.handles
+        self.rank1_node = ray.get(rank1.actor.node_id.remote(), timeout=60)
+
+    def __call__(self, batch: Any) -> Iterator[pa.Table]:
+        for table in super().__call__(batch):
+            yield table.append_column("rank1_node",
+                                      pa.array([self.rank1_node] * table.num_rows, pa.string()))
+
+
+def test_a_tensor_parallel_engine_spans_both_nodes(cluster: TwoNodeRay, model: str,
+                                                    wheel_package: Path) -> None:
+    """`tensor_parallel_size=2` through `build_processor`: the actor's placement group has a
+    bundle per rank, each asking for the engine resource every node has once, so PACK must put
+    rank 0 on one node and rank 1 on the other; the ranks meet over gloo at their nodes'
+    addresses, and the rows equal the one-device offline engine's."""
+    rows = make_rows(12, seed=5)
+    config = BatchGenProcessorConfig(model_source=model, batch_size=BATCH, concurrency=1,
+                                     engine_kwargs={"max_model_len": 128, "max_num_seqs": 8,
+                                                    "tensor_parallel_size": 2},
+                                     apply_chat_template=False, resources=ONE_PER_NODE)
+    processor = build_processor(config)
+    processor.predictor = RanksOnNodes
+    got = processor(ray.data.from_items(rows)).take_all()
+    assert_offline_equal(offline(model, rows), got)
+    (rank0,), (rank1,) = {r["node"] for r in got}, {r["rank1_node"] for r in got}
+    assert {rank0, rank1} == {cluster.head, cluster.worker}
+    assert_from_the_wheel({r["package"] for r in got}, wheel_package)
+
+
 def test_a_running_sequence_moves_to_the_other_node_with_its_kv(
         cluster: TwoNodeRay, model: str) -> None:
     job = f"t-{uuid.uuid4().hex}"

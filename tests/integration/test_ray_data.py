@@ -325,6 +325,65 @@ def own_groups() -> list[str]:
             if g["name"].startswith(GROUP_PREFIX) and g["state"] != "REMOVED"]
 
 
+def test_a_killed_ray_rank_ends_the_engine_with_its_reason(ray_local: None, model: str,
+                                                          llm: LLM) -> None:
+    """An engine whose rank 1 is a Ray actor (in bundle 1 of the group its rank 0 runs in):
+    its tokens equal the one-device engine's; with rank 1's actor killed, the next steps end
+    the engine with EngineDeadError naming the rank and Ray's reason, within seconds, and
+    every later call says so again."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0.25)
+    class Rank0:
+        def __init__(self) -> None:
+            self.llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray",
+                           **ENGINE)
+            self.engine = self.llm.engine
+
+        def greedy(self, prompt: list[int], n: int) -> list[int]:
+            out = self.llm.generate([{"prompt_token_ids": prompt}],
+                                    SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                    use_tqdm=False)
+            return list(out[0].outputs[0].token_ids)
+
+        def kill_rank_then_step(self) -> tuple[str, float, str]:
+            from batchgen_data.engine.driver import EngineDeadError
+            self.engine.submit([5, 6, 7], SamplingParams(max_tokens=50, temperature=0))
+            self.engine.step()
+            ray.kill(self.engine.runner.ranks.handles[0].actor)
+            t0 = time.monotonic()
+            try:
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            except EngineDeadError as exc:
+                first = str(exc)
+            else:
+                return "", 0.0, ""
+            took = time.monotonic() - t0
+            try:
+                self.engine.step()
+            except EngineDeadError as exc:
+                return first, took, str(exc)
+            return first, took, ""
+
+    pg = ray.util.placement_group([{"CPU": 0.25}, {"CPU": 0.25}])
+    try:
+        ray.get(pg.ready(), timeout=60)
+        rank0 = Rank0.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote()
+        prompt = [11, 12, 13, 14]
+        want = llm.generate([{"prompt_token_ids": prompt}],
+                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        assert ray.get(rank0.greedy.remote(prompt, 6), timeout=120) == list(want)
+        first, took, again = ray.get(rank0.kill_rank_then_step.remote(), timeout=180)
+        assert "rank 1 (a Ray actor) died" in first, first
+        assert took < 30.0, took
+        assert again, "a dead engine must stay dead"
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
 def test_ray_ranks_need_a_placement_group(ray_local: None, model: str) -> None:
     """`distributed_executor_backend="ray"` in a Ray task placed in no group, or in a group too
     small, is refused by name before any weight loads."""

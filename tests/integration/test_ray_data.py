@@ -178,21 +178,26 @@ def test_raw_prompts_without_the_chat_template(ray_local: None, model: str, llm:
     assert any(raw[i].prompt_token_ids != chat[i].prompt_token_ids for i in raw)
 
 
+def die_once(predictor: BatchGenPredictor, flag: str) -> None:
+    """Kill `predictor`'s engine at the first step of the job, as a CUDA error would; only the
+    first actor built does so (an exclusive flag file), so the restarted one serves the retry."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+
+    def step() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    predictor.driver.engine.step = step
+
+
 class DiesOnce(BatchGenPredictor):
-    """Kills its engine at the first step of the job, as a CUDA error would; only the first
-    actor built does so (an exclusive flag file), so the restarted one serves the retry."""
+    """The predictor, its engine killed at the first step of the first actor (`die_once`)."""
 
     def __init__(self, flag: str, **kw: Any) -> None:
         super().__init__(**kw)
-        try:
-            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
-
-        def step() -> None:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-        self.driver.engine.step = step
+        die_once(self, flag)
 
 
 def test_a_dead_engine_restarts_the_actor_and_loses_no_row(ray_local: None, model: str,
@@ -251,19 +256,11 @@ class RanksInGroup(BatchGenPredictor):
 
 
 class RanksInGroupDieOnce(RanksInGroup):
-    """`RanksInGroup` whose first actor's engine dies at its first step (`DiesOnce`)."""
+    """`RanksInGroup` whose first actor's engine dies at its first step (`die_once`)."""
 
     def __init__(self, flag: str, **kw: Any) -> None:
         super().__init__(**kw)
-        try:
-            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
-
-        def step() -> None:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-        self.driver.engine.step = step
+        die_once(self, flag)
 
 
 @pytest.mark.slow

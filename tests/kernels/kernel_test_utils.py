@@ -37,3 +37,16 @@ def assert_close_sum(actual: torch.Tensor, expected: torch.Tensor, k: int,
     """``assert_close`` with `reduction_tolerance`: for results that are sums of ``k`` terms."""
     atol, rtol = reduction_tolerance(expected, k, scale)
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def shuffled_block_tables(seq_lens: list[int], block_size: int, spare: int
+                          ) -> tuple[torch.Tensor, int]:
+    """Block tables [seqs, max blocks + 1] int32 for sequences of `seq_lens` tokens, each block
+    a random one of `num_blocks` (the blocks they need plus `spare`), and `num_blocks`."""
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + spare
+    owners = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
+    for i, count in enumerate(per_seq):
+        tables[i, :count] = torch.tensor([owners.pop() for _ in range(count)])
+    return tables, num_blocks

@@ -15,6 +15,7 @@ from batchgen_data.kernels import (  # noqa: E402
     reference,
     write_kv_cache,
 )
+from kernel_test_utils import shuffled_block_tables  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 KV_HEADS = 2
@@ -64,12 +65,7 @@ def test_write_from_fp16() -> None:
 
 
 def _fp8_cache(seq_lens: list[int], block_size: int, head_dim: int):
-    per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    owners = torch.randperm(num_blocks).tolist()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
-    for i, count in enumerate(per_seq):
-        tables[i, :count] = torch.tensor([owners.pop() for _ in range(count)])
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare=2)
     shape = (num_blocks, block_size, KV_HEADS, head_dim)
     # codes over the whole e4m3 range (subnormals included), never NaN
     k = (torch.randn(shape) * 60).clamp(-448, 448).to(FP8)

@@ -17,7 +17,7 @@ from batchgen_data.kernels import (  # noqa: E402
 )
 from batchgen_data.kernels._attention_checks import prefill_tiles  # noqa: E402
 from batchgen_data.kernels._checks import tile  # noqa: E402
-from kernel_test_utils import assert_close  # noqa: E402
+from kernel_test_utils import assert_close, shuffled_block_tables  # noqa: E402
 
 # new tokens after cached prefixes of 40, 0, 8 and 24 tokens, and a sequence with none this step
 SEQ_LENS, Q_LENS = [70, 23, 9, 41, 12], [30, 23, 1, 17, 0]
@@ -25,12 +25,7 @@ SEQ_LENS, Q_LENS = [70, 23, 9, 41, 12], [30, 23, 1, 17, 0]
 
 def _batch(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, block_size: int = 16):
     """(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens), blocks shuffled."""
-    per_seq = [-(-n // block_size) for n in SEQ_LENS]
-    num_blocks = sum(per_seq) + 3
-    owners = torch.randperm(num_blocks).tolist()
-    tables = torch.zeros(len(SEQ_LENS), max(per_seq) + 1, dtype=torch.int32)
-    for i, count in enumerate(per_seq):
-        tables[i, :count] = torch.tensor([owners.pop() for _ in range(count)])
+    tables, num_blocks = shuffled_block_tables(SEQ_LENS, block_size, spare=3)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     cu = torch.tensor([0] + Q_LENS).cumsum(0).to(torch.int32)

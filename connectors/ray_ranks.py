@@ -9,8 +9,9 @@ meet at rank 0's store on rank 0's node address, and gloo listens on each rank's
 address, so the group works across nodes.
 
 Lifetimes: a rank actor is owned by rank 0's process, so Ray kills it when rank 0's process
-dies (no orphan, as the "mp" ranks' stdin watchdog does); rank 0 sees a rank's death as its
-`serve` call ending (`ray.wait`), with Ray's reason; `stop` kills the actor.
+dies (no orphan, as the "mp" ranks' stdin watchdog does); rank 0 sees a rank's end in the
+answer to its last `status` call: Ray's reason when the actor died, the traceback when the rank
+failed; `stop` kills the actor.
 
 The engine reaches this module by name (`distributed/launch.py`): only connectors import Ray.
 A rank actor imports this module (its class), the engine and the model: no row connector.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import threading
+import traceback
 from typing import Any
 
 from batchgen_data.distributed.launch import RankArgs
@@ -31,14 +34,32 @@ def _rank_actor() -> Any:
     if _ACTOR is None:
         import ray
 
-        @ray.remote(max_restarts=0, max_concurrency=2)  # `serve` never returns: room for a query
+        @ray.remote(max_restarts=0, max_concurrency=2)
         class _RankActor:
-            """One rank of an engine; `serve` runs until rank 0 stops it or dies."""
+            """One rank of an engine, served on a thread of its own until rank 0 stops it or
+            dies: no Ray task of the actor runs for long, so a rank that ends (killed with
+            rank 0, say) is not reported to the job's driver as a task lost to a system error."""
 
-            def serve(self, args: RankArgs, blob: bytes, num_threads: int | None) -> int:
+            def __init__(self) -> None:
+                self.ended: str | None = None
+
+            def start(self, args: RankArgs, blob: bytes, num_threads: int | None) -> None:
+                threading.Thread(target=self._serve, args=(args, blob, num_threads),
+                                 daemon=True, name="batchgen-rank").start()
+
+            def _serve(self, args: RankArgs, blob: bytes, num_threads: int | None) -> None:
                 from batchgen_data.engine import rank_worker
-                return rank_worker.serve(pickle.loads(blob), args,
-                                         ray.util.get_node_ip_address(), num_threads)
+                try:
+                    code = rank_worker.serve(pickle.loads(blob), args,
+                                             ray.util.get_node_ip_address(), num_threads)
+                    self.ended = f"returned {code}"
+                except BaseException:  # a rank that fails to load or serve
+                    self.ended = f"failed: {traceback.format_exc()[-2000:]}"
+                    raise
+
+            def status(self) -> str | None:
+                """None while the rank serves; else how it ended."""
+                return self.ended
 
             def node_id(self) -> str:
                 return ray.get_runtime_context().get_node_id()
@@ -48,19 +69,25 @@ def _rank_actor() -> Any:
 
 
 class _RayRank:
-    def __init__(self, actor: Any, done: Any) -> None:
-        self.actor, self.done = actor, done  # done: the ObjectRef of its `serve` call
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._asked = actor.status.remote()  # the answer rank 0 checks next
 
     def exit_status(self) -> str | None:
+        """Never waits: the last `status` asked, if answered (then asked again)."""
         import ray
 
-        ready, _ = ray.wait([self.done], timeout=0)
+        ready, _ = ray.wait([self._asked], timeout=0)
         if not ready:
             return None
         try:
-            return f"(a Ray actor) returned {ray.get(self.done)}"
+            ended = ray.get(self._asked)
         except Exception as exc:  # the actor died: Ray says why (node lost, killed, OOM...)
             return f"(a Ray actor) died: {str(exc)[-2000:]}"
+        if ended is not None:
+            return f"(a Ray actor) {ended}"
+        self._asked = self.actor.status.remote()
+        return None
 
     def stop(self, deadline: float) -> None:
         import ray
@@ -107,5 +134,5 @@ class RayRanks:
         # a GPU actor sees only its bundle's GPU, as cuda:0; a CPU rank takes the bundle's
         # CPUs as its threads (at least one)
         threads = None if gpus else max(1, int(cpus))
-        done = actor.serve.remote(dataclasses.replace(args, device_index=0), blob, threads)
-        return _RayRank(actor, done)
+        actor.start.remote(dataclasses.replace(args, device_index=0), blob, threads)
+        return _RayRank(actor)

@@ -163,3 +163,31 @@ def flat_race(logits: torch.Tensor, listing: Listing, rows: Rows, top: torch.Ten
     win = torch.where(race == best[at_row], cols, big)  # a tie: the lower id
     return torch.full((n,), big, dtype=torch.long, device=logits.device).scatter_reduce_(
         0, at_row, win, "amin")
+
+
+def top_k_by_id(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's ``k`` best of each row (`token_draw`'s top-k), ``vals, ids [N, k]`` best first with ties ranked by
+    token id. ``topk`` alone orders tied values as its kernel happens to, on each device its own
+    way, and a tie across the k-th place may keep a higher id; bf16 logits tie often. So: one
+    ``topk`` of ``k + 1``; a row whose k-th and next values tie takes the tokens above the tie
+    plus the lowest ids of the tie (one compare over that row); then a stable re-rank by id."""
+    vocab = logits.shape[1]
+    vals, ids = logits.topk(min(k + 1, vocab), -1)
+    if vals.shape[1] > k:
+        cross = vals[:, k - 1] == vals[:, k]
+        vals, ids = vals[:, :k].clone(), ids[:, :k].clone()
+        if bool(cross.any()):
+            idx = cross.nonzero().squeeze(1)
+            sub = logits[idx]  # [M, V]
+            cut = vals[idx, k - 1:k]  # [M, 1] the tied value at the k-th place
+            above = sub > cut
+            tied = sub == cut
+            need = k - above.sum(-1, keepdim=True)  # [M, 1] tied tokens to keep
+            keep = above | (tied & (tied.cumsum(-1) <= need))  # exactly k a row, id order
+            cols = keep.nonzero()[:, 1].view(-1, k)
+            ids[idx] = cols
+            vals[idx] = sub.gather(1, cols)
+    by_id = ids.argsort(-1)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)

@@ -53,7 +53,7 @@ import torch
 
 from batchgen_data.engine import candidate_scan
 from batchgen_data.engine.candidate_scan import Listing
-from batchgen_data.engine.candidate_scan import flat_race, padded
+from batchgen_data.engine.candidate_scan import flat_race, padded, top_k_by_id
 from batchgen_data.engine.draw_hash import G_MAX, hash_uniform_at
 from batchgen_data.engine.draw_hash import sample_seed as sample_seed  # the engine imports it here
 
@@ -294,5 +294,5 @@ def top_k_race(logits: torch.Tensor, rows: Rows, k: int,
                race: RaceFn = race_over_candidates) -> torch.Tensor:
     """Tokens ``[N]`` of rows that all have top_k (``<= k``): ``k`` candidates from one
     ``topk``, every truncation exact inside them."""
-    vals, ids = logits.topk(min(k, logits.shape[1]), -1)  # [N, K] best first
+    vals, ids = top_k_by_id(logits, min(k, logits.shape[1]))
     return race(vals, ids, rows, None, True)[0]

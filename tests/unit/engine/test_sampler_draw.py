@@ -292,3 +292,39 @@ def test_logprobs_only_for_the_rows_that_ask(monkeypatch: pytest.MonkeyPatch) ->
     assert set(out.logprobs[1]) == {out.token_ids[1], *top2}
     assert out.logprobs[1][out.token_ids[1]] == pytest.approx(float(lp[out.token_ids[1]]))
     assert Sampler(set())(logits, seqs[:1]).logprobs == [None] and shapes == [(1, 40)]
+
+
+def _rule_draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """token_draw's rule written out over the whole vocabulary, ties ranked by token id (a
+    stable sort of ids already in order): top-k, then top-p over the top-k set, then the race."""
+    vocab = logits.shape[1]
+    ps = [s.params for s in seqs]
+    temp = torch.tensor([[p.temperature] for p in ps])
+    top_k = torch.tensor([[p.top_k if p.top_k > 0 else vocab] for p in ps])
+    top_p = torch.tensor([[p.top_p] for p in ps])
+    scaled = logits / temp
+    srt, idx = scaled.sort(dim=-1, descending=True, stable=True)
+    drop = torch.arange(vocab).unsqueeze(0) >= top_k
+    probs = torch.softmax(srt.masked_fill(drop, float("-inf")), -1)
+    drop |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
+    drop[:, 0] = False
+    kept = torch.full_like(scaled, float("-inf")).scatter(1, idx, srt.masked_fill(drop, float("-inf")))
+    u = hash_uniform(torch.tensor([s.seed for s in seqs]),
+                     torch.tensor([s.num_output_tokens for s in seqs]), vocab)
+    return (kept - torch.log(-torch.log(u))).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_top_k_ties_at_the_cut_keep_the_lower_token_ids(vocab: int) -> None:
+    """Integer logits tie by the dozen (as bf16 logits do): which of the tied tokens at the
+    k-th place top-k keeps, and their order for top-p's mass, follow token ids, not topk's
+    internal order."""
+    gen = torch.Generator().manual_seed(vocab)
+    params = [SamplingParams(top_k=20, top_p=0.9), SamplingParams(top_k=7),
+              SamplingParams(top_k=3, temperature=0.5), SamplingParams(top_k=50, top_p=0.5)]
+    for step in range(30):
+        seqs = _seqs(params)
+        for s in seqs:
+            s.token_ids.extend([4] * step)
+        logits = torch.randint(0, 6, (len(seqs), vocab), generator=gen).float()
+        assert Sampler(set())(logits, seqs).token_ids == _rule_draw(logits, seqs), step

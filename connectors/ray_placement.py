@@ -106,6 +106,19 @@ _MADE: list[Any] = []  # the groups this driver made, until reaped
 _CLAIM = "batchgen-tp-claimed/"  # GCS key of a group whose actor has started
 
 
+def release_groups() -> int:
+    """Remove every placement group this driver made for engine actors, and say how many: for
+    a driver (a notebook) that runs more jobs on the same cluster, once a job's rows are in.
+    An engine actor still in one of them is ended by Ray."""
+    import ray
+
+    count = 0
+    while _MADE:
+        ray.util.remove_placement_group(_MADE.pop())
+        count += 1
+    return count
+
+
 def claim_own_group() -> None:
     """In an engine actor, once its engine is up: mark the group it runs in as claimed, so the
     driver may remove the group once this actor is gone (`_reap`)."""

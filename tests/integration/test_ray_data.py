@@ -27,6 +27,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.ray_data import (  # noqa: E402
     BatchGenPredictor, BatchGenProcessorConfig, build_processor)
+from batchgen_data.connectors.ray_placement import GROUP_PREFIX, release_groups  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -297,7 +298,7 @@ def test_a_tensor_parallel_processor_places_its_ranks_in_a_group(
     # the first job's group went when this job's actor started; this job's one is left
     (second,) = own_groups()
     assert second != first
-    ray.util.remove_placement_group(ray.util.get_placement_group(second))
+    assert release_groups() == 1 and not own_groups()
 
 
 def bundle_free(name: str) -> bool:
@@ -316,7 +317,6 @@ def wait_for(cond: Any, limit_s: float) -> None:
 
 def own_groups() -> list[str]:
     """The placement groups `build_processor` made that are still there."""
-    from batchgen_data.connectors.ray_placement import GROUP_PREFIX
 
     return [g["name"] for g in ray.util.placement_group_table().values()
             if g["name"].startswith(GROUP_PREFIX) and g["state"] != "REMOVED"]

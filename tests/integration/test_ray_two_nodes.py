@@ -45,6 +45,7 @@ from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
 from batchgen_data.connectors.ray_data import (  # noqa: E402
     BatchGenPredictor, BatchGenProcessorConfig, build_processor)
+from batchgen_data.connectors.ray_placement import release_groups  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
 import gated_engine  # noqa: E402
@@ -258,7 +259,10 @@ def test_a_tensor_parallel_engine_spans_both_nodes(cluster: TwoNodeRay, model: s
                                      apply_chat_template=False, resources=ONE_PER_NODE)
     processor = build_processor(config)
     processor.predictor = RanksOnNodes
-    got = processor(ray.data.from_items(rows)).take_all()
+    try:
+        got = processor(ray.data.from_items(rows)).take_all()
+    finally:  # its group holds the engine resource of both nodes: free them for the next tests
+        assert release_groups() == 1
     assert_offline_equal(offline(model, rows), got)
     (rank0,), (rank1,) = {r["node"] for r in got}, {r["rank1_node"] for r in got}
     assert {rank0, rank1} == {cluster.head, cluster.worker}

@@ -246,12 +246,13 @@ def join(args: RankArgs, own_host: str = "127.0.0.1") -> RankGroup:
     return RankGroup(model, control, store, timeout, device_index=args.device_index)
 
 
-def model_group(ranks: RankGroup, tag: str, device_type: str) -> TensorParallel:
+def model_group(ranks: RankGroup, tag: str, device_type: str,
+                expert_parallel: bool = False) -> TensorParallel:
     """Every rank: a new model group over the ranks' store (keys under `tag`, fresh for each
     join), for ranks started with role "engine" when they join one TP engine (on this node:
     engine groups start their ranks with the "mp" backend only)."""
     return _model_group(ranks.store, f"model-{tag}", ranks.rank, ranks.size, device_type,
-                        ranks.timeout)
+                        ranks.timeout, expert_parallel)
 
 
 def read_config(stream: Any) -> Any:

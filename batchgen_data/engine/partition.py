@@ -30,8 +30,11 @@ modelled saving pays for the switch; split when new work queues up behind a wide
 Every wait of rank 0 on another process is bounded by `collective_timeout_s`: a process that
 dies or stalls, between switches or during one, makes the group dead, `EngineDeadError`
 naming the rank and the end of its log, now and on every later call (as a TP engine).
-Not built: more than one TP engine per group (N engines -> N / k engines k wide), MoE models,
-quantized checkpoints, FP8 KV caches, LoRA (each refused by name when the group is built).
+MoE models re-shard their experts as the wide engine runs them: a slice of every expert's
+width, or whole experts per rank with `enable_expert_parallel=True` (the one-device engines
+ignore the flag). Not built: more than one TP engine per group (N engines -> N / k engines k
+wide), quantized checkpoints, FP8 KV caches, LoRA (each refused by name when the group is
+built).
 """
 from __future__ import annotations
 
@@ -358,9 +361,6 @@ def _check(config: EngineConfig, size: int) -> EngineConfig:
     wide = dataclasses.replace(config, tensor_parallel_size=size)  # checks the combination
     path = loader.resolve_model_path(config.model)
     hf_config = loader.load_config(path, config.trust_remote_code)
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        raise ValueError("an engine group of a MoE model: re-sharding experts in memory is "
-                         "not built yet (docs/parallel.md)")
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
                          "yet (docs/parallel.md)")

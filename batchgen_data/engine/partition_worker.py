@@ -62,7 +62,8 @@ class Member:
     def join_group(self, tag: str) -> float:
         """Every rank: the model group of the TP engine (keys under `tag`); its seconds."""
         t0 = time.perf_counter()
-        self.ranks.tp = launch.model_group(self.ranks, tag, self.device_type)
+        self.ranks.tp = launch.model_group(self.ranks, tag, self.device_type,
+                                           self.config.enable_expert_parallel)
         return time.perf_counter() - t0
 
     def narrow(self, pieces: ModelPieces, tag: str) -> tuple[EngineParts, float]:

@@ -13,8 +13,12 @@ head replicated on several ranks is written once per copy (the same values), the
 padding rows and the zero biases of ranks > 0 are skipped.
 
 Weights packed for the CPU kernels (`layers/linear.py` "panels", "onednn") are read back in
-their plain [out, in] form first, by their layer (`plain_weight()`); both models are `finalize`d by the caller. Dense decoders
-only: MoE experts and quantized weights are refused before a re-partition starts.
+their plain [out, in] form first, by their layer (`plain_weight()`); both models are
+`finalize`d by the caller. A MoE block's stacked experts (`w13` [E, 2I, H], `w2` [E, H, I])
+take the loader's stacked cut (`tp_shards.stacked_experts_slice`): a slice of every expert's
+width under tensor parallelism, whole experts under expert parallelism; the router and a
+shared expert follow the dense rules. Quantized weights are refused before a re-partition
+starts.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from batchgen_data.layers import parallel
 from batchgen_data.models import tp_shards
 
 _FUSED = ("qkv_proj", "gate_up_proj")
+_EXPERTS = ("w13", "w2")
 
 
 def plain_weight(module: nn.Module, leaf: str) -> torch.Tensor:
@@ -56,6 +61,11 @@ def _pieces(full_module: nn.Module, name: str, tensor: torch.Tensor
     return list(enumerate(tensor.split(full_module.shard_sizes, dim=0)))
 
 
+def _experts(module: nn.Module, leaf: str) -> bool:
+    """`module.<leaf>` is a MoE block's stack of experts."""
+    return leaf in _EXPERTS and hasattr(module, "num_experts") and hasattr(module, "w13")
+
+
 def narrow_into(shard: nn.Module, full: nn.Module) -> None:
     """Fill every parameter of `shard` with its slice of `full`'s (see the module docstring)."""
     with torch.no_grad():
@@ -63,8 +73,11 @@ def narrow_into(shard: nn.Module, full: nn.Module) -> None:
             owner, _, leaf = name.rpartition(".")
             src_module = full.get_submodule(owner)
             src = plain_weight(src_module, leaf)
-            parts = [tp_shards.rank_slice(shard, name, i, piece)
-                     for i, piece in _pieces(src_module, name, src)]
+            if _experts(src_module, leaf):
+                parts = [tp_shards.stacked_experts_slice(shard.get_submodule(owner), leaf, src)]
+            else:
+                parts = [tp_shards.rank_slice(shard, name, i, piece)
+                         for i, piece in _pieces(src_module, name, src)]
             local = parts[0] if len(parts) == 1 else torch.cat(parts)
             assert local.shape == param.shape, (name, local.shape, param.shape)
             param.copy_(local)
@@ -94,6 +107,39 @@ def _where(view: object, name: str, i: int, shape: torch.Size
     return r[:, 0], c[0] if c.numel() else c.new_zeros(0)
 
 
+def _moe_as_rank(moe: nn.Module, rank: int) -> SimpleNamespace:
+    """What `stacked_experts_slice` reads of a MoE block, as rank `rank` would have it."""
+    tp = parallel.TensorParallel(rank, moe.tp.size)
+    return SimpleNamespace(tp=tp, width_split=moe.width_split, num_experts=moe.num_experts,
+                           first=rank * moe.num_experts)
+
+
+def _expert_where(view: object, leaf: str, shape: torch.Size
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-based experts and width entries (w13: rows, w2: columns) of a full expert stack of
+    `shape` that rank `view` keeps, found by cutting index probes (the hidden size left 1)."""
+    e, a, b = shape
+    dim = 1 if leaf == "w13" else 2
+    probe = [e, a, 1] if leaf == "w13" else [e, 1, b]
+    experts = torch.arange(1, e + 1).view(e, 1, 1).expand(probe)
+    width = torch.arange(1, shape[dim] + 1).view([1, 1, 1][:dim] + [-1] + [1] * (2 - dim))
+    cut = tp_shards.stacked_experts_slice
+    e_idx = cut(view, leaf, experts)[:, 0, 0]  # type: ignore[arg-type]
+    w_idx = cut(view, leaf, width.expand(probe))  # type: ignore[arg-type]
+    w_idx = w_idx[0, :, 0] if dim == 1 else w_idx[0, 0, :]
+    return e_idx - 1, w_idx - 1
+
+
+def _put_experts(full: torch.Tensor, leaf: str, where: tuple[torch.Tensor, torch.Tensor],
+                 got: torch.Tensor) -> None:
+    experts, width = where
+    if leaf == "w13":  # [E, 2I, H]: experts x rows, every column
+        full[experts.view(-1, 1), width.view(1, -1)] = got
+    else:  # [E, H, I]: experts x every row x columns
+        rows = torch.arange(full.shape[1]).view(1, -1, 1)
+        full[experts.view(-1, 1, 1), rows, width.view(1, 1, -1)] = got
+
+
 def gather_into(full: nn.Module, shard: nn.Module,
                 all_gather: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
     """Fill every parameter of `full` from every rank's `shard` (`all_gather(local)`: each
@@ -106,6 +152,13 @@ def gather_into(full: nn.Module, shard: nn.Module,
             here = shard.get_submodule(owner)
             every = all_gather(plain_weight(here, leaf).contiguous())
             _drop(here, leaf)
+            if _experts(here, leaf):
+                for r in range(size):
+                    _put_experts(param.data, leaf,
+                                 _expert_where(_moe_as_rank(here, r), leaf, param.shape),
+                                 every[r])
+                del every
+                continue
             pieces = _pieces(full.get_submodule(owner), name, param.data)
             for r in range(size):  # each rank's slice: its pieces one after the other
                 start = 0

@@ -91,6 +91,46 @@ def test_join_split_and_join_again_keep_every_sequence_and_token(tmp_path: Path)
     assert all(outs[i].outputs[0].finish_reason == "length" for i in ids)
 
 
+@pytest.mark.parametrize("arch,ep", [("qwen2_moe", False), ("qwen3_moe", True)],
+                         ids=["qwen2_moe-tp", "qwen3_moe-ep"])
+def test_moe_engines_join_and_split_with_their_experts_resharded(
+        arch: str, ep: bool, tmp_path: Path) -> None:
+    """MoE engines join: every expert's width split over the ranks (Qwen2-MoE, with its shared
+    expert), or whole experts per rank (Qwen3-MoE with `enable_expert_parallel`, a dense layer
+    mixed in); then split back (each expert all-gathered whole). Greedy tokens equal HF
+    `generate`."""
+    from tests.integration.test_moe_vs_hf import build_moe_model
+
+    torch.set_num_threads(1)
+    tok = build_tokenizer(tmp_path)
+    build_moe_model(arch, tmp_path, vocab=len(tok) + 3)
+    want = _want(tmp_path, ROWS)
+    policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
+    group = EngineGroup.from_kwargs(str(tmp_path), policy=policy, enable_expert_parallel=ep,
+                                    **KW)
+    outs: dict[str, RequestOutput] = {}
+    try:
+        experts = group.engine.runner.model.moe
+        ids = [group.submit(p, greedy(n)) for p, n in ROWS]
+        while group.width == 1:
+            outs.update((o.request_id, o) for o in group.step())
+        layer = group.engine.runner.model.moe_layers[0]
+        if ep:  # half the experts each, whole
+            assert layer.w13.shape[:2] == (experts.num_experts // 2, 2 * experts.intermediate)
+        else:  # every expert, half its width
+            assert layer.w13.shape[:2] == (experts.num_experts, experts.intermediate)
+        outs.update((o.request_id, o) for o in group.step())
+        group.split()
+        assert group.engine.runner.model.moe_layers[0].w13.shape[:2] == (
+            experts.num_experts, 2 * experts.intermediate)  # whole again
+        while group.has_unfinished():
+            outs.update((o.request_id, o) for o in group.step())
+    finally:
+        group.close()
+    assert [s.direction for s in group.switches][:2] == ["join", "split"]
+    assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
+
+
 def test_a_rank_killed_during_the_switch_fails_the_group_fast(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     path = _model(tmp_path, "llama", num_key_value_heads=2)

@@ -1,7 +1,9 @@
 """Re-sharding in memory (models/reshard.py), without processes: a full model narrowed to rank
 r's shard equals the shard the loader cuts from the checkpoint, and the ranks' shards gathered
 back (two threads standing for the ranks) give the full weights bit for bit, for the packed
-CPU layouts and the plain one, split and replicated KV heads, tied and odd vocabularies."""
+CPU layouts and the plain one, split and replicated KV heads, tied and odd vocabularies, and
+MoE models' stacked experts (sliced in width, or whole per rank under expert parallelism)
+with a shared expert and a dense layer mixed in."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +22,7 @@ from tests.conftest import build_tiny_model, build_tokenizer
 
 CASES = {"llama": dict(num_key_value_heads=2), "qwen2": dict(num_key_value_heads=1),
          "qwen3": dict(num_key_value_heads=2)}
+MOE = ("qwen3_moe", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,13 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         path = tmp_path_factory.mktemp(f"reshard-{arch}")
         tok = build_tokenizer(path)
         build_tiny_model(arch, path, vocab_size=len(tok) + 1, **overrides)  # odd vocabulary
+        out[arch] = path
+    from tests.integration.test_moe_vs_hf import build_moe_model
+
+    for arch in MOE:
+        path = tmp_path_factory.mktemp(f"reshard-{arch}")
+        tok = build_tokenizer(path)
+        build_moe_model(arch, path, vocab=len(tok) + 1)
         out[arch] = path
     return out
 
@@ -55,21 +65,28 @@ def _plain(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if getattr(module, leaf, None) is not None or (
                     leaf == "weight" and getattr(module, "packed", None) is not None):
                 out[f"{name}.{leaf}"] = reshard.plain_weight(module, leaf).clone()
+        for leaf in ("w13", "w2"):  # a MoE block's stacked experts
+            if isinstance(getattr(module, leaf, None), torch.Tensor):
+                out[f"{name}.{leaf}"] = getattr(module, leaf).detach().clone()
     return out
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", "panels"), ("llama", "onednn"),
-                                         ("llama", "plain"), ("qwen2", "panels"),
-                                         ("qwen3", "plain")])
-def test_narrow_then_gather_is_exact(arch: str, layout: str, dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("arch,layout,ep", [
+    ("llama", "panels", False), ("llama", "onednn", False), ("llama", "plain", False),
+    ("qwen2", "panels", False), ("qwen3", "plain", False), ("qwen3_moe", "panels", False),
+    ("qwen3_moe", "plain", True), ("qwen2_moe", "plain", False), ("qwen2_moe", "panels", True)])
+def test_narrow_then_gather_is_exact(arch: str, layout: str, ep: bool,
+                                     dirs: dict[str, Path]) -> None:
     if layout == "panels" and not cpu_linear.panel_gemm_available():
         pytest.skip("the panel kernel does not run here")
     kernels = layout
     path = dirs[arch]
     want = _plain(_model(path, kernels))
+    if arch in MOE:
+        assert any(k.endswith(".w13") for k in want) and any(k.endswith(".w2") for k in want)
     shards = []
     for rank in range(2):
-        tp = parallel.TensorParallel(rank, 2)
+        tp = parallel.TensorParallel(rank, 2, expert_parallel=ep)
         shard = _model(path, kernels, tp, load=False)
         reshard.narrow_into(shard, _model(path, kernels))
         loader.finalize(shard)

@@ -109,6 +109,7 @@ def measure(path: Path, tp: int, per_rank: int, batch: int, prompt_len: int, ste
             "model_kib_per_step": round(d["model_bytes"] / steps / 1024, 1),
             "bcast_kib_per_step": round(d["control_bytes"] / steps / 1024, 2),
             "collectives_per_step": round((d["model_calls"] + d["control_calls"]) / steps, 1),
+            "model_calls_per_step": round(d["model_calls"] / steps, 2),
             "collective_share": round((d["model_s"] + d["control_s"]) / total_s, 3),
             "bcast_share": round(d["control_s"] / total_s, 3)}
 
@@ -175,8 +176,13 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/batchgen-bench"))
     ap.add_argument("--kv-move", type=int, default=0, metavar="N",
                     help="also time N sequences' KV moved from a TP=1 to a TP=2 engine")
+    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"],
+                    help="the model's depth (the per-layer count of collectives: run two "
+                         "depths, lab/batchgen_lab/tail_repartition.py fits them)")
     args = ap.parse_args()
-    path = model_dir(args.cache)
+    shape = dict(MODEL, num_hidden_layers=args.layers)
+    path = model_dir(args.cache, shape, "tp-step-llama" if shape == MODEL
+                     else f"tp-step-llama-{args.layers}l")
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     if args.device.startswith("cuda"):
         import torch
@@ -203,7 +209,7 @@ def main() -> None:
         moved = kv_move(path, args.kv_move, args.prompt_len, args.device)
         print(format_table([moved], list(moved)))
     print(json.dumps({"bench": "tp_step", "load_avg_1m": round(load, 2),
-                      "prompt_len": args.prompt_len, "steps": args.steps, "model": MODEL,
+                      "prompt_len": args.prompt_len, "steps": args.steps, "model": shape,
                       "rows": rows, "kv_move": moved}))
 
 

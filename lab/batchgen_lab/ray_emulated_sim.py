@@ -35,12 +35,13 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
              factors: Sequence[float], slots: dict[str, tuple[int, int | None]],
              placement: dict[str, Any], start_at: Sequence[float] | None = None,
              arms: Sequence[str] | None = None,
-             plan: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, Any]]:
+             plan: Sequence[Sequence[int]] | None = None,
+             keep: bool = False) -> dict[str, dict[str, Any]]:
     """{arm: {"sim", "sim_credited", "sim_slots", "sim_home_last"}}; `slots`: arm -> (concurrent
     batches, tasks in flight) as the connector runs it; `start_at`: per actor, when it could
     first take work (None: all at 0); `arms`: default, those of `args.arms`; `plan`: replay
     the batches each actor ran in a Ray run (`sim` and `sim_slots` only; `sim_credited` has no
-    tasks to replay)."""
+    tasks to replay); `keep`: each arm's `sim` run itself under "result" (its `SimResult`)."""
     shape = EngineShape(args.max_num_seqs, args.max_num_batched_tokens, block_size=16)
     arms = list(arms or args.arms.split(","))
     common: dict[str, Any] = dict(slowdown=list(factors), start_at=start_at,
@@ -65,6 +66,8 @@ def sim_bcts(wl: Workload, args: argparse.Namespace, cost: CostModel,
                     "sim_bind_floor": ray_like.tail_floor_s,
                     "sim_home_last": [None if math.isnan(t) else round(t, 2)
                                       for t in ray_like.home_last_s]}
+        if keep:
+            out[arm]["result"] = ray_like
     return out
 
 

@@ -47,6 +47,10 @@ class SimResult:
     # per actor, when the last row it received (its home rows) finished; nan: it got none.
     # What a Ray run measures per actor: a row's result returns through its home task.
     home_last_s: list[float] = field(default_factory=list, repr=False)
+    # per row: the actor that produced its last token (-1: unfinished), and when its input
+    # batch was bound to an actor
+    finished_by: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    bound_at_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     @classmethod
     def collect(cls, c: "Cluster", wall_s: float) -> "SimResult":
@@ -63,7 +67,8 @@ class SimResult:
             rows_finished=int(np.count_nonzero(~np.isnan(c.finish))), sim_wall_s=wall_s,
             tail_floor_s=floor, finish_time=c.finish, traces=[a.trace for a in c.actors],
             home_last_s=home_last(c.finish, np.asarray(c.batch_home)[
-                np.arange(c.wl.num_rows) // c.mode.batch_size], len(c.actors)))
+                np.arange(c.wl.num_rows) // c.mode.batch_size], len(c.actors)),
+            finished_by=c.finished_by.copy(), bound_at_s=bound)
 
     @property
     def utilization(self) -> float:

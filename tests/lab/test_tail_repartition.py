@@ -1,0 +1,77 @@
+"""lab/batchgen_lab/tail_repartition.py: the TP step ratio against the cost model written out by
+hand, the tail's re-partition on a three-row run whose answer is worked out below, and a tiny
+end-to-end run whose arms never beat the critical path their binding leaves."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from batchgen_lab import tail_repartition as tr
+from batchgen_lab.sim.costmodel import PRESETS
+
+COLL = tr.Collectives(2.0, 2.0, "test")
+
+
+def test_tp_ratio_is_the_cost_model_split_by_hand() -> None:
+    c = PRESETS["h200-llama8b"]
+    kv = 4000.0
+    one = c.c0 + c.c_seq + c.c_mem + c.c_tok + c.c_kv * kv
+    calls = 2 * 32 + 2
+    coll = calls * 10e-6 + ((calls - 1) * 4096 * 2 * 1.0 + 128256 * 2 / 2) / 450e9
+    two = c.c0 + c.c_seq + (c.c_mem + c.c_tok + c.c_kv * kv) / 2 + coll
+    got = tr.tp_ratio(c, 2, kv, COLL, 10e-6, 450e9)
+    assert got == pytest.approx(two / one, rel=1e-9)
+    wider = [tr.tp_ratio(c, k, kv, COLL, 10e-6, 450e9) for k in (1, 2, 4, 8)]
+    assert wider[0] == 1.0 and wider == sorted(wider, reverse=True)  # wider is faster here
+    # with a slow link the collectives eat the gain
+    assert tr.tp_ratio(c, 2, kv, COLL, 200e-6, 450e9) > 1.0
+
+
+def test_join_width_takes_fast_actors_a_node_at_most() -> None:
+    assert [tr.join_width(n, 14) for n in (1, 2, 3, 4, 7, 8)] == [8, 4, 4, 2, 2, 1]
+
+
+def _run(finish: list[float], bound: list[float], by: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(finish_time=np.array(finish), bound_at_s=np.array(bound),
+                           finished_by=np.array(by))
+
+
+def test_the_tail_joins_once_its_rows_are_few() -> None:
+    # rows end at 10, 20, 30 s; all bound at 0; 16 actors, actor 1 a 2x straggler
+    factors = [1.0, 2.0] + [1.0] * 14
+    run = _run([10.0, 20.0, 30.0], [0.0, 0.0, 0.0], [0, 0, 1])
+
+    def half(k: int, row: int) -> float:
+        return {2: 0.8, 4: 0.6, 8: 0.5}[k]
+
+    # J=1: joins at 20 s (one row left, 10 s on the straggler = 5 s at a fast pace), 8 wide
+    bct, info = tr.repartitioned_bct(run, factors, 1, 1.0, half)
+    assert info["k"] == 8 and info["t_join"] == 20.0
+    assert bct == pytest.approx(20.0 + 1.0 + 5.0 * 0.5)
+    # J=2: joins at 10 s, two rows 4 wide (15 fast actors // 2 -> 4): row 2 has 10 s left,
+    # row 3 20 s on the straggler = 10 s fast; both at 0.6 after a 1 s pause
+    bct, info = tr.repartitioned_bct(run, factors, 2, 1.0, half)
+    assert info["k"] == 4 and bct == pytest.approx(10.0 + 1.0 + 10.0 * 0.6)
+    # widening: row 2 ends at 17 s, row 3 has 10 - 6/0.6 = 0 s left: it ends with it
+    bct_w, info = tr.repartitioned_bct(run, factors, 2, 1.0, half, widen=True)
+    assert bct_w == pytest.approx(17.0)
+    # rows bound late: the join waits for the last binding
+    late = _run([10.0, 20.0, 30.0], [0.0, 0.0, 25.0], [0, 0, 0])
+    bct, info = tr.repartitioned_bct(late, factors, 2, 1.0, half)
+    assert info["t_join"] == 25.0 and bct == pytest.approx(25.0 + 1.0 + 5.0 * 0.5)
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(300)
+def test_tiny_run_prints_its_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    summary = tr.main(["--actors", "4", "--rows", "192", "--seeds", "2", "--max-num-seqs", "8",
+                       "--batch-size", "4", "--stragglers", "0.25:1.5", "--join-below", "1,2"])
+    out = capsys.readouterr().out
+    assert out.startswith("SIMULATED") and json.loads(out.strip().splitlines()[-1]) == summary
+    assert summary["seeds"] == 2 and summary["goal"] == 0.70
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seed"')]
+    for r in rows:  # a 2 s pause at most 1 row wide on 3 fast actors: J1 may join 2 wide
+        assert r["J1_src_x"] <= r["migrate_x"] + 2.0 / r["tuned_s"] + 1e-3

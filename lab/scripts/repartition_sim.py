@@ -11,6 +11,10 @@ tuned lockstep baseline:
     the CPU's gloo group start is printed beside it), plus the measured seconds per GB of
     weights times one GPU's non-expert weights (narrowed in place when ranks widen, gathered
     back when they narrow), and the KV re-laid at the measured export + import rate.
+With `--collectives` (files holding `benchmarks/tp_step.py` JSON lines at two model depths) the
+`measured` arm's per-step TP collective is re-based on the real engine's too: the count of
+collectives a TP step runs (fitted: calls = a * layers + b) times the preset's sourced time of
+one small NVLink all-reduce, in place of the preset's assumed 2 a layer.
 The measured rates come from the CPU (two cores, gloo, fp32): far slower per byte than H200
 memory and NVLink, so the `measured` arm is a pessimistic bound of what this engine's switch
 would cost at the preset's scale, not a GPU figure. The policy sees the same pause it pays:
@@ -74,11 +78,16 @@ def rates(measured: dict[str, Any]) -> dict[str, float]:
             "switch_s_measured": measured["switch_s"]}
 
 
-def measured_preset(p: EPPreset, r: dict[str, float]) -> EPPreset:
+def measured_preset(p: EPPreset, r: dict[str, float], calls: tuple[float, float] | None = None
+                    ) -> EPPreset:
+    """`p` with the measured switch rates and, given `calls` (per layer, fixed), the TP step's
+    collectives counted as the real engine runs them."""
+    tp_allreduce = p.tp_allreduce if calls is None else (
+        (calls[0] * p.layers + calls[1]) * p.collective_s)
     return dataclasses.replace(
         p, name=f"{p.name}@measured", reshard_s_per_weight_gb_up=r["up_s_per_weight_gb"],
         reshard_s_per_weight_gb_down=r["down_s_per_weight_gb"],
-        reshard_kv_bytes_per_s=r["kv_bytes_per_s"] or None)
+        reshard_kv_bytes_per_s=r["kv_bytes_per_s"] or None, tp_allreduce=tp_allreduce)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,10 +102,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stragglers", default="0.125:1.5")
     ap.add_argument("--mode", default=ARM)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--collectives", default="",
+                    help="comma-separated files holding benchmarks/tp_step.py JSON lines (two "
+                         "depths): the TP step's collectives as the engine runs them")
     args = ap.parse_args(argv)
     r = rates(read_measured(args.measured))
     base = EP_PRESETS[args.preset]
-    calibrated = measured_preset(base, r)
+    calls = None
+    if args.collectives:
+        from batchgen_lab.tail_repartition import Collectives, _json_lines
+
+        fit = Collectives.fit([rec for f in args.collectives.split(",")
+                               for rec in _json_lines(Path(f), "tp_step")])
+        calls = (fit.per_layer, fit.fixed)
+    calibrated = measured_preset(base, r, calls)
     EP_PRESETS[calibrated.name] = calibrated  # worker processes fork after this
     runs: dict[str, dict[str, Any]] = {}
     for arm, preset, modes in (("assumed", base.name, ("static-tuned", args.mode)),
@@ -129,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "rows": args.rows, "seed": args.seed, "seeds": args.seeds,
               "stragglers": args.stragglers, "mode": args.mode, "measured_rates": r,
               "dense_weight_gb_per_gpu": weights_gb,
+              "tp_allreduce_s": {"assumed": base.tp_allreduce,
+                                 "measured": calibrated.tp_allreduce},
+              "collective_calls": calls,
               "bct_s": {rec["arm"]: rec["bct_s"] for rec in records},
               "ratio_vs_tuned": {rec["arm"]: rec["vs_tuned"] for rec in records},
               "bct_s_by_seed": {arm: runs[arm]["bct_s_by_seed"] for arm in runs}}

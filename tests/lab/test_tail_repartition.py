@@ -75,3 +75,32 @@ def test_tiny_run_prints_its_table_and_json(capsys: pytest.CaptureFixture[str]) 
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seed"')]
     for r in rows:  # a 2 s pause at most 1 row wide on 3 fast actors: J1 may join 2 wide
         assert r["J1_src_x"] <= r["migrate_x"] + 2.0 / r["tuned_s"] + 1e-3
+
+
+def test_collectives_fit_and_the_expert_parallel_preset_rebased() -> None:
+    """The TP step's collectives as tp_step.py counted them at two depths (rank 0's model
+    counters: 10 calls at 4 layers, 18 at 8), and the EP preset's per-step TP collective
+    re-based on that count (lab/scripts/repartition_sim.py --collectives)."""
+    import importlib.util
+    from pathlib import Path
+
+    def run(layers: int, calls: float) -> dict[str, object]:
+        return {"model": {"num_hidden_layers": layers},
+                "rows": [{"tp": 2, "model_calls_per_step": calls},
+                         {"tp": 1, "model_calls_per_step": 0.0}]}
+
+    fit = tr.Collectives.fit([run(4, 10.0), run(8, 18.0)])
+    assert (fit.per_layer, fit.fixed) == pytest.approx((2.0, 2.0))
+    with pytest.raises(SystemExit, match="two model depths"):
+        tr.Collectives.fit([run(8, 18.0)])
+    path = Path(__file__).resolve().parents[2] / "lab" / "scripts" / "repartition_sim.py"
+    spec = importlib.util.spec_from_file_location("repartition_sim", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from batchgen_lab.sim.ep_preset import EP_PRESETS
+
+    base = EP_PRESETS["ep-moe-dsv3"]
+    rates = {"up_s_per_weight_gb": 1.0, "down_s_per_weight_gb": 2.0, "kv_bytes_per_s": 1e9}
+    assert mod.measured_preset(base, rates).tp_allreduce == base.tp_allreduce
+    assert mod.measured_preset(base, rates, (2.0, 2.0)).tp_allreduce == pytest.approx(
+        (2 * 61 + 2) * 10e-6)

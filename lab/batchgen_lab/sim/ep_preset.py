@@ -76,6 +76,8 @@ class EPPreset:
     reshard_s_per_weight_gb_down: float = 0.0
     reshard_kv_bytes_per_s: float | None = None  # re-laying the KV; None: `link_bytes_per_s`
     source: str = ""
+    layers: int = 0  # decoder layers (the per-layer collectives of a TP step)
+    collective_s: float = 10e-6  # one small all-reduce over NVLink (sourced), in tp_allreduce
 
     def reshard_pause(self, old_tp: int, new_tp: int, kv_tokens: float) -> float:
         """Seconds a group pauses to go from ranks `old_tp` wide to `new_tp` wide, its busiest
@@ -128,7 +130,7 @@ EP_PRESETS: dict[str, EPPreset] = {
         c_tok=2 * 16.6e9 / _FLOPS, c_seq=5e-6, t_experts=41e9 / _BW, c_moe=2 * 20.4e9 / _FLOPS,
         a2a_fixed=0.5 * 58 * 30e-6, a2a_tok=0.5 * 58 * 313e-6 / 128,
         tp_allreduce=61 * 2 * 10e-6, top_k=8, num_experts=256, kv_bytes_per_token=70_272,
-        dense_weight_bytes=15e9, source="DeepSeek-V3 FP8 on 16 H200 per group; DeepEP README, LMSYS large-scale EP blog"),
+        dense_weight_bytes=15e9, layers=61, source="DeepSeek-V3 FP8 on 16 H200 per group; DeepEP README, LMSYS large-scale EP blog"),
     # Qwen3-235B-A22B (FP8): non-expert ~8 GB, routed 227B / 16 = 14.2 GB per GPU; 8B dense-
     # and 14.2B routed-active; hidden 4096 = 0.57x DeepSeek's, so 0.57x the all-to-all bytes
     "qwen3-235b": EPPreset(
@@ -136,5 +138,5 @@ EP_PRESETS: dict[str, EPPreset] = {
         c_tok=2 * 8e9 / _FLOPS, c_seq=5e-6, t_experts=14.2e9 / _BW, c_moe=2 * 14.2e9 / _FLOPS,
         a2a_fixed=0.5 * 94 * 30e-6, a2a_tok=0.5 * 94 * 0.57 * 313e-6 / 128,
         tp_allreduce=94 * 2 * 10e-6, top_k=8, num_experts=128, kv_bytes_per_token=192_512,
-        dense_weight_bytes=8e9, source="Qwen3-235B-A22B FP8 on 16 H200 per group; DeepEP README scaled by hidden size"),
+        dense_weight_bytes=8e9, layers=94, source="Qwen3-235B-A22B FP8 on 16 H200 per group; DeepEP README scaled by hidden size"),
 }

@@ -30,6 +30,10 @@ class LLM:
         trust = bool(engine_kwargs.get("trust_remote_code", False))
         dp = engine_kwargs.pop("data_parallel_size", None)
         repartition = engine_kwargs.pop("repartition", False)
+        width = engine_kwargs.pop("repartition_width", None)
+        if width is not None and dp in (None, 1):
+            raise ValueError(f"repartition_width={width!r}: the TP width a group of engines "
+                             "joins into; it needs data_parallel_size=N >= 2")
         self.engine: Any
         if pooling_api.uses_pooling(model, runner, trust, engine_kwargs.get("hf_overrides")):
             if engine_kwargs.get("enable_lora"):
@@ -40,7 +44,7 @@ class LLM:
                                  "one engine (several are several LLMs, or Ray actors)")
             self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
         elif dp not in (None, 1) or repartition:
-            self.engine = _engine_group(model, dp, repartition, engine_kwargs)
+            self.engine = _engine_group(model, dp, repartition, engine_kwargs, width)
         else:
             self.engine = Engine.from_kwargs(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
@@ -234,11 +238,11 @@ def _lora_list(lora: Any, n: int) -> list[LoRARequest | None]:
 
 
 def _engine_group(model: str | None, dp: Any, repartition: Any,
-                  engine_kwargs: dict[str, Any]) -> Any:
+                  engine_kwargs: dict[str, Any], width: int | None = None) -> Any:
     """`data_parallel_size=N` engines of one device each on this machine, one process each,
     as one `EngineGroup` (engine/partition.py); `repartition` (True, or a `PartitionPolicy`)
-    lets the group join them into one tensor-parallel engine for a job's tail and split back
-    (docs/parallel.md)."""
+    lets the group join them into tensor-parallel engines for a job's tail and split back
+    (docs/parallel.md): one N wide, or N / k engines k wide with `repartition_width=k`."""
     from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
 
     size = 2 if dp is None else dp
@@ -252,4 +256,5 @@ def _engine_group(model: str | None, dp: Any, repartition: Any,
         policy = repartition
     else:
         raise ValueError(f"repartition={repartition!r}: True, False or a PartitionPolicy")
-    return EngineGroup.from_kwargs(model, size=size, policy=policy, **engine_kwargs)
+    return EngineGroup.from_kwargs(model, size=size, policy=policy, width=width,
+                                   **engine_kwargs)

@@ -255,6 +255,43 @@ def model_group(ranks: RankGroup, tag: str, device_type: str,
                         ranks.timeout, expert_parallel)
 
 
+@dataclass(eq=False)
+class Blocks:
+    """One process's place when an engine group joins its N ranks into N / k TP engines, each
+    k wide (engine/partition.py): block b is ranks [b*k, (b+1)*k), led by its first rank."""
+
+    ranks: RankGroup  # this block's view: model and control groups, block-local rank and size
+    leaders: TensorParallel | None  # ranks 0, k, 2k, ... (a leader's only; None when N == k)
+    block: int
+    width: int
+
+
+def block_groups(ranks: RankGroup, tag: str, width: int, device_type: str,
+                 expert_parallel: bool = False) -> Blocks:
+    """Every rank of a group started with role "engine": the groups of its block of `width`
+    consecutive ranks (keys under `tag` and the block: fresh for each join), and, for a
+    block's first rank, the group of the leaders. Rank 0 waits at most the group's timeout on
+    each; a worker waits on its control groups without end, as on the group's own (its stdin
+    watchdog covers rank 0's death), and a leader's waits on its block's ranks are bounded.
+    Rank 0's view keeps the process handles (its `dead()` and `close()` see every rank); a
+    leader's has none: only rank 0 can tell a process's exit."""
+    rank, size = ranks.rank, ranks.size
+    block, local = divmod(rank, width)
+    model = _model_group(ranks.store, f"model-{tag}-b{block}", local, width, device_type,
+                         ranks.timeout, expert_parallel)
+    control = _control_group(ranks.store, local, width,
+                             ranks.timeout if local == 0 else _FOREVER,
+                             prefix=f"control-{tag}-b{block}")
+    view = RankGroup(model, control, ranks.store, ranks.timeout,
+                     ranks.handles if rank == 0 else [], ranks.device_index)
+    leaders = None
+    if local == 0 and size > width:
+        leaders = _control_group(ranks.store, block, size // width,
+                                 ranks.timeout if rank == 0 else _FOREVER,
+                                 prefix=f"leaders-{tag}")
+    return Blocks(view, leaders, block, width)
+
+
 def read_config(stream: Any) -> Any:
     """What `start` wrote on a worker's stdin."""
     (n,) = struct.unpack("<Q", stream.read(8))
@@ -262,10 +299,10 @@ def read_config(stream: Any) -> Any:
 
 
 def _control_group(store: Any, rank: int, size: int, timeout: timedelta,
-                   host: str = "127.0.0.1") -> TensorParallel:
+                   host: str = "127.0.0.1", prefix: str = "control") -> TensorParallel:
     import torch.distributed as dist
 
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size,
+    control = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                     _gloo_options(timeout, host))
     return TensorParallel(rank, size, control, timeout)
 

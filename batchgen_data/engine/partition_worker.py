@@ -11,8 +11,10 @@ the others (`rank_worker` started with role "engine") alike:
     (`models/reshard.gather_into`), then a one-device engine of its own again.
 `serve` is the loop of a process other than rank 0: while the group runs as separate engines
 it does what rank 0's messages say (submit and import requests, step once, export requests,
-join), and while it is a rank of the TP engine it serves that engine (`TPRunner.serve`) until
-rank 0 releases it.
+join), and while it is a rank of a TP engine it serves that engine (`TPRunner.serve`) until
+the engine's first rank releases it. When a group of N joins into N / k engines k wide, the
+first rank of each block of k (other than rank 0) holds its block's TP engine and `lead`s it
+on rank 0's messages over the leaders' group until the split.
 """
 from __future__ import annotations
 
@@ -58,19 +60,32 @@ class Member:
         self.wide_config = dataclasses.replace(config, tensor_parallel_size=ranks.size)
         self.ranks = ranks
         self.device_type = device_type
+        self.block = ranks  # the ranks of this process's TP engine (all of them when N == k)
+        self.leaders: parallel.TensorParallel | None = None  # a leader's, when N > k
 
-    def join_group(self, tag: str) -> float:
-        """Every rank: the model group of the TP engine (keys under `tag`); its seconds."""
+    def join_group(self, tag: str, width: int | None = None) -> float:
+        """Every rank: the model group of its TP engine (keys under `tag`), `width` ranks wide
+        (None: all of them, one engine); its seconds. Narrower: the groups of this process's
+        block of `width` consecutive ranks, and of the blocks' leaders
+        (`launch.block_groups`)."""
         t0 = time.perf_counter()
-        self.ranks.tp = launch.model_group(self.ranks, tag, self.device_type,
-                                           self.config.enable_expert_parallel)
+        width = width or self.ranks.size
+        self.wide_config = dataclasses.replace(self.config, tensor_parallel_size=width)
+        if width == self.ranks.size:
+            self.block, self.leaders = self.ranks, None
+            self.ranks.tp = launch.model_group(self.ranks, tag, self.device_type,
+                                               self.config.enable_expert_parallel)
+        else:
+            blocks = launch.block_groups(self.ranks, tag, width, self.device_type,
+                                         self.config.enable_expert_parallel)
+            self.block, self.leaders = blocks.ranks, blocks.leaders
         return time.perf_counter() - t0
 
     def narrow(self, pieces: ModelPieces, tag: str) -> tuple[EngineParts, float]:
         """This process's parts of the TP engine (after `join_group`), from `pieces` of an
         engine whose runner (and KV cache) the caller has dropped; the seconds it took."""
         t0 = time.perf_counter()
-        tp = self.ranks.tp
+        tp = self.block.tp
         full, p = pieces.model, pieces
         pieces.model = None  # type: ignore[assignment]  (narrow_into frees it weight by weight)
         with parallel.sharding(tp):
@@ -79,8 +94,9 @@ class Member:
         del full
         loader.finalize(shard)  # the shard's weights into the kernels' layouts
         max_len, pool, held, runner = setup.runner_parts(
-            self.wide_config, shard, p.backend, p.device, p.scheduler_config, self.ranks,
-            blocks_key=f"{tag}/num_kv_blocks", limit_s=self.ranks.timeout.total_seconds())
+            self.wide_config, shard, p.backend, p.device, p.scheduler_config, self.block,
+            blocks_key=f"{tag}/{self.ranks.rank // self.block.size}/num_kv_blocks",
+            limit_s=self.ranks.timeout.total_seconds())
         parts = EngineParts(shard, p.tokenizer, p.device, max_len, pool, held, runner,
                             p.stopper, p.scheduler_config)
         return parts, time.perf_counter() - t0
@@ -92,10 +108,11 @@ class Member:
         shard, p = pieces.model, pieces
         pieces.model = None  # type: ignore[assignment]
         full = loader.build_model(shard.config, p.backend.dtype, p.device, p.backend)
-        reshard.gather_into(full, shard, self.ranks.tp.all_gather)
+        reshard.gather_into(full, shard, self.block.tp.all_gather)
         del shard
         loader.finalize(full)
         self.ranks.tp = parallel.TensorParallel(self.ranks.rank, self.ranks.size)  # unused now
+        self.block, self.leaders = self.ranks, None
         max_len, pool, held, runner = setup.runner_parts(self.config, full, p.backend, p.device,
                                                          p.scheduler_config)
         engine = Engine(self.config, EngineParts(full, p.tokenizer, p.device, max_len, pool,
@@ -135,15 +152,55 @@ def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
         elif kind == "join":
             pieces = ModelPieces.of(engine)
             engine = None  # its runner and KV cache go before the shard is built
-            group_s = member.join_group(msg["tag"])
+            group_s = member.join_group(msg["tag"], msg.get("width"))
             parts, reshard_s = member.narrow(pieces, msg["tag"])
             messages.gather(control, {"group_s": group_s, "reshard_s": reshard_s})
-            parts.runner.serve()  # a rank of the TP engine until rank 0 releases it
-            parts.runner.free()
-            pieces = ModelPieces(parts.model, parts.runner.backend, parts.device,
-                                 parts.tokenizer, parts.stopper, parts.scheduler_config)
-            del parts
+            if member.leaders is not None:  # it leads a block: its TP engine runs here
+                wide = Engine(member.wide_config, parts)
+                del parts
+                if not lead(wide, member.leaders, ranks.rank):
+                    return  # rank 0 closed the group
+                wide.runner.release()  # the block's other ranks leave `serve`
+                pieces = ModelPieces.of(wide)
+                del wide
+            else:
+                parts.runner.serve()  # a rank of the TP engine until its leader releases it
+                parts.runner.free()
+                pieces = ModelPieces(parts.model, parts.runner.backend, parts.device,
+                                     parts.tokenizer, parts.stopper, parts.scheduler_config)
+                del parts
             engine, reshard_s = member.widen(pieces)
             messages.gather(control, {"reshard_s": reshard_s})
+        else:
+            raise RuntimeError(f"unknown message {kind!r} from rank 0")
+
+
+def lead(engine: Engine, leaders: parallel.TensorParallel, rank: int) -> bool:
+    """A block's leader other than rank 0 (a group joined into N / k TP engines): its block's
+    TP engine does what rank 0 says over the leaders' group (submit and import requests, step
+    once, alongside rank 0's own TP engine) until the split, when it sends rank 0 its requests
+    (their KV read whole from the block) and returns True; False when rank 0 closes the
+    group."""
+    while True:
+        msg = messages.receive(leaders)
+        kind = msg["kind"]
+        if kind == "stop":
+            engine.runner.close()  # the block's other ranks leave `serve` (and then exit)
+            return False
+        if kind == "step":
+            mine = msg["work"].get(rank, {})
+            for kw in mine.get("submit", ()):
+                engine.submit(**kw)
+            outs = engine.step()
+            messages.gather(leaders, {"outputs": outs, "load": engine.load(rank)})
+        elif kind == "import":
+            for state in msg["states"].get(rank, ()):
+                engine.import_(state)
+            messages.gather(leaders, {"load": engine.load(rank),
+                                      "tp_size": engine.runner.model.shape.tp.size})
+        elif kind == "split":
+            messages.gather(leaders, {"states": [engine.export(r, include_kv=True)
+                                                 for r in msg["ids"].get(rank, ())]})
+            return True
         else:
             raise RuntimeError(f"unknown message {kind!r} from rank 0")

@@ -62,13 +62,42 @@ def test_group_refusals_come_before_any_process(kwargs: dict, match: str,
         EngineGroup(make_engine_config("unused-model-path", device="cpu"), size=1)
 
 
-def test_group_of_a_moe_model_is_refused_by_name(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_moe_model_passes_the_group_checks(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE groups re-shard their experts (the refusal went): the checks give the TP config."""
     from transformers import Qwen3MoeConfig
+
+    from batchgen_data.engine.partition_policy import check_group
 
     Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                    num_experts=4, num_experts_per_tok=2, vocab_size=100).save_pretrained(tmp_path)
     monkeypatch.setattr(launch, "start", lambda *a, **k: pytest.fail("started a process"))
-    with pytest.raises(ValueError, match="MoE model"):
-        EngineGroup(make_engine_config(str(tmp_path), device="cpu"))
+    wide = check_group(make_engine_config(str(tmp_path), device="cpu"), 4, 2)
+    assert wide.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("size,width", [(4, 3), (4, 1), (4, 8), (6, 4), (4, True), (4, 2.0)])
+def test_a_width_that_does_not_divide_the_group_is_refused_by_name(
+        size: int, width: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "start", lambda *a, **k: pytest.fail("started a process"))
+    with pytest.raises(ValueError, match=f"width={width!r}"):
+        EngineGroup(make_engine_config("unused-model-path", device="cpu"), size=size,
+                    width=width)  # type: ignore[arg-type]
+
+
+def test_the_front_door_refuses_a_bad_width_before_any_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig
+
+    from batchgen_data import LLM
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=100).save_pretrained(tmp_path)
+    monkeypatch.setattr(launch, "start", lambda *a, **k: pytest.fail("started a process"))
+    with pytest.raises(ValueError, match="width=3"):
+        LLM(str(tmp_path), data_parallel_size=4, repartition=True, repartition_width=3,
+            device="cpu")
+    with pytest.raises(ValueError, match="repartition_width=2: .*data_parallel_size"):
+        LLM("unused-model-path", repartition_width=2, device="cpu")

@@ -149,6 +149,10 @@ class EngineConfig:
     # in the bundles of the placement group this engine runs in, on any node; "uni" (one
     # device: no other rank; ray.data.llm's default then) (docs/parallel.md)
     distributed_executor_backend: str | None = None
+    # the CUDA device of each rank ("mp": processes on this node), e.g. (3, 5) for the two GPUs
+    # a Spark task holds; None: rank r on the index of `device` plus r (cuda:0, 1, ... unless
+    # `device` names another first)
+    rank_devices: tuple[int, ...] | None = None
     # vLLM's name: MoE layers keep whole experts per rank instead of a slice of each (one
     # rank: nothing to split; docs/parallel.md)
     enable_expert_parallel: bool = False
@@ -198,6 +202,7 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise TypeError(f"enable_expert_parallel={self.enable_expert_parallel!r}: must be "
                             "True or False")
+        self._check_rank_devices(tp)
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "ray", "uni") or (backend == "uni" and tp > 1):
             raise ValueError(f"distributed_executor_backend={backend!r} with tensor_parallel_size"
@@ -218,6 +223,24 @@ class EngineConfig:
             if used:
                 raise ValueError(f"tensor_parallel_size={tp} with {name}={value!r}: not "
                                  "supported together yet (docs/parallel.md)")
+
+    def _check_rank_devices(self, tp: int) -> None:
+        devs = self.rank_devices
+        if devs is None:
+            return
+        if not isinstance(devs, (list, tuple)) or any(
+                not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
+            raise ValueError(f"rank_devices={devs!r}: a CUDA device index (int >= 0) per rank")
+        if len(devs) != tp or len(set(devs)) != len(devs):
+            raise ValueError(f"rank_devices={devs!r}: {tp} distinct devices, one per rank "
+                             f"(tensor_parallel_size={tp})")
+        if self.device == "cpu" or self.distributed_executor_backend == "ray":
+            raise ValueError(f"rank_devices={devs!r}: CUDA ranks started on this node only "
+                             f"(device={self.device!r}, distributed_executor_backend="
+                             f"{self.distributed_executor_backend!r}; a Ray rank uses the GPU "
+                             "of its bundle)")
+        object.__setattr__(self, "rank_devices", tuple(devs))
+
 
 _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
 

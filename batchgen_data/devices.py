@@ -47,14 +47,29 @@ def pick_device(requested: str = "auto", assigned_gpus: Sequence[str | int] | No
         return "cpu"
     if assigned_gpus is None:
         return "cuda"
-    visible = [d for d in (x.strip() for x in (cuda_visible or "").split(",")) if d and d != "-1"]
     if assigned_gpus:
-        addr = str(assigned_gpus[0]).strip()
-        if visible:
-            return f"cuda:{visible.index(addr)}" if addr in visible else "cuda:0"
-        return f"cuda:{int(addr)}" if addr.isdigit() else "cuda:0"
+        return f"cuda:{cuda_indices(assigned_gpus[:1], cuda_visible)[0]}"
     # no assignment, but the cluster manager limited this worker to some GPUs: they are ours
-    return "cuda:0" if visible else "cpu"
+    return "cuda:0" if _visible(cuda_visible) else "cpu"
+
+
+def _visible(cuda_visible: str | None) -> list[str]:
+    return [d for d in (x.strip() for x in (cuda_visible or "").split(",")) if d and d != "-1"]
+
+
+def cuda_indices(assigned_gpus: Sequence[str | int], cuda_visible: str | None) -> list[int]:
+    """This process's CUDA index of each assigned GPU address (`pick_device`'s mapping): its
+    position in CUDA_VISIBLE_DEVICES when that is set (0 for an address not in it), else the
+    address itself (0 for one that is not a number)."""
+    visible = _visible(cuda_visible)
+    out = []
+    for a in assigned_gpus:
+        addr = str(a).strip()
+        if visible:
+            out.append(visible.index(addr) if addr in visible else 0)
+        else:
+            out.append(int(addr) if addr.isdigit() else 0)
+    return out
 
 
 def resolve_device(name: str) -> torch.device:

@@ -55,11 +55,14 @@ class EngineSpec:
     def base_seed(self) -> int:
         return make_engine_config(self.model, **self.kwargs).seed
 
-    def resolved(self, device: str, num_threads: int | None) -> "EngineSpec":
-        """Fill in device and CPU threads unless the user set them."""
+    def resolved(self, device: str, num_threads: int | None,
+                 rank_devices: list[int] | None = None) -> "EngineSpec":
+        """Fill in device, the ranks' devices and CPU threads unless the user set them."""
         kw = self.kwargs
         if kw.get("device", "auto") == "auto":
             kw["device"] = device
+            if rank_devices is not None and "rank_devices" not in kw:
+                kw["rank_devices"] = tuple(rank_devices)
         if kw["device"] == "cpu" and num_threads and "num_threads" not in kw:
             kw["num_threads"] = num_threads
         return EngineSpec(self.model, tuple(sorted(kw.items())))

@@ -22,7 +22,7 @@ from batchgen_data.connectors import common, row_extras, spark_engine_cache, spa
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark_engine_cache import EngineSpec
 from batchgen_data.connectors.spark_streaming import BatchSizeProbe
-from batchgen_data.devices import cuda_is_available, pick_device
+from batchgen_data.devices import cuda_indices, cuda_is_available, pick_device
 
 DEBUG_FIELD = "engine_max_batch_seqs"
 log = logging.getLogger(__name__)
@@ -78,13 +78,30 @@ def task_driver(settings: TaskSettings) -> spark_engine_cache.DriverLike:
     """This worker's driver for `settings.spec`, placed on the task's device."""
     gpus, cpus = task_resources()
     cuda = cuda_is_available()
-    requested = settings.spec.kwargs.get("device", "auto")
+    kwargs = settings.spec.kwargs
+    requested = kwargs.get("device", "auto")
     device = pick_device(requested, gpus, env.cuda_visible_devices(), cuda)
     if device == "cpu" and cuda and requested == "auto":
         # concurrent tasks must not share one GPU unasked (each engine sizes its KV cache to it)
         log.warning("batchgen: CUDA is available but this Spark task was given no GPU; running "
                     "on the CPU. Set spark.task.resource.gpu.amount=1, or device='cuda'.")
-    return spark_engine_cache.ENGINES.get(settings.spec.resolved(device, cpus))
+    return spark_engine_cache.ENGINES.get(settings.spec.resolved(
+        device, cpus, rank_gpus(kwargs, device, requested, gpus)))
+
+
+def rank_gpus(kwargs: dict[str, Any], device: str, requested: str,
+              gpus: list[str]) -> list[int] | None:
+    """The CUDA devices of a tensor-parallel engine's ranks: the GPUs this task holds, in
+    order (None: one rank, a device the user named, or no GPU). A task that holds fewer GPUs
+    than ranks is refused by name: its engine would take GPUs Spark gave to other tasks."""
+    tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
+    if tp == 1 or requested != "auto" or not device.startswith("cuda") or not gpus:
+        return None
+    if len(gpus) < tp:
+        raise ValueError(f"tensor_parallel_size={tp}: this Spark task holds {len(gpus)} GPU(s) "
+                         f"({gpus}); set spark.task.resource.gpu.amount={tp} so each task "
+                         "holds one GPU per rank")
+    return cuda_indices(gpus[:tp], env.cuda_visible_devices())
 
 
 def value_row(value: Any, column: str | None = None) -> dict[str, Any]:

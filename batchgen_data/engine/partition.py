@@ -66,7 +66,7 @@ from batchgen_data.distributed import launch, messages
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.partition_policy import (PartitionPolicy, SwitchReport, check_group,
                                                    kv_bytes, queued, spread)
-from batchgen_data.engine.partition_worker import Member, ModelPieces
+from batchgen_data.engine.partition_worker import Member, ModelPieces, own_device
 from batchgen_data.layers.parallel import CollectiveError
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.placement import EngineLoad
@@ -104,7 +104,7 @@ class EngineGroup:
         self.member = Member(config, self.ranks, device_type)
         self._dead: str | None = None
         try:
-            self.engine: Engine = Engine(config)  # this process's (rank 0's block's when joined)
+            self.engine: Engine = Engine(own_device(config, 0, device_type))  # this process's (rank 0's block's when joined)
             self.ranks.agree_min("engine_ready", 1)  # the others loaded theirs
         except BaseException:
             self.ranks.close()

@@ -120,11 +120,23 @@ class Member:
         return engine, time.perf_counter() - t0
 
 
+def own_device(config: EngineConfig, rank: int, device_type: str) -> EngineConfig:
+    """The config of process `rank`'s one-device engine: on CUDA its own GPU, cuda:(the index
+    of `device`) + rank, the device it keeps as a rank of a TP engine; the CPU is shared."""
+    if device_type != "cuda":
+        return config
+    from batchgen_data import devices
+    from batchgen_data.engine.tp_runner import rank_device
+
+    dev = rank_device(devices.resolve_device(devices.pick_device(config.device)), rank)
+    return dataclasses.replace(config, device=str(dev))
+
+
 def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
     """A process of the group other than rank 0: its engine, then whatever rank 0 says. Any
     error ends the process, and rank 0 reports the group dead with the end of its log."""
     member = Member(config, ranks, device_type)
-    engine: Engine | None = Engine(config)
+    engine: Engine | None = Engine(own_device(config, ranks.rank, device_type))
     control = ranks.control
     ranks.agree_min("engine_ready", 1)  # rank 0 waits for every engine to load
     while True:

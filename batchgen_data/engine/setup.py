@@ -96,7 +96,10 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
                          "whole layers")
     if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (engine/tp_runner.py)
         ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
-        device = tp_runner.rank_device(device, ranks.rank, ranks.device_index)
+        device = tp_runner.rank_device(device, ranks.rank, ranks.device_index,
+                                       config.rank_devices)
+    elif config.rank_devices is not None:  # one rank: its listed device
+        device = tp_runner.rank_device(device, 0, None, config.rank_devices)
     tp = ranks.tp if ranks is not None else parallel.current()
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config),
                                   config.cache.kv_cache_dtype)

@@ -223,15 +223,24 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
     if quantized:
         raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
                          "yet (docs/parallel.md)")
-    if device.type == "cuda" and torch.cuda.device_count() < size and \
+    listed = getattr(config, "rank_devices", None)
+    last = max(listed) if listed else (device.index or 0) + size - 1
+    if device.type == "cuda" and torch.cuda.device_count() <= last and \
             getattr(config, "distributed_executor_backend", None) != "ray":  # a GPU per actor
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
-                         f"{torch.cuda.device_count()} visible")
+        where = f"rank_devices={listed}" if listed else f"cuda:{device.index or 0} on"
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank, "
+                         f"{where}); {torch.cuda.device_count()} visible")
 
 
-def rank_device(device: torch.device, rank: int, index: int | None = None) -> torch.device:
-    """One device per rank: rank r on cuda:r, or on cuda:`index` where its launcher says
-    (a Ray rank sees only its own GPU); on the CPU they share the host."""
+def rank_device(device: torch.device, rank: int, index: int | None = None,
+                listed: tuple[int, ...] | None = None) -> torch.device:
+    """One device per rank: on cuda:`index` where its launcher says (a Ray rank sees only its
+    own GPU), else the rank's entry of `listed` (`rank_devices`), else the index of `device`
+    (rank 0's: cuda:0 unless named) plus the rank; on the CPU they share the host."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", rank if index is None else index)
+    if index is not None:
+        return torch.device("cuda", index)
+    if listed is not None:
+        return torch.device("cuda", listed[rank])
+    return torch.device("cuda", (device.index or 0) + rank)

@@ -116,3 +116,36 @@ def test_graph_capture_enters_its_device(tiny_model_dir, monkeypatch: pytest.Mon
     cuda_graphs.DecodeGraphs(runner.model, runner.kv_caches, 2, 64, runner.block_size,
                              runner.device, capture=capture)
     assert inside == [True, True]  # sizes 2 and 1, each captured inside the device scope
+
+
+def test_cuda_indices_map_each_assigned_address_like_pick_device() -> None:
+    assert devices.cuda_indices(["3", "5"], None) == [3, 5]
+    assert devices.cuda_indices(["3", "5"], "2,3,4,5") == [1, 3]
+    assert devices.cuda_indices([4], "4") == [0]
+    for addrs, visible in ((["3"], "2,3"), (["1"], None), ([2], "2")):
+        assert pick_device("auto", addrs, visible, True) == \
+            f"cuda:{devices.cuda_indices(addrs, visible)[0]}"
+
+
+def test_each_rank_on_its_device() -> None:
+    """rank_device: a launcher's index (a Ray rank sees only its GPU) first, then the listed
+    `rank_devices`, else consecutive from rank 0's device."""
+    from batchgen_data.config import make_engine_config
+    from batchgen_data.engine.tp_runner import rank_device
+
+    cuda2, cpu = torch.device("cuda", 2), torch.device("cpu")
+    assert [rank_device(cuda2, r) for r in (0, 1)] == [torch.device("cuda", 2),
+                                                       torch.device("cuda", 3)]
+    assert rank_device(torch.device("cuda", 0), 1) == torch.device("cuda", 1)
+    assert rank_device(cuda2, 1, None, (3, 5)) == torch.device("cuda", 5)
+    assert rank_device(cuda2, 1, 0, (3, 5)) == torch.device("cuda", 0)
+    assert rank_device(cpu, 1, None, (3, 5)) == cpu
+    assert make_engine_config("m", tensor_parallel_size=2, rank_devices=[3, 5]).rank_devices \
+        == (3, 5)
+    for bad, match in (([1], "2 distinct devices"), ([1, 1], "2 distinct devices"),
+                       ([0, -1], "int >= 0"), ((0, True), "int >= 0")):
+        with pytest.raises(ValueError, match=match):
+            make_engine_config("m", tensor_parallel_size=2, rank_devices=bad)
+    with pytest.raises(ValueError, match="Ray rank uses the GPU of its bundle"):
+        make_engine_config("m", tensor_parallel_size=2, rank_devices=[0, 1],
+                           distributed_executor_backend="ray")

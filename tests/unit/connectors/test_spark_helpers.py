@@ -144,3 +144,47 @@ def test_task_session_aborts_abandoned_rows(monkeypatch: pytest.MonkeyPatch) -> 
     session.abandon(futures)
     assert len(driver.aborted) == 2 and len(set(driver.aborted)) == 2
     assert all(r.startswith("spark-") for r in driver.aborted)
+
+
+class SpecRecorder:
+    """Stands for `spark_engine_cache.ENGINES`: keeps the spec a task resolved."""
+
+    def __init__(self) -> None:
+        self.specs: list[EngineSpec] = []
+
+    def get(self, spec: EngineSpec) -> object:
+        self.specs.append(spec)
+        return object()
+
+
+@pytest.mark.parametrize("visible,want_device,want_ranks", [
+    (None, "cuda:3", (3, 5)),  # no CUDA_VISIBLE_DEVICES: the addresses are the indices
+    ("2,3,4,5", "cuda:1", (1, 3)),  # limited: each address's place in the visible list
+])
+def test_a_tensor_parallel_task_puts_its_ranks_on_the_gpus_it_holds(
+        monkeypatch: pytest.MonkeyPatch, visible: str | None, want_device: str,
+        want_ranks: tuple[int, ...]) -> None:
+    """A task holding GPUs 3 and 5 (spark.task.resource.gpu.amount=2) runs its TP=2 engine's
+    rank 0 on GPU 3 and rank 1 on GPU 5, not on cuda:0 and cuda:1 (another task's)."""
+    rec = SpecRecorder()
+    monkeypatch.setattr(spark_engine_cache, "ENGINES", rec)
+    monkeypatch.setattr(spark_task, "cuda_is_available", lambda: True)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(spark_task, "task_resources", lambda: (["3", "5"], 4))
+    settings = TaskSettings.create(None, None, "row", None, False, {"tensor_parallel_size": 2})
+    spark_task.task_driver(settings)
+    kw = rec.specs[-1].kwargs
+    assert kw["device"] == want_device and kw["rank_devices"] == want_ranks
+    # one rank, or a device the user named: nothing listed
+    spark_task.task_driver(TaskSettings.create(None, None, "row", None, False, {}))
+    assert "rank_devices" not in rec.specs[-1].kwargs
+    spark_task.task_driver(TaskSettings.create(None, None, "row", None, False, {
+        "tensor_parallel_size": 2, "device": "cuda:0"}))
+    assert "rank_devices" not in rec.specs[-1].kwargs
+    # fewer GPUs than ranks: refused by name, nothing loads
+    monkeypatch.setattr(spark_task, "task_resources", lambda: (["3"], 4))
+    with pytest.raises(ValueError, match=r"spark.task.resource.gpu.amount=2"):
+        spark_task.task_driver(settings)

@@ -101,3 +101,24 @@ def test_the_front_door_refuses_a_bad_width_before_any_process(
             device="cpu")
     with pytest.raises(ValueError, match="repartition_width=2: .*data_parallel_size"):
         LLM("unused-model-path", repartition_width=2, device="cpu")
+
+
+def test_each_engine_of_a_group_on_cuda_gets_its_own_gpu(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A group's one-device engines: process r on cuda:(first + r), the GPU it keeps as rank r
+    of the TP engine; on the CPU every engine keeps the config as it is."""
+    import torch
+
+    from batchgen_data import devices
+    from batchgen_data.config import make_engine_config
+    from batchgen_data.engine.partition_worker import own_device
+
+    monkeypatch.setattr(devices, "resolve_device", lambda name: torch.device(
+        "cuda", 0) if name == "cuda" else torch.device(name))
+    monkeypatch.setattr(devices, "pick_device", lambda requested: requested)
+    cfg = make_engine_config("m", device="cuda")
+    assert [own_device(cfg, r, "cuda").device for r in range(3)] == ["cuda:0", "cuda:1",
+                                                                     "cuda:2"]
+    named = make_engine_config("m", device="cuda:4")
+    assert own_device(named, 1, "cuda").device == "cuda:5"
+    cpu = make_engine_config("m", device="cpu")
+    assert own_device(cpu, 1, "cpu") is cpu

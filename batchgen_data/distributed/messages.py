@@ -7,10 +7,13 @@ their KV. Those go pickled, as one uint8 tensor: `send` from rank 0 to every ran
 then the bytes), `gather` from every rank to rank 0 (lengths all-gathered, then one gather of
 buffers padded to the longest). Rank 0 waits on each at most the group's `collective_timeout_s`
 (`TensorParallel`), so a peer that dies or stalls mid-message is an error, never a hang. Only
-processes of the same engine group, started by it, read these bytes.
+processes of the same engine group, started by it, read these bytes. Tensors of one-byte float
+types (an FP8 KV cache's e4m3 codes) travel as their bytes: torch's own pickling of them does
+not load back.
 """
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
@@ -19,9 +22,25 @@ import torch
 from batchgen_data.layers.parallel import TensorParallel
 
 
+_AS_BYTES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _from_bytes(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    return raw.view(getattr(torch, dtype))
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dtype in _AS_BYTES:
+            raw = obj.detach().contiguous().view(torch.uint8)
+            return _from_bytes, (raw, str(obj.dtype).removeprefix("torch."))
+        return NotImplemented
+
+
 def _bytes(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                            dtype=torch.uint8)
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
 
 
 def _load(buf: torch.Tensor) -> Any:

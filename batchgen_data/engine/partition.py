@@ -47,9 +47,9 @@ MoE models re-shard their experts as the wide engine runs them: a slice of every
 width, or whole experts per rank with `enable_expert_parallel=True` (the one-device engines
 ignore the flag). Tested on the CPU: 2 engines -> one TP=2 engine and back
 (tests/integration/test_partition.py), 4 engines -> 2 TP=2 engines and back, with new requests
-while joined (tests/integration/test_partition_blocks.py). Not built: quantized checkpoints,
-FP8 KV caches, LoRA (each refused by name when the group is built); the death of a rank while
-N > width is covered by rank 0's bounded waits but has no test of its own.
+while joined (tests/integration/test_partition_blocks.py). FP8 KV caches move as their e4m3
+codes, the checkpoint's K/V scales going with the weights (`models/reshard.py`). Not built:
+quantized checkpoints, LoRA (each refused by name when the group is built).
 """
 from __future__ import annotations
 

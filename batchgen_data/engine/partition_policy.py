@@ -95,9 +95,6 @@ def check_group(config: EngineConfig, size: int, width: int | None = None) -> En
     if config.distributed_executor_backend == "ray":
         raise ValueError("distributed_executor_backend='ray': an engine group runs its engines "
                          "as processes on this node ('mp')")
-    if config.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: an engine group "
-                         "re-splits KV caches in the model's dtype only (docs/parallel.md)")
     wide = dataclasses.replace(config, tensor_parallel_size=width)  # checks the combination
     path = loader.resolve_model_path(config.model)
     hf_config = loader.load_config(path, config.trust_remote_code)

@@ -17,7 +17,9 @@ their plain [out, in] form first, by their layer (`plain_weight()`); both models
 `finalize`d by the caller. A MoE block's stacked experts (`w13` [E, 2I, H], `w2` [E, H, I])
 take the loader's stacked cut (`tp_shards.stacked_experts_slice`): a slice of every expert's
 width under tensor parallelism, whole experts under expert parallelism; the router and a
-shared expert follow the dense rules. Quantized weights are refused before a re-partition
+shared expert follow the dense rules. Each attention layer's FP8 KV scales (`kv_scales`, one K
+and one V scale a layer, the checkpoint's, the same on every rank) go along, so an FP8 cache
+means the same values after the switch. Quantized weights are refused before a re-partition
 starts.
 """
 from __future__ import annotations
@@ -66,8 +68,15 @@ def _experts(module: nn.Module, leaf: str) -> bool:
     return leaf in _EXPERTS and hasattr(module, "num_experts") and hasattr(module, "w13")
 
 
+def _copy_kv_scales(dst: nn.Module, src: nn.Module) -> None:
+    for name, module in dst.named_modules():
+        if hasattr(module, "kv_scales"):
+            module.kv_scales = src.get_submodule(name).kv_scales
+
+
 def narrow_into(shard: nn.Module, full: nn.Module) -> None:
     """Fill every parameter of `shard` with its slice of `full`'s (see the module docstring)."""
+    _copy_kv_scales(shard, full)
     with torch.no_grad():
         for name, param in list(shard.named_parameters()):
             owner, _, leaf = name.rpartition(".")
@@ -146,6 +155,7 @@ def gather_into(full: nn.Module, shard: nn.Module,
     rank's `local`, in rank order, on every rank)."""
     size = shard.shape.tp.size
     views = [_as_rank(shard, r) for r in range(size)]
+    _copy_kv_scales(full, shard)
     with torch.no_grad():
         for name, param in list(full.named_parameters()):
             owner, _, leaf = name.rpartition(".")

@@ -131,6 +131,48 @@ def test_moe_engines_join_and_split_with_their_experts_resharded(
     assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
 
 
+def test_fp8_kv_engines_join_and_split_with_their_scales(tmp_path: Path) -> None:
+    """FP8 KV caches (`kv_cache_dtype="fp8"`) with the checkpoint's own K/V scales: the KV
+    moves as e4m3 codes and the scales go with the weights, so greedy tokens equal HF
+    `generate` over a cache rounded through e4m3 with those scales (test_fp8_kv_cache.py's
+    oracle), through a join and a split."""
+    from safetensors.torch import save_file
+
+    from tests.integration.test_fp8_kv_cache import hf_greedy as hf_e4m3
+
+    torch.set_num_threads(1)
+    path = _model(tmp_path, "llama", num_key_value_heads=2)
+    scales = [(0.0125, 0.02), (0.004, 0.004)]
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(scales[0][0]),
+               "model.layers.0.self_attn.v_scale": torch.tensor(scales[0][1]),
+               "model.layers.1.self_attn.kv_scale": torch.tensor(scales[1][0])},
+              str(path / "kv_scales.safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = [hf_e4m3(hf, p, n, scales=scales) for p, n in ROWS]
+    policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
+    group = EngineGroup.from_kwargs(str(path), policy=policy, kv_cache_dtype="fp8", **KW)
+    outs: dict[str, RequestOutput] = {}
+    try:
+        ids = [group.submit(p, greedy(n)) for p, n in ROWS]
+        while group.width == 1:
+            outs.update((o.request_id, o) for o in group.step())
+        assert group.engine.runner.kv.dtype == torch.float8_e4m3fn
+        got = [(a.kv_scales.k, a.kv_scales.v) for a in group.engine.runner.model.modules()
+               if hasattr(a, "kv_scales")]
+        # the shard's, carried from the full model (fp32)
+        assert [x for ks in got for x in ks] == pytest.approx([x for ks in scales for x in ks])
+        outs.update((o.request_id, o) for o in group.step())
+        group.split()
+        while group.has_unfinished():
+            outs.update((o.request_id, o) for o in group.step())
+    finally:
+        group.close()
+    assert [s.direction for s in group.switches][:2] == ["join", "split"]
+    assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
+
+
 def test_a_rank_killed_during_the_switch_fails_the_group_fast(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     path = _model(tmp_path, "llama", num_key_value_heads=2)

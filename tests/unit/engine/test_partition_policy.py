@@ -48,7 +48,7 @@ def test_split_spreads_requests_by_kv_tokens() -> None:
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=2), "start with one device each"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend='ray'"),
 ])
 def test_group_refusals_come_before_any_process(kwargs: dict, match: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:

@@ -220,9 +220,11 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
     if lora is not None and lora.enable_lora:
         raise ValueError(f"tensor_parallel_size={size} with enable_lora=True: LoRA deltas are "
                          "not split over ranks yet (docs/parallel.md)")
-    if quantized:
-        raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints are not sharded "
-                         "yet (docs/parallel.md)")
+    moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if quantized and moe and config.enable_expert_parallel:
+        raise ValueError(f"tensor_parallel_size={size} with enable_expert_parallel=True: "
+                         "quantized experts are split in width only (the expert-parallel block "
+                         "runs dense experts; docs/parallel.md)")
     listed = getattr(config, "rank_devices", None)
     last = max(listed) if listed else (device.index or 0) + size - 1
     if device.type == "cuda" and torch.cuda.device_count() <= last and \

@@ -96,6 +96,42 @@ class QuantWeight:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w
 
+    def take_rows(self, start: int, stop: int, pad_to: int | None = None) -> "QuantWeight":
+        """Output rows [start, stop) (a column-parallel rank's slice), zero rows appended up to
+        `pad_to` (a padded vocabulary: codes, scale and zero 0, so the row is 0)."""
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            part = t[start:stop]
+            if pad_to is not None and part.shape[0] < pad_to:
+                part = torch.cat([part, part.new_zeros(pad_to - part.shape[0], *part.shape[1:])])
+            return part
+
+        return QuantWeight(self.scheme, self.k, cut(self.codes), cut(self.scale),  # type: ignore[arg-type]
+                           cut(self.zero), self.perm)
+
+    def take_cols(self, start: int, stop: int, name: str) -> "QuantWeight":
+        """Input columns [start, stop) (a row-parallel rank's slice): whole scale groups, whole
+        bytes of int4 codes; ValueError naming `name` when the cut falls inside either, or the
+        columns are stored out of order (GPTQ act order)."""
+        if self.perm is not None:
+            raise ValueError(f"checkpoint weight {name!r}: GPTQ act order (g_idx) stores the "
+                             "input columns out of order; it cannot be split over ranks "
+                             "(tensor_parallel_size > 1)")
+        g = self.scheme.group(self.k)
+        grouped = self.scheme.group_size is not None
+        if grouped and (start % g or ((stop - start) % g and stop != self.k)):
+            raise ValueError(f"checkpoint weight {name!r}: group_size={g} does not divide the "
+                             f"{stop - start} input columns each rank keeps (tensor_parallel_size "
+                             "> 1)")
+        if self.scheme.kind == "int4" and start % 2:
+            raise ValueError(f"checkpoint weight {name!r}: an odd split of packed int4 codes")
+        c0, c1 = (start // 2, -(-stop // 2)) if self.scheme.kind == "int4" else (start, stop)
+        g0, g1 = (start // g, -(-stop // g)) if grouped else (0, 1)
+        return QuantWeight(self.scheme, stop - start, self.codes[:, c0:c1],
+                           self.scale[:, g0:g1],
+                           None if self.zero is None else self.zero[:, g0:g1])
+
     def check(self, name: str, scheme: QuantScheme, k: int) -> None:
         """ValueError naming `name` unless this matrix fits a layer of `scheme` and `k` inputs."""
         if self.scheme != scheme or self.k != k:

@@ -65,6 +65,7 @@ def load_expert_weight(model: nn.Module, params: dict[str, nn.Parameter], name: 
             return set()  # another rank's expert
         e = local
         if isinstance(tensor, QuantWeight) and moe.scheme is not None:
+            tensor = tp_shards.expert_slice(moe, leaf, tensor)  # this rank's part (TP)
             moe.load_quant_expert(leaf, e, shard * rows, tensor, name)
         elif moe.scheme is not None:
             raise ValueError(f"checkpoint weight {name!r} is not quantized but its MoE block "

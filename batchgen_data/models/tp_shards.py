@@ -10,10 +10,13 @@ once). Norms and everything else are replicated.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from batchgen_data.layers import parallel
+from batchgen_data.layers.quant import QuantWeight
 
 
 def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -23,7 +26,6 @@ def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -
     tp = getattr(shape, "tp", None)
     if tp is None or tp.size == 1:
         return tensor
-    assert isinstance(tensor, torch.Tensor), "quantized checkpoints are refused with TP > 1"
     owner, _, leaf = param.rpartition(".")
     layer = owner.rpartition(".")[2]
     rank, size = tp.rank, tp.size
@@ -31,22 +33,43 @@ def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -
         d = shape.head_dim
         heads = (range(rank * shape.num_heads, (rank + 1) * shape.num_heads) if shard == 0
                  else parallel.kv_heads_of_rank(shape.total_kv_heads, size, rank))
-        return tensor[heads.start * d:heads.stop * d]
+        return _rows(tensor, heads.start * d, heads.stop * d)
     if layer == "gate_up_proj":  # (a dense MLP's or a shared expert's width)
-        width = tensor.shape[0] // size
-        return tensor[rank * width:(rank + 1) * width]
+        width = _n_rows(tensor) // size
+        return _rows(tensor, rank * width, (rank + 1) * width)
     if layer in ("o_proj", "down_proj"):
         if leaf == "bias":
             return tensor if rank == 0 else torch.zeros_like(tensor)
-        width = tensor.shape[1] // size
-        return tensor[:, rank * width:(rank + 1) * width]
+        width = _n_cols(tensor) // size
+        return _cols(tensor, rank * width, (rank + 1) * width, param)
     if param in ("embed_tokens.weight", "lm_head.weight"):
         per_rank = parallel.padded_vocab(shape.vocab, size) // size
-        part = tensor[rank * per_rank:(rank + 1) * per_rank]
-        if part.shape[0] < per_rank:  # the padding rows past the vocabulary
-            part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
-        return part
+        return _rows(tensor, rank * per_rank, (rank + 1) * per_rank, pad_to=per_rank)
     return tensor
+
+
+def _n_rows(t: Any) -> int:
+    return t.rows if isinstance(t, QuantWeight) else t.shape[0]
+
+
+def _n_cols(t: Any) -> int:
+    return t.k if isinstance(t, QuantWeight) else t.shape[1]
+
+
+def _rows(t: Any, start: int, stop: int, pad_to: int | None = None) -> Any:
+    """Rows [start, stop) of a checkpoint matrix, dense or quantized (its stored form), zero
+    rows appended up to `pad_to` (the vocabulary's padding)."""
+    if isinstance(t, QuantWeight):
+        return t.take_rows(start, stop, pad_to)
+    part = t[start:stop]
+    if pad_to is not None and part.shape[0] < pad_to:
+        part = torch.cat([part, part.new_zeros(pad_to - part.shape[0], *part.shape[1:])])
+    return part
+
+
+def _cols(t: Any, start: int, stop: int, name: str) -> Any:
+    """Input columns [start, stop): a quantized matrix's whole groups (`take_cols`)."""
+    return t.take_cols(start, stop, name) if isinstance(t, QuantWeight) else t[:, start:stop]
 
 
 def local_expert(moe: nn.Module, expert: int) -> int | None:
@@ -63,10 +86,10 @@ def expert_slice(moe: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tenso
     if tp is None or not getattr(moe, "width_split", False):
         return tensor
     if leaf == "w13":
-        width = tensor.shape[0] // tp.size
-        return tensor[tp.rank * width:(tp.rank + 1) * width]
-    width = tensor.shape[1] // tp.size
-    return tensor[:, tp.rank * width:(tp.rank + 1) * width]
+        width = _n_rows(tensor) // tp.size
+        return _rows(tensor, tp.rank * width, (tp.rank + 1) * width)
+    width = _n_cols(tensor) // tp.size
+    return _cols(tensor, tp.rank * width, (tp.rank + 1) * width, f"expert {leaf}")
 
 
 def stacked_experts_slice(moe: nn.Module, leaf: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchgen_data.config import make_engine_config
 from batchgen_data.distributed import launch
@@ -122,3 +123,25 @@ def test_each_engine_of_a_group_on_cuda_gets_its_own_gpu(monkeypatch) -> None:  
     assert own_device(named, 1, "cuda").device == "cuda:5"
     cpu = make_engine_config("m", device="cpu")
     assert own_device(cpu, 1, "cpu") is cpu
+
+
+def test_quantized_experts_under_expert_parallel_are_refused_by_name() -> None:
+    """`check_tp`: quantized checkpoints shard (their stored form), but the expert-parallel
+    block runs dense experts, so quantized experts with enable_expert_parallel are refused."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from batchgen_data.config import make_engine_config
+    from batchgen_data.engine.tp_runner import check_tp
+
+    moe = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, vocab_size=100)
+    cpu = torch.device("cpu")
+    ep = make_engine_config("m", tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="quantized experts are split in width only"):
+        check_tp(ep, moe, True, cpu, 2)
+    check_tp(ep, moe, False, cpu, 2)  # dense experts: fine
+    check_tp(make_engine_config("m", tensor_parallel_size=2), moe, True, cpu, 2)
+    dense = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=100, num_hidden_layers=1)
+    check_tp(ep, dense, True, cpu, 2)  # the flag means nothing to a dense model

@@ -12,6 +12,10 @@
 #                                                   # GPU (256 x 151,936, goal <= 0.3 ms each
 #                                                   # setting), then the host work of a step
 #                                                   # on this machine's CPU (stub model)
+#   bash benchmarks/run_gpu.sh tp                   # issue 36 (optional): a TP=2 decode step
+#                                                   # and its collectives (NCCL) beside TP=1,
+#                                                   # then a re-partition join/split; the TP
+#                                                   # cases skip with a line on a 1-GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"
@@ -66,6 +70,26 @@ if [ "${1:-}" = "step" ]; then
     rc2=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] && rc=$rc2
     echo "exit code: $rc; JSON lines at the end of $OUT/sampler_step.log, host_overhead.log"
+    exit "$rc"
+fi
+
+if [ "${1:-}" = "tp" ]; then
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+    # tp_step.py skips its TP=2 cases itself (a line saying so) where fewer GPUs are visible
+    for layers in 4 8; do
+        timeout -k 5 150 "$PY" benchmarks/tp_step.py --device cuda --cases 1x1,2x1 \
+            --batch 1,8,32 --steps 20 --layers "$layers" 2>&1 | tee "$OUT/tp_step_l$layers.log"
+        rc=${PIPESTATUS[0]}
+    done
+    if [ "$gpus" -ge 2 ]; then
+        timeout -k 5 200 "$PY" benchmarks/repartition.py --device cuda --seqs 4 \
+            --prompt-len 256 --repeats 3 2>&1 | tee "$OUT/repartition.log"
+        rc2=${PIPESTATUS[0]}
+        [ "$rc" -eq 0 ] && rc=$rc2
+    else
+        echo "repartition: $gpus GPU(s) visible, a join needs 2: skipped"
+    fi
+    echo "exit code: $rc; JSON lines at the end of $OUT/tp_step_l*.log, repartition.log"
     exit "$rc"
 fi
 

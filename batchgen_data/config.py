@@ -217,8 +217,7 @@ class EngineConfig:
                                            self.cache.host_kv_tier_bytes > 0),
                     "parts_builder": (self.parts_builder, self.parts_builder is not None),
                     "attention_micro_batch_seqs": (self.attention_micro_batch_seqs,
-                                                   self.attention_micro_batch_seqs is not None),
-                    "enable_lora": (self.lora.enable_lora, self.lora.enable_lora)}
+                                                   self.attention_micro_batch_seqs is not None)}
         for name, (value, used) in together.items():
             if used:
                 raise ValueError(f"tensor_parallel_size={tp} with {name}={value!r}: not "

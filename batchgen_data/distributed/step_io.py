@@ -6,6 +6,8 @@ block tables (padded to one width), the rows whose logits are sampled and those 
 give prompt logprobs (every rank joins those logits' gathers). Everything else a
 step involves (the scheduler's choices, sampling, stopping) stays on rank 0. KV copies (hold,
 resume, export, import) are a header and the block ids; their tensors follow as one collective.
+With LoRA, a step also carries each token row's adapter slot, and a slot rank 0 fills is a
+LORA command (the slot and the adapter's request, pickled) sent before the step that uses it.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-RUN, READ_KV, WRITE_KV, STOP = 1, 2, 3, 4
-HEADER = 8  # int64s: [command, payload length, then the command's own numbers]
+RUN, READ_KV, WRITE_KV, STOP, LORA = 1, 2, 3, 4, 5
+HEADER = 10  # int64s: [command, payload length, then the command's own numbers]
 
 
 @dataclass
@@ -31,6 +33,8 @@ class StepData:
     num_decodes: int
     # rows whose logits give prompt logprobs (`engine/prompt_logprobs.py`), [P] int64
     prompt_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # each token row's LoRA slot (-1: the base model), [T] int64; [0] without LoRA rows
+    lora_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(header, payload)."""
@@ -38,16 +42,33 @@ class StepData:
         width = self.block_tables.shape[1] if n else 0
         payload = torch.cat([x.reshape(-1).to(torch.int64) for x in (
             self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_lens,
-            self.block_tables, self.sample_index, self.prompt_rows)])
+            self.block_tables, self.sample_index, self.prompt_rows, self.lora_slots)])
         return header(RUN, payload.numel(), t, n, self.num_decodes, width,
-                      self.sample_index.numel(), self.prompt_rows.numel()), payload
+                      self.sample_index.numel(), self.prompt_rows.numel(),
+                      self.lora_slots.numel()), payload
 
     @classmethod
     def unpack(cls, head: torch.Tensor, payload: torch.Tensor) -> "StepData":
-        t, n, nd, width, s, p = head[2:8].tolist()
-        sizes = [t, t, t, n, n, n * width, s, p]
-        ids, pos, slots, lens, qlens, tables, sample, prompt = payload.split(sizes)
-        return cls(ids, pos, slots, lens, qlens, tables.view(n, width), sample, nd, prompt)
+        t, n, nd, width, s, p, lo = head[2:9].tolist()
+        sizes = [t, t, t, n, n, n * width, s, p, lo]
+        ids, pos, slots, lens, qlens, tables, sample, prompt, lora = payload.split(sizes)
+        return cls(ids, pos, slots, lens, qlens, tables.view(n, width), sample, nd, prompt,
+                   lora)
+
+
+def pack_object(obj: object) -> torch.Tensor:
+    """`obj` pickled into an int64 payload (its byte count goes in the header)."""
+    import pickle
+
+    raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    raw += b"\0" * (-len(raw) % 8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64).clone()
+
+
+def unpack_object(payload: torch.Tensor, nbytes: int) -> object:
+    import pickle
+
+    return pickle.loads(payload.numpy().tobytes()[:nbytes])
 
 
 def header(command: int, payload_len: int, *numbers: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,9 +40,6 @@ def _adaptable(model: torch.nn.Module) -> None:
         raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA support here "
                          "(decoders with q|k|v attention: Llama, Qwen2/3, Mistral and their "
                          "MoE models)")
-    tp = getattr(getattr(model, "shape", None), "tp", None)
-    if tp is not None and getattr(tp, "size", 1) > 1:
-        raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
 
 
 def _kernel(backend: LayerBackend) -> str:
@@ -76,11 +74,18 @@ class LoRAManager:
                 self._attach(i, "gate_up_proj", mlp.gate_up_proj, backend)
                 self._attach(i, "down_proj", mlp.down_proj, backend)
         attn0 = model.layers[0].self_attn
+        # the checkpoint's (whole) sizes: an adapter is checked whole, then cut to this rank's
+        # part (`_rank_part`), as the base weights are
+        self.model, tp = model, getattr(getattr(model, "shape", None), "tp", None)
+        self.tp_size = getattr(tp, "size", 1) if tp is not None else 1
         q, kv = attn0.qkv_proj.shard_sizes[0], attn0.qkv_proj.shard_sizes[1]
+        if self.tp_size > 1:
+            q = q * self.tp_size
+            kv = model.shape.total_kv_heads * model.shape.head_dim
         hidden = attn0.qkv_proj.in_features
         mlp_dims: dict[str, tuple[int, int]] = {}
         if dense:
-            width = model.layers[min(dense)].mlp.down_proj.in_features
+            width = model.layers[min(dense)].mlp.down_proj.in_features * self.tp_size
             mlp_dims = {"gate_proj": (hidden, width), "up_proj": (hidden, width),
                         "down_proj": (width, hidden)}
         self.shape = TargetShape(len(model.layers),
@@ -95,6 +100,8 @@ class LoRAManager:
         self.disk_loads = 0  # adapters read from their directory
         self.slot_loads = 0  # adapters copied into a device slot
         self.slot_evictions = 0
+        # a tensor-parallel rank 0: told of each slot it fills, so the other ranks fill theirs
+        self.on_fill: Callable[[int, LoRARequest], None] | None = None
 
     def _attach(self, i: int, name: str, linear: Linear, backend: LayerBackend) -> None:
         shards = getattr(linear, "shard_sizes", [linear.out_features])
@@ -128,7 +135,30 @@ class LoRAManager:
         weights = load_adapter(req.lora_path, req.lora_name, self.shape,
                                self.config.max_lora_rank)
         self.disk_loads += 1
-        return weights
+        return self._rank_part(weights) if self.tp_size > 1 else weights
+
+    def _rank_part(self, weights: AdapterWeights) -> AdapterWeights:
+        """This rank's part of an adapter, cut as its layer's weight is cut
+        (`tp_shards.rank_slice`): B's output rows of a column-parallel layer (q|k|v by heads,
+        gate|up), A's input columns of a row-parallel one (o, down), whose partial products
+        the layer's all-reduce sums with the base product's."""
+        from batchgen_data.models import tp_shards
+
+        out = {}
+        for (layer, fused, shard), (a, b) in weights.modules.items():
+            part = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+            name = f"layers.{layer}.{part}.{fused}.weight"
+            if fused in ("o_proj", "down_proj"):
+                a = tp_shards.rank_slice(self.model, name, shard, a).contiguous()
+            else:
+                b = tp_shards.rank_slice(self.model, name, shard, b).contiguous()
+            out[(layer, fused, shard)] = (a, b)
+        return AdapterWeights(weights.name, weights.rank, out)
+
+    def fill_slot(self, slot: int, req: LoRARequest) -> None:
+        """A tensor-parallel rank > 0: slot `slot` takes adapter `req`, as rank 0's did (read
+        from its directory here: every rank's node needs the adapter's path)."""
+        self._fill(slot, self._read(req))
 
     def _keep(self, lora_id: int, weights: AdapterWeights) -> None:
         self._host[lora_id] = weights
@@ -159,6 +189,8 @@ class LoRAManager:
                 self.slot_evictions += 1
             self._fill(slot, self._weights(lora_id))
             self._slot_of[lora_id] = slot
+            if self.on_fill is not None:
+                self.on_fill(slot, self._known[lora_id])
 
     def _weights(self, lora_id: int) -> AdapterWeights:
         with self._lock:
@@ -199,7 +231,9 @@ def attach(model: torch.nn.Module, runner: "ModelRunner", config: "EngineConfig"
     if runner.weight_store is not None:
         raise ValueError("enable_lora with streamed weights (cpu_offload_gb, "
                          "weight_memory_bytes) is not supported yet")
-    return LoRAManager(model, config.lora, runner.backend)
+    manager = LoRAManager(model, config.lora, runner.backend)
+    manager.on_fill = getattr(runner, "lora_filled", None)  # a TP rank 0 tells its ranks
+    return manager
 
 
 def adapter_names_for(config: Any) -> AdapterNames | None:

@@ -92,6 +92,9 @@ def check_group(config: EngineConfig, size: int, width: int | None = None) -> En
                          "a group start with one device each (the group sets the TP size)")
     if config.parts_builder is not None:
         raise ValueError("parts_builder: an engine group re-shards real model weights")
+    if config.rank_devices is not None:
+        raise ValueError(f"rank_devices={config.rank_devices!r}: an engine group puts process "
+                         "r on the index of `device` plus r")
     if config.distributed_executor_backend == "ray":
         raise ValueError("distributed_executor_backend='ray': an engine group runs its engines "
                          "as processes on this node ('mp')")

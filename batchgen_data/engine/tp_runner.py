@@ -45,6 +45,12 @@ class TPRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, backend)
         self.ranks = ranks
         self._dead: str | None = None
+        self._lora_fills: list[tuple[int, Any]] = []  # rank 0: slots to fill on the others
+
+    def lora_filled(self, slot: int, request: Any) -> None:
+        """Rank 0's LoRA manager filled `slot` with `request`'s adapter: the other ranks fill
+        theirs before the next step (`_run_all`, on the thread that sends steps)."""
+        self._lora_fills.append((slot, request))
 
     # ---- rank 0 ---------------------------------------------------------------------------
     def _send(self, head: torch.Tensor, payload: torch.Tensor) -> None:
@@ -70,12 +76,16 @@ class TPRunner(ModelRunner):
 
     def _run_all(self, inp: ModelInput) -> torch.Tensor:
         m = inp.meta
+        while self._lora_fills:
+            slot, request = self._lora_fills.pop(0)
+            blob = step_io.pack_object(request)
+            self._send(step_io.header(step_io.LORA, blob.numel(), blob.numel() * 8, slot), blob)
         prompt = torch.tensor(inp.prompt_rows.rows if inp.prompt_rows is not None else [],
                               dtype=torch.int64)
         data = step_io.StepData(inp.input_ids.cpu(), inp.positions.cpu(), m.slot_mapping.cpu(),
                                 torch.tensor(m.seq_lens_host), torch.tensor(m.query_lens_host),
                                 m.block_tables.cpu(), inp.sample_index.cpu(), m.num_decodes,
-                                prompt)
+                                prompt, _token_slots(inp))
         self._send(*data.pack())
         return super().run(inp)
 
@@ -146,6 +156,8 @@ class TPRunner(ModelRunner):
                 self._follow(step_io.StepData.unpack(head, payload))
             elif command == step_io.READ_KV:
                 control.gather(_wire(self._read_local(payload.tolist(), int(head[2]))))
+            elif command == step_io.LORA:  # a slot rank 0 filled: this rank's part of it
+                self.lora.fill_slot(int(head[3]), step_io.unpack_object(payload, int(head[2])))
             elif command == step_io.WRITE_KV:
                 s = self.model.shape
                 full = torch.empty(s.num_layers, 2, int(head[2]), s.total_kv_heads, s.head_dim,
@@ -162,7 +174,13 @@ class TPRunner(ModelRunner):
         the sampled rows), whose gathers deliver to rank 0."""
         with device_scope(self.device):
             inp = self._input(d)
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            if d.lora_slots.numel():  # the adapted layers read the step's rows from the context
+                self.lora.ctx.batch = self.lora.batch(d.lora_slots.tolist())
+            try:
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            finally:
+                if self.lora is not None:
+                    self.lora.ctx.batch = None
             rows = d.prompt_rows.to(self.device)
             step = prompt_logprobs._ROWS_PER_SLICE  # (the slices rank 0 computes in)
             for a in range(0, rows.numel(), step):
@@ -178,6 +196,19 @@ class TPRunner(ModelRunner):
                           meta=meta, sample_index=d.sample_index.to(dev),
                           sample_seqs=[None] * d.sample_index.numel(),  # type: ignore[list-item]
                           order=[])
+
+
+def _token_slots(inp: ModelInput) -> torch.Tensor:
+    """Each token row's LoRA slot (-1: none) from the step's `LoRABatch`; [0] without one."""
+    b = inp.lora
+    if b is None:
+        return torch.zeros(0, dtype=torch.int64)
+    slots = torch.full((inp.input_ids.numel(),), -1, dtype=torch.int64)
+    starts = b.seg_starts.cpu().tolist()
+    rows = b.token_idx.cpu()
+    for s, slot in enumerate(b.seg_slots.cpu().tolist()):
+        slots[rows[starts[s]:starts[s + 1]]] = slot
+    return slots
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -216,10 +247,6 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
                          f"Mistral, Qwen2, Qwen3) and their MoE models (Qwen2/Qwen3-MoE, "
                          f"Mixtral) are sharded; {cls.__name__} is not yet (docs/parallel.md)")
     check_shape(hf_config, size, config.enable_expert_parallel)
-    lora = getattr(config, "lora", None)
-    if lora is not None and lora.enable_lora:
-        raise ValueError(f"tensor_parallel_size={size} with enable_lora=True: LoRA deltas are "
-                         "not split over ranks yet (docs/parallel.md)")
     moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if quantized and moe and config.enable_expert_parallel:
         raise ValueError(f"tensor_parallel_size={size} with enable_expert_parallel=True: "

@@ -56,5 +56,6 @@ def test_lora_arguments_are_taken() -> None:
     assert cfg.lora.enable_lora and cfg.lora.max_loras == 4 and cfg.lora.max_lora_rank == 32
     with pytest.raises(ValueError, match="max_lora_rank=0"):
         make_engine_config(None, enable_lora=True, max_lora_rank=0)
-    with pytest.raises(ValueError, match="enable_lora=True: not supported together"):
-        make_engine_config(None, enable_lora=True, tensor_parallel_size=2)
+    # LoRA at TP > 1 splits each adapter as its layer (tests/integration/test_tp_lora.py)
+    cfg = make_engine_config(None, enable_lora=True, tensor_parallel_size=2)
+    assert cfg.lora.enable_lora and cfg.tensor_parallel_size == 2

@@ -141,7 +141,8 @@ class EngineConfig:
     # loads (None: whatever the checkpoint says; docs/quantization.md)
     quantization: str | None = None
     # vLLM's name: ranks over torch.distributed, one process per device, the model's weights
-    # and KV heads split between them (docs/parallel.md); dense decoders only
+    # and KV heads split between them (docs/parallel.md); Llama-family decoders and their MoE
+    # models
     tensor_parallel_size: int = 1
     # rank 0 waits at most this long on any collective: a dead or stuck rank fails the engine
     collective_timeout_s: float = 120.0

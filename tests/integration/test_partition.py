@@ -9,6 +9,7 @@ Rank 0 waits at most `collective_timeout_s` on every collective and handshake.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,50 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def dies_fast(group: EngineGroup, act: Callable[[], object], match: str, limit_s: float
+              ) -> None:
+    """`act()` ends the group with EngineDeadError matching `match` within `limit_s`, and
+    the group stays dead."""
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match=match):
+        act()
+    assert time.monotonic() - t0 < limit_s
+    with pytest.raises(EngineDeadError):  # and stays dead
+        group.step()
+
+
+class Outputs(dict):
+    """Finished requests by id; `collect` asserts none is emitted twice."""
+
+    def collect(self, got: list[RequestOutput]) -> None:
+        for o in got:
+            assert o.request_id not in self  # never emitted twice
+            self[o.request_id] = o
+
+
+def join_step_split_finish(group: EngineGroup, rows: list[tuple[list[int], int]],
+                           joined: Callable[[EngineGroup], None],
+                           split: Callable[[EngineGroup], None] = lambda g: None
+                           ) -> tuple[list[str], Outputs]:
+    """Submit `rows`, step until the policy joins, check `joined`, step once, split, check
+    `split`, step to the end; the group is closed either way."""
+    outs = Outputs()
+    try:
+        ids = [group.submit(p, greedy(n)) for p, n in rows]
+        while group.width == 1:
+            outs.collect(group.step())
+        joined(group)
+        outs.collect(group.step())
+        group.split()
+        split(group)
+        while group.has_unfinished():
+            outs.collect(group.step())
+    finally:
+        group.close()
+    assert [s.direction for s in group.switches][:2] == ["join", "split"]
+    return ids, outs
+
+
 def test_join_split_and_join_again_keep_every_sequence_and_token(tmp_path: Path) -> None:
     """Qwen2 with one KV head (replicated at TP=2: the KV re-split writes it on both ranks),
     a tied head and an odd vocabulary (403: padded)."""
@@ -54,13 +99,8 @@ def test_join_split_and_join_again_keep_every_sequence_and_token(tmp_path: Path)
     want = _want(path, ROWS + LATE)
     policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
     group = EngineGroup.from_kwargs(str(path), policy=policy, **KW)
-    outs: dict[str, RequestOutput] = {}
-
-    def collect(got: list[RequestOutput]) -> None:
-        for o in got:
-            assert o.request_id not in outs  # never emitted twice
-            outs[o.request_id] = o
-
+    outs = Outputs()
+    collect = outs.collect
     try:
         ids = [group.submit(p, greedy(n)) for p, n in ROWS]
         assert sorted(group.where.values()) == [0, 0, 0, 1, 1, 1]  # both engines hold rows
@@ -108,26 +148,20 @@ def test_moe_engines_join_and_split_with_their_experts_resharded(
     policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
     group = EngineGroup.from_kwargs(str(tmp_path), policy=policy, enable_expert_parallel=ep,
                                     **KW)
-    outs: dict[str, RequestOutput] = {}
-    try:
-        experts = group.engine.runner.model.moe
-        ids = [group.submit(p, greedy(n)) for p, n in ROWS]
-        while group.width == 1:
-            outs.update((o.request_id, o) for o in group.step())
-        layer = group.engine.runner.model.moe_layers[0]
+    experts = group.engine.runner.model.moe
+
+    def joined(g: EngineGroup) -> None:
+        layer = g.engine.runner.model.moe_layers[0]
         if ep:  # half the experts each, whole
             assert layer.w13.shape[:2] == (experts.num_experts // 2, 2 * experts.intermediate)
         else:  # every expert, half its width
             assert layer.w13.shape[:2] == (experts.num_experts, experts.intermediate)
-        outs.update((o.request_id, o) for o in group.step())
-        group.split()
-        assert group.engine.runner.model.moe_layers[0].w13.shape[:2] == (
-            experts.num_experts, 2 * experts.intermediate)  # whole again
-        while group.has_unfinished():
-            outs.update((o.request_id, o) for o in group.step())
-    finally:
-        group.close()
-    assert [s.direction for s in group.switches][:2] == ["join", "split"]
+
+    def whole_again(g: EngineGroup) -> None:
+        assert g.engine.runner.model.moe_layers[0].w13.shape[:2] == (
+            experts.num_experts, 2 * experts.intermediate)
+
+    ids, outs = join_step_split_finish(group, ROWS, joined, whole_again)
     assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
 
 
@@ -153,23 +187,15 @@ def test_fp8_kv_engines_join_and_split_with_their_scales(tmp_path: Path) -> None
     want = [hf_e4m3(hf, p, n, scales=scales) for p, n in ROWS]
     policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
     group = EngineGroup.from_kwargs(str(path), policy=policy, kv_cache_dtype="fp8", **KW)
-    outs: dict[str, RequestOutput] = {}
-    try:
-        ids = [group.submit(p, greedy(n)) for p, n in ROWS]
-        while group.width == 1:
-            outs.update((o.request_id, o) for o in group.step())
-        assert group.engine.runner.kv.dtype == torch.float8_e4m3fn
-        got = [(a.kv_scales.k, a.kv_scales.v) for a in group.engine.runner.model.modules()
+
+    def joined(g: EngineGroup) -> None:
+        assert g.engine.runner.kv.dtype == torch.float8_e4m3fn
+        got = [(a.kv_scales.k, a.kv_scales.v) for a in g.engine.runner.model.modules()
                if hasattr(a, "kv_scales")]
         # the shard's, carried from the full model (fp32)
         assert [x for ks in got for x in ks] == pytest.approx([x for ks in scales for x in ks])
-        outs.update((o.request_id, o) for o in group.step())
-        group.split()
-        while group.has_unfinished():
-            outs.update((o.request_id, o) for o in group.step())
-    finally:
-        group.close()
-    assert [s.direction for s in group.switches][:2] == ["join", "split"]
+
+    ids, outs = join_step_split_finish(group, ROWS, joined)
     assert [list(outs[i].outputs[0].token_ids) for i in ids] == want
 
 
@@ -188,12 +214,7 @@ def test_a_rank_killed_during_the_switch_fails_the_group_fast(tmp_path: Path) ->
         for _ in range(3):
             group.step()
         group.on_phase = kill_in_reshard
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1 exited"):
-            group.repartition()
-        assert time.monotonic() - t0 < 20.0
-        with pytest.raises(EngineDeadError):  # and stays dead
-            group.step()
+        dies_fast(group, group.repartition, "rank 1 exited", 20.0)
     finally:
         group.close()
 

@@ -64,6 +64,19 @@ def test_the_tail_joins_once_its_rows_are_few() -> None:
     assert info["t_join"] == 25.0 and bct == pytest.approx(25.0 + 1.0 + 5.0 * 0.5)
 
 
+def test_per_row_widths_worked_out_by_hand() -> None:
+    """Two rows left at 10 and 30 s, 4 fast actors: the oracle widens the longer row, then the
+    shorter (each saving pays the 1 s pause), and when the short one ends at 9 s gives the long
+    one the freed actors (4 wide from 10 s): 20 s left at 0.6 ends at 22 s."""
+    run = _run([10.0, 30.0], [0.0, 0.0], [0, 0])
+    ratio = {1: 1.0, 2: 0.8, 4: 0.6, 8: 0.5}
+    bct = tr.greedy_bct(run, [1.0] * 4, 1.0, lambda k, r: ratio[k])
+    assert bct == pytest.approx(22.0)
+    # oldest first, always widening: the same here (row 1 has produced more)
+    assert tr.greedy_bct(run, [1.0] * 4, 1.0, lambda k, r: ratio[k],
+                         lambda r, left: float(r)) == pytest.approx(22.0)
+
+
 @pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_tiny_run_prints_its_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,9 @@ from the migrate run, as `engine/partition.EngineGroup` would change it:
   in `benchmarks/tp_step.py`'s JSON, `--collectives`, at two depths: calls = a * layers + b),
   each collective paying `--link-latency-us` (sourced: NVLink all-reduce of a few KB) plus its
   bytes at `--link-gb-s`.
+Per-row arms (`greedy_bct`): each row its own width, doubled while actors are idle, the
+oldest row first ("oldest", what the engine could do), or the row with the most work left
+when that pays ("oracle": clairvoyant, an upper bound of such policies).
 A row's work left at the join is read off the migrate run: (its finish - join time) / the
 slowdown of the actor that finished it. The approximation: a row that shared its engine in the
 tail keeps its share's pace. What the connector runs today: engine groups are an offline-engine

@@ -49,7 +49,8 @@ ignore the flag). Tested on the CPU: 2 engines -> one TP=2 engine and back
 (tests/integration/test_partition.py), 4 engines -> 2 TP=2 engines and back, with new requests
 while joined (tests/integration/test_partition_blocks.py). FP8 KV caches move as their e4m3
 codes, the checkpoint's K/V scales going with the weights (`models/reshard.py`). Not built:
-quantized checkpoints, LoRA (each refused by name when the group is built).
+quantized checkpoints (refused by name when the group is built). Requests keep their LoRA
+adapters through every switch (export / import carry them).
 """
 from __future__ import annotations
 
@@ -138,9 +139,9 @@ class EngineGroup:
         self.engine.check_request(prompt_token_ids, params)
 
     def check_lora(self, lora_request: Any) -> None:
-        if lora_request is not None:
-            raise ValueError("lora_request: an engine group runs the base model only "
-                             "(LoRA groups are not built: docs/parallel.md)")
+        """`Engine.check_lora` on rank 0's engine (every engine of a group reads the same
+        adapters from the same paths)."""
+        self.engine.check_lora(lora_request)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
@@ -153,7 +154,7 @@ class EngineGroup:
             raise ValueError(f"request_id={rid!r} is already in this group")
         self.engine.check_request(prompt_token_ids, params)  # the same model and limits
         self._place(dict(prompt_token_ids=list(prompt_token_ids), params=params,
-                         request_id=rid, prompt=prompt))
+                         request_id=rid, prompt=prompt, lora_request=lora_request))
         return rid
 
     def _place(self, kw: dict[str, Any]) -> None:

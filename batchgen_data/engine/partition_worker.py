@@ -176,6 +176,10 @@ def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
                 pieces = ModelPieces.of(wide)
                 del wide
             else:
+                if member.wide_config.lora.enable_lora:  # its slots, filled as its leader's
+                    from batchgen_data.engine.lora_manager import attach
+
+                    parts.runner.lora = attach(parts.model, parts.runner, member.wide_config)
                 parts.runner.serve()  # a rank of the TP engine until its leader releases it
                 parts.runner.free()
                 pieces = ModelPieces(parts.model, parts.runner.backend, parts.device,

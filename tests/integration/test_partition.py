@@ -70,13 +70,15 @@ class Outputs(dict):
 
 def join_step_split_finish(group: EngineGroup, rows: list[tuple[list[int], int]],
                            joined: Callable[[EngineGroup], None],
-                           split: Callable[[EngineGroup], None] = lambda g: None
-                           ) -> tuple[list[str], Outputs]:
-    """Submit `rows`, step until the policy joins, check `joined`, step once, split, check
-    `split`, step to the end; the group is closed either way."""
+                           split: Callable[[EngineGroup], None] = lambda g: None,
+                           loras: list | None = None) -> tuple[list[str], Outputs]:
+    """Submit `rows` (row i under adapter `loras[i]`), step until the policy joins, check
+    `joined`, step once, split, check `split`, step to the end; the group is closed either
+    way."""
     outs = Outputs()
+    loras = loras or [None] * len(rows)
     try:
-        ids = [group.submit(p, greedy(n)) for p, n in rows]
+        ids = [group.submit(p, greedy(n), lora_request=lr) for (p, n), lr in zip(rows, loras)]
         while group.width == 1:
             outs.collect(group.step())
         joined(group)

@@ -50,3 +50,34 @@ def test_tp2_mixed_adapters_match_peft(arch: str, max_loras: int, tiny_model_dir
             for p, lr in zip(prompts, loras)]
     assert got == want
     assert slot_loads >= 4  # every adapter filled a slot (refills when slots are fewer)
+
+
+def test_a_group_with_adapters_joins_and_splits(tiny_model_dir, hf_model,
+                                                tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two one-device engines with enable_lora join into one TP=2 engine for the tail and split
+    back: each request keeps its adapter (export / import carry it), the joined engine's
+    ranks read their parts of the adapters, the split engines theirs whole again; greedy
+    tokens equal HF + peft."""
+    from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+    from tests.integration.test_partition import KW, ROWS, join_step_split_finish
+
+    torch.set_num_threads(1)
+    path = tiny_model_dir("llama")
+    base = hf_model(path)
+    paths = [write_adapter(path, tmp_path / f"a{i}", seed=20 + i, rank=r, alpha=al,
+                           targets=t, rslora=rs) for i, (r, al, t, rs) in enumerate(SPECS)]
+    reqs = requests(paths)
+    loras = [reqs[i % 4] if i % 3 else None for i in range(len(ROWS))]
+    policy = PartitionPolicy(join_below_seqs=3, wide_step_ratio=0.5, switch_s=0.0)
+    group = EngineGroup.from_kwargs(str(path), policy=policy, enable_lora=True, max_loras=4,
+                                    max_lora_rank=16, **KW)
+
+    def joined(g: EngineGroup) -> None:
+        assert g.engine.runner.ranks.size == 2 and g.engine.runner.lora is not None
+
+    ids, outs = join_step_split_finish(group, ROWS, joined, loras=loras)
+    models = {None: base, **{r.lora_int_id: hf_lora_model(base, paths[r.lora_int_id - 1],
+                                                            False) for r in reqs}}
+    want = [hf_greedy(models[None if lr is None else lr.lora_int_id], p, n)
+            for (p, n), lr in zip(ROWS, loras)]
+    assert [list(outs[i].outputs[0].token_ids) for i in ids] == want

@@ -57,7 +57,7 @@ class RankArgs:
     timeout_s: float
     expert_parallel: bool = False
     role: str = "rank"  # "rank": a shard of one TP engine; "engine": see `start`
-    device_index: int | None = None  # the rank's CUDA device (None: cuda:rank)
+    device_index: int | None = None  # the rank's CUDA device (None: tp_runner.rank_device's)
 
     def argv(self) -> list[str]:
         return [str(self.rank), str(self.size), self.host, str(self.port), self.device_type,
@@ -143,7 +143,7 @@ class RankGroup:
     store: Any
     timeout: timedelta
     handles: list[RankHandle] = field(default_factory=list)  # rank 0: ranks 1..
-    device_index: int | None = None  # this rank's CUDA device (None: cuda:rank)
+    device_index: int | None = None  # this rank's CUDA device (None: tp_runner.rank_device's)
 
     @property
     def procs(self) -> list[subprocess.Popen]:

@@ -37,19 +37,20 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _bytes(obj: Any) -> torch.Tensor:
+def encode(obj: Any) -> torch.Tensor:
+    """`obj` pickled into a uint8 tensor (one-byte float tensors as their bytes)."""
     out = io.BytesIO()
     _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
 
 
-def _load(buf: torch.Tensor) -> Any:
+def decode(buf: torch.Tensor) -> Any:
     return pickle.loads(buf.numpy().tobytes())
 
 
 def send(control: TensorParallel, obj: Any) -> None:
     """Rank 0: `obj` to every other rank (each calls `receive`)."""
-    blob = _bytes(obj)
+    blob = encode(obj)
     control.broadcast(torch.tensor([blob.numel()], dtype=torch.int64))
     control.broadcast(blob)
 
@@ -57,15 +58,15 @@ def send(control: TensorParallel, obj: Any) -> None:
 def receive(control: TensorParallel) -> Any:
     """Ranks > 0: what rank 0 `send`s next."""
     n = int(control.broadcast(torch.zeros(1, dtype=torch.int64))[0])
-    return _load(control.broadcast(torch.empty(n, dtype=torch.uint8)))
+    return decode(control.broadcast(torch.empty(n, dtype=torch.uint8)))
 
 
 def gather(control: TensorParallel, obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on rank 0 (its own included); [] elsewhere."""
-    blob = _bytes(obj)
+    blob = encode(obj)
     sizes = [int(n) for n in control.all_gather(torch.tensor([blob.numel()],
                                                              dtype=torch.int64))]
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[:blob.numel()] = blob
     parts = control.gather(padded)
-    return [_load(p[:n]) for p, n in zip(parts, sizes)]
+    return [decode(p[:n]) for p, n in zip(parts, sizes)]

@@ -57,18 +57,20 @@ class StepData:
 
 
 def pack_object(obj: object) -> torch.Tensor:
-    """`obj` pickled into an int64 payload (its byte count goes in the header)."""
-    import pickle
+    """`obj` pickled (`messages.encode`) into an int64 payload, zero-padded to whole int64s
+    (the unpickler stops at its own end)."""
+    from batchgen_data.distributed import messages
 
-    raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    raw += b"\0" * (-len(raw) % 8)
-    return torch.frombuffer(bytearray(raw), dtype=torch.int64).clone()
+    raw = messages.encode(obj)
+    padded = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    return padded.view(torch.int64)
 
 
 def unpack_object(payload: torch.Tensor, nbytes: int) -> object:
-    import pickle
+    from batchgen_data.distributed import messages
 
-    return pickle.loads(payload.numpy().tobytes()[:nbytes])
+    return messages.decode(payload.view(torch.uint8)[:nbytes])
 
 
 def header(command: int, payload_len: int, *numbers: int) -> torch.Tensor:

@@ -74,8 +74,6 @@ from batchgen_data.placement import EngineLoad
 from batchgen_data.sampling_params import SamplingParams
 
 __all__ = ["EngineGroup", "PartitionPolicy", "SwitchReport"]
-_spread = spread  # (the name the unit tests know)
-
 
 def _dead_error(msg: str) -> Exception:
     from batchgen_data.engine.driver import EngineDeadError  # driver imports the engine
@@ -105,7 +103,8 @@ class EngineGroup:
         self.member = Member(config, self.ranks, device_type)
         self._dead: str | None = None
         try:
-            self.engine: Engine = Engine(own_device(config, 0, device_type))  # this process's (rank 0's block's when joined)
+            # this process's engine (rank 0's block's TP engine when joined)
+            self.engine: Engine = Engine(own_device(config, 0, device_type))
             self.ranks.agree_min("engine_ready", 1)  # the others loaded theirs
         except BaseException:
             self.ranks.close()

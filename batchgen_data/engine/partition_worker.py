@@ -125,11 +125,9 @@ def own_device(config: EngineConfig, rank: int, device_type: str) -> EngineConfi
     of `device`) + rank, the device it keeps as a rank of a TP engine; the CPU is shared."""
     if device_type != "cuda":
         return config
-    from batchgen_data import devices
-    from batchgen_data.engine.tp_runner import rank_device
+    from batchgen_data.engine.tp_runner import device_of_rank
 
-    dev = rank_device(devices.resolve_device(devices.pick_device(config.device)), rank)
-    return dataclasses.replace(config, device=str(dev))
+    return dataclasses.replace(config, device=str(device_of_rank(config, rank)))
 
 
 def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
@@ -175,12 +173,8 @@ def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
                 wide.runner.release()  # the block's other ranks leave `serve`
                 pieces = ModelPieces.of(wide)
                 del wide
-            else:
-                if member.wide_config.lora.enable_lora:  # its slots, filled as its leader's
-                    from batchgen_data.engine.lora_manager import attach
-
-                    parts.runner.lora = attach(parts.model, parts.runner, member.wide_config)
-                parts.runner.serve()  # a rank of the TP engine until its leader releases it
+            else:  # a rank of the TP engine until its leader releases it
+                parts.runner.serve(member.wide_config)
                 parts.runner.free()
                 pieces = ModelPieces(parts.model, parts.runner.backend, parts.device,
                                      parts.tokenizer, parts.stopper, parts.scheduler_config)

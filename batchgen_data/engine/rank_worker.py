@@ -48,12 +48,9 @@ def serve(config: object, args: "RankArgs", own_host: str = "127.0.0.1",
     threads = config.num_threads or num_threads  # type: ignore[attr-defined]
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // args.size))
     if args.device_type == "cuda":  # NCCL's collectives run on this rank's device
-        from batchgen_data.devices import pick_device, resolve_device
-        from batchgen_data.engine.tp_runner import rank_device
+        from batchgen_data.engine.tp_runner import device_of_rank
 
-        torch.cuda.set_device(rank_device(resolve_device(pick_device(config.device)),  # type: ignore[attr-defined]
-                                          args.rank, args.device_index,
-                                          getattr(config, "rank_devices", None)))
+        torch.cuda.set_device(device_of_rank(config, args.rank, args.device_index))
     ranks = launch.join(args, own_host)
     if args.role == "engine":
         from batchgen_data.engine import partition_worker
@@ -61,11 +58,7 @@ def serve(config: object, args: "RankArgs", own_host: str = "127.0.0.1",
         partition_worker.serve(config, ranks, args.device_type)
         return 0
     parts = build_parts(config, ranks)
-    if config.lora.enable_lora:  # type: ignore[attr-defined]  (its slots, filled as rank 0's)
-        from batchgen_data.engine.lora_manager import attach
-
-        parts.runner.lora = attach(parts.model, parts.runner, config)  # type: ignore[arg-type]
-    parts.runner.serve()
+    parts.runner.serve(config)
     return 0
 
 

@@ -143,8 +143,14 @@ class TPRunner(ModelRunner):
                                                 for i in range(s.num_layers)])
 
     # ---- ranks > 0 ------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Do what rank 0 broadcasts until it says stop (or its collectives fail)."""
+    def serve(self, config: Any = None) -> None:
+        """Do what rank 0 broadcasts until it says stop (or its collectives fail). With
+        `config` enabling LoRA, the adapters' slots are laid out first (rank 0's LORA commands
+        fill them)."""
+        if config is not None and config.lora.enable_lora and self.lora is None:
+            from batchgen_data.engine.lora_manager import attach
+
+            self.lora = attach(self.model, self, config)
         control = self.ranks.control
         while True:
             head = control.broadcast(torch.empty(step_io.HEADER, dtype=torch.int64))
@@ -199,16 +205,9 @@ class TPRunner(ModelRunner):
 
 
 def _token_slots(inp: ModelInput) -> torch.Tensor:
-    """Each token row's LoRA slot (-1: none) from the step's `LoRABatch`; [0] without one."""
-    b = inp.lora
-    if b is None:
-        return torch.zeros(0, dtype=torch.int64)
-    slots = torch.full((inp.input_ids.numel(),), -1, dtype=torch.int64)
-    starts = b.seg_starts.cpu().tolist()
-    rows = b.token_idx.cpu()
-    for s, slot in enumerate(b.seg_slots.cpu().tolist()):
-        slots[rows[starts[s]:starts[s + 1]]] = slot
-    return slots
+    """Each token row's LoRA slot (-1: none) of the step's `LoRABatch`; [0] without one."""
+    slots = inp.lora.token_slots if inp.lora is not None else None
+    return torch.tensor(slots or [], dtype=torch.int64)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -259,6 +258,15 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
         where = f"rank_devices={listed}" if listed else f"cuda:{device.index or 0} on"
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank, "
                          f"{where}); {torch.cuda.device_count()} visible")
+
+
+def device_of_rank(config: Any, rank: int, index: int | None = None) -> torch.device:
+    """The device process `rank` of an engine of `config` runs on (`rank_device` from the
+    engine's own `device`)."""
+    from batchgen_data.devices import pick_device, resolve_device
+
+    return rank_device(resolve_device(pick_device(config.device)), rank, index,
+                       getattr(config, "rank_devices", None))
 
 
 def rank_device(device: torch.device, rank: int, index: int | None = None,

@@ -42,6 +42,8 @@ class LoRABatch:
     padded: bool = True  # some segment is shorter than the longest (pad_mask has zeros)
     # every row of the step under this one slot (rows in order): plain matmuls in the torch path
     single_slot: int | None = None
+    # each token row's slot (-1: none), as `build` got them (a TP rank 0 sends them on)
+    token_slots: list[int] | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], num_slots: int, device: torch.device,
@@ -66,7 +68,7 @@ class LoRABatch:
             else None
         return cls(rows.to(device), starts.to(device), seg_slots.to(device), longest,
                    rows[pos].flatten().to(device), real.unsqueeze(-1).to(device, dtype), whole,
-                   bool((counts < longest).any()), single)
+                   bool((counts < longest).any()), single, token_slots)
 
 
 class LoRAContext:

@@ -72,6 +72,13 @@ class QuantScheme:
         return codes, scale, zero
 
 
+def pad_rows(t: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` (None: as it is)."""
+    if rows is None or t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
 @dataclass
 class QuantWeight:
     """One checkpoint matrix [n, k] converted to the stored form of `scheme`."""
@@ -100,12 +107,7 @@ class QuantWeight:
         """Output rows [start, stop) (a column-parallel rank's slice), zero rows appended up to
         `pad_to` (a padded vocabulary: codes, scale and zero 0, so the row is 0)."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            part = t[start:stop]
-            if pad_to is not None and part.shape[0] < pad_to:
-                part = torch.cat([part, part.new_zeros(pad_to - part.shape[0], *part.shape[1:])])
-            return part
+            return None if t is None else pad_rows(t[start:stop], pad_to)
 
         return QuantWeight(self.scheme, self.k, cut(self.codes), cut(self.scale),  # type: ignore[arg-type]
                            cut(self.zero), self.perm)

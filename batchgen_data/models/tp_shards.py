@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from batchgen_data.layers import parallel
-from batchgen_data.layers.quant import QuantWeight
+from batchgen_data.layers.quant import QuantWeight, pad_rows
 
 
 def rank_slice(model: nn.Module, param: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -61,10 +61,7 @@ def _rows(t: Any, start: int, stop: int, pad_to: int | None = None) -> Any:
     rows appended up to `pad_to` (the vocabulary's padding)."""
     if isinstance(t, QuantWeight):
         return t.take_rows(start, stop, pad_to)
-    part = t[start:stop]
-    if pad_to is not None and part.shape[0] < pad_to:
-        part = torch.cat([part, part.new_zeros(pad_to - part.shape[0], *part.shape[1:])])
-    return part
+    return pad_rows(t[start:stop], pad_to)
 
 
 def _cols(t: Any, start: int, stop: int, name: str) -> Any:

@@ -9,7 +9,8 @@ import torch
 
 from batchgen_data.config import make_engine_config
 from batchgen_data.distributed import launch
-from batchgen_data.engine.partition import EngineGroup, PartitionPolicy, _spread
+from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+from batchgen_data.engine.partition_policy import spread as _spread
 from batchgen_data.placement import EngineLoad
 
 

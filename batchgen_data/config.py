@@ -157,6 +157,9 @@ class EngineConfig:
     # vLLM's name: MoE layers keep whole experts per rank instead of a slice of each (one
     # rank: nothing to split; docs/parallel.md)
     enable_expert_parallel: bool = False
+    # vLLM's name: the most logprobs (and prompt_logprobs) one request may ask for per token;
+    # -1: the vocabulary. A request asking more is refused when it enters (engine/limits.py)
+    max_logprobs: int = 20
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
@@ -188,6 +191,10 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r}: quantized checkpoints of "
                              f"this method are not supported; supported: {_QUANTIZATION} (the "
                              "checkpoint's quantization_config decides; docs/quantization.md)")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) \
+                or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= 0, or -1 "
+                             "for the vocabulary size")
         self._check_parallel()
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")

@@ -77,7 +77,6 @@ VLLM_ARGS: dict[str, _Arg] = {
     "code_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "download_dir": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "served_model_name": _Arg(_any, "a name for outputs only"),
-    "max_logprobs": _Arg(_any, "logprobs are limited only by the vocabulary"),
     "disable_sliding_window": _Arg(_any, "models with sliding-window attention are refused "
                                          "when loaded"),
     "guided_decoding_backend": _Arg(_any, "structured output picks its own grammar engine"),

@@ -28,6 +28,7 @@ from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.step import Stepper
 from batchgen_data.engine.token_draw import sample_seed
+from batchgen_data.engine.limits import check_limits, seed_bits
 from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
 from batchgen_data.kvcache import kv_format
 from batchgen_data.lora_request import AdapterNames, LoRARequest
@@ -95,6 +96,7 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len} (room for at least one output token needed)")
         self.sampler.check(params, self.vocab_size)
+        check_limits(params, self.vocab_size, self.config.max_logprobs)
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """ValueError unless this engine can run `lora_request` (enable_lora, the adapter
@@ -136,7 +138,7 @@ class Engine:
     def _seed_for(self, seed: int | None, index: int) -> int:
         if seed is None:
             return self._rng.getrandbits(62)
-        return sample_seed(seed, index)
+        return sample_seed(seed_bits(seed), index)
 
     def _add(self, req: Request, front: bool = False) -> None:
         self.requests[req.request_id] = req

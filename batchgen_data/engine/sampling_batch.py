@@ -123,7 +123,9 @@ class SamplingBatch:
                  if any(map(_EDITS_LOGITS, uniq)) else [])
         output_len = (np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n)
                       - np.fromiter(map(len, map(_PROMPT_IDS, seqs)), np.int64, n))
-        top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in uniq], dtype=np.int64)
+        # a top_k above the vocabulary keeps every token (vLLM clamps it), and must fit int64
+        top_k = np.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in uniq],
+                         dtype=np.int64)
         ints = np.stack([np.fromiter(map(_SEED, seqs), np.int64, n), output_len,
                          top_k[code]], axis=1)  # [N, 3]
         floats = np.array([[max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,

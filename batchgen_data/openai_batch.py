@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen_data.openai_pooling import POOLING_URLS, PoolingLine, parse_pooling_body
+from batchgen_data.sampling_params import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -83,9 +84,21 @@ class _Bad(ValueError):
         self.code = code
 
 
+# the columns a table row runs from (cli/inputs.py); a line with one of them is a table row
+TABLE_PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")
+
+
 def is_batch_line(obj: Any) -> bool:
-    """Whether a decoded JSONL line looks like an OpenAI Batch request (not a table row)."""
-    return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+    """Whether a decoded JSONL line is an OpenAI Batch request rather than a table row.
+
+    A request has a `body` (or a `url` and no prompt column of its own), with or without a
+    `custom_id`: a request that lacks its id is still a request, answered with a
+    `missing_custom_id` error line, not a table whose rows have no prompt."""
+    if not isinstance(obj, dict):
+        return False
+    if "custom_id" in obj and "body" in obj:
+        return True
+    return ("body" in obj or "url" in obj) and not any(c in obj for c in TABLE_PROMPT_COLUMNS)
 
 
 def parse_line(text: str, line: int, default_max_tokens: int | None = None) -> BatchRequest:
@@ -123,7 +136,8 @@ def _fill(req: BatchRequest, obj: Any, default_max_tokens: int | None) -> None:
         req.pooling = parse_pooling_body(url, obj["body"])
         return
     if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise _Bad("invalid_url", f"url {url!r}: use {CHAT_URL} or {COMPLETIONS_URL}")
+        raise _Bad("invalid_url", f"url {url!r}: use one of "
+                                  f"{', '.join((CHAT_URL, COMPLETIONS_URL, *POOLING_URLS))}")
     req.url = url
     body = obj.get("body")
     if not isinstance(body, dict):
@@ -142,6 +156,9 @@ def _fill(req: BatchRequest, obj: Any, default_max_tokens: int | None) -> None:
     req.model = body.get("model") if isinstance(body.get("model"), str) else None
     _fill_prompt(req, body)
     req.params = sampling_fields(body, req.is_chat, default_max_tokens)
+    # every runner gets the same verdict on a value (a string `n`, a NaN temperature): the
+    # line's error, naming the field, before any runner builds a request from it
+    SamplingParams.from_dict(dict(req.params))
 
 
 def _fill_prompt(req: BatchRequest, body: dict[str, Any]) -> None:

@@ -3,8 +3,10 @@
 Both become `WorkItem`s: a key that names the item in the output (its `custom_id`, or the row's
 position in the table), the connector row to run, and how to report it. An OpenAI Batch line
 that cannot run is a `WorkItem` with `error` set, written as an error line without running.
-The kind of a `.jsonl` file is read from its first non-blank line: OpenAI Batch lines have
-`custom_id` and `body`.
+The kind of a `.jsonl` file is read from its first non-blank line: an OpenAI Batch line has a
+`body` (and a `custom_id`, or it is answered with a `missing_custom_id` error line); a table row
+has a prompt column. A file with no line at all is an OpenAI Batch file with no requests, as
+vLLM's `run-batch` reads it: the output is empty and the run succeeds.
 """
 from __future__ import annotations
 
@@ -49,12 +51,16 @@ def read_input(path: str | Path, default_max_tokens: int | None = None) -> Input
     if not path.exists():
         raise FileNotFoundError(f"input {str(path)!r} does not exist")
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson") and _first_is_batch(path):
+    if suffix in JSONL_SUFFIXES and _first_is_batch(path):
         return InputFile(path, True, list(_batch_items(path, default_max_tokens)))
     return InputFile(path, False, list(_table_items(read_table(path))))
 
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
 def _first_is_batch(path: Path) -> bool:
+    """Whether a JSONL file holds OpenAI Batch requests; True for a file with no lines."""
     with path.open(encoding="utf-8") as f:
         for text in f:
             if text.strip():
@@ -62,7 +68,7 @@ def _first_is_batch(path: Path) -> bool:
                     return is_batch_line(json.loads(text))
                 except json.JSONDecodeError:
                     return True  # a table file is read by Arrow, which fails loudly; this is not
-    return False
+    return True
 
 
 def _batch_items(path: Path, default_max_tokens: int | None) -> Iterator[WorkItem]:
@@ -96,7 +102,10 @@ def read_table(path: Path) -> pa.Table:
     if suffix == ".csv":
         import pyarrow.csv as pcsv
 
-        return pcsv.read_csv(path)
+        # prompts are text whatever they look like: "42" or "nan" as a number would be a
+        # prompt the engine cannot send (absent columns are ignored by Arrow)
+        return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(
+            column_types={"prompt": pa.string()}))
     if suffix in (".jsonl", ".json", ".ndjson"):
         import pyarrow.json as pjson
 
@@ -106,6 +115,8 @@ def read_table(path: Path) -> pa.Table:
 
 
 def _table_items(table: pa.Table) -> Iterator[WorkItem]:
+    if table.num_rows == 0:
+        return  # nothing to run, as for an empty OpenAI Batch file
     if not {"prompt", "messages", "prompt_token_ids"} & set(table.column_names):
         raise ValueError(f"the input table needs a prompt, messages or prompt_token_ids column; "
                          f"it has {table.column_names}")

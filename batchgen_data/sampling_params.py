@@ -9,11 +9,12 @@ and `from_dict` (connectors, configs) names the unsupported ones in `UNSUPPORTED
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+import copy
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from batchgen_data.sampling_checks import (ParamTypeError, bias_dict, check_core, check_fields,
+                                           coerce)
 from batchgen_data.structured.params import StructuredOutputsParams
 
 # vLLM fields this engine does not implement, and why (shown by `from_dict`)
@@ -25,6 +26,11 @@ UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
     "logprob_token_ids": "not supported; use logprobs",
     "prompt_logprob_token_ids": "not supported; use prompt_logprobs",
+    "prompt_logprob_start": "not supported; prompt_logprobs score every prompt token",
+    "flat_logprobs": "logprobs are returned as vLLM's default list of dicts",
+    "stream_interval": "outputs are always returned once, when the request finishes",
+    "thinking_token_budget": "not supported (no reasoning parser)",
+    "repetition_detection": "not supported; use repetition_penalty or max_tokens",
 }
 
 
@@ -62,11 +68,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        for name in ("stop", "stop_token_ids"):  # list() below would hide what was given
+        coerce(self)
+        for name in ("stop", "stop_token_ids", "bad_words"):  # list() would hide what was given
             v = getattr(self, name)
-            if v is not None and not isinstance(v, (str, list, tuple)):
-                raise TypeError(f"SamplingParams.{name} must be a list, got "
-                                f"{type(v).__name__}: {v!r}")
+            if v is not None and not isinstance(v, (list, tuple)) and \
+                    not (isinstance(v, str) and name != "stop_token_ids"):
+                raise ParamTypeError(f"SamplingParams.{name} must be a list, got "
+                                     f"{type(v).__name__}: {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -74,121 +82,32 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.bad_words is not None:
-            self.bad_words = list(dict.fromkeys(self.bad_words))
+            self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
-            self.logit_bias = _bias_dict(self.logit_bias)
+            self.logit_bias = bias_dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.structured_outputs = _structured(self.structured_outputs)
-        self._check()
-        self._check_new_fields()
+        check_core(self)
+        check_fields(self)
         # whether the sampler must mask or bias this request's logits (see `SamplingBatch`):
         # read for every row of every step, so derived once here; change these fields by
         # building a new object (`dataclasses.replace`), not by assignment
         self.edits_logits = bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
-    def _bad(self, name: str, why: str) -> ValueError:
-        return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
-
-    def _check(self) -> None:
-        bad = self._bad
-        for name in ("n", "top_k", "min_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be an int, got "
-                                f"{type(v).__name__}: {v!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"SamplingParams.{name} must be a number, got "
-                                f"{type(v).__name__}: {v!r}")
-            if math.isnan(v):  # NaN passes every range check below
-                raise bad(name, "must be a number, not NaN")
-        if self.n < 1:
-            raise bad("n", "must be >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (disabled) or a positive int")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None:
-            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-                raise TypeError(f"SamplingParams.max_tokens must be an int or None, got "
-                                f"{type(self.max_tokens).__name__}: {self.max_tokens!r}")
-            if self.max_tokens < 1:
-                raise bad("max_tokens", "must be >= 1")
-            if self.min_tokens > self.max_tokens:
-                raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError("SamplingParams.seed must be an int or None")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
-                raise bad(name, "must be None or an int >= 0")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative ints")
-
-    def _check_new_fields(self) -> None:
-        bad = self._bad
-        if self.structured_outputs is not None:
-            self._check_structured()
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad("best_of", f"not supported (vLLM v1 removed it): leave it unset or equal "
-                                 f"to n ({self.n}); to get {self.best_of} samples use n")
-        if not isinstance(self.detokenize, bool):
-            raise bad("detokenize", "must be a bool")
-        if self.stop and not self.detokenize:
-            raise bad("detokenize", "stop strings need detokenize=True")
-        t = self.truncate_prompt_tokens
-        if t is not None and (not _is_int(t) or (t < 1 and t != -1)):
-            raise bad("truncate_prompt_tokens", "must be None, -1 or an int >= 1")
-        if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise bad("allowed_token_ids", "must not be empty (None allows every token)")
-            if any(not _is_int(x) or x < 0 for x in self.allowed_token_ids):
-                raise bad("allowed_token_ids", "must be non-negative ints")
-        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip()
-                                              for w in self.bad_words):
-            raise bad("bad_words", "must be non-empty strings")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise bad("extra_args", "must be a dict or None")
-
-    def _check_structured(self) -> None:
-        # each of these would fight the grammar's own allow-list, and where the grammar allows
-        # only EOS (its end) they would leave no token to draw
-        clash = [name for name, on in (("ignore_eos", self.ignore_eos),
-                                       ("min_tokens", self.min_tokens > 0),
-                                       ("allowed_token_ids", self.allowed_token_ids is not None),
-                                       ("bad_words", bool(self.bad_words))) if on]
-        if clash:
-            raise self._bad(clash[0], "cannot be combined with structured_outputs: the grammar "
-                                      "decides which tokens may come and when the output ends")
-
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming the field when a token id is outside the model's vocabulary.
-
-        (stop_token_ids are not checked: an id the model cannot produce just never stops it.)
-        """
-        for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()),
+        """ValueError naming the field when a token id is outside the model's vocabulary
+        (vLLM's words: the ids index the logits' columns)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
                           ("logit_bias", self.logit_bias or ())):
             out = sorted(t for t in ids if t >= vocab_size)
             if out:
-                raise ValueError(f"SamplingParams.{name}: token id(s) {out[:5]} are outside "
-                                 f"the model's vocabulary [0, {vocab_size})")
+                raise ValueError(f"SamplingParams.{name}: token_id(s) {out[:5]} in {name} "
+                                 f"contain out-of-vocab token ids. Vocabulary size: "
+                                 f"{vocab_size}")
+        if any(t >= vocab_size for t in self.allowed_token_ids or ()):
+            raise ValueError(f"SamplingParams.allowed_token_ids contains out-of-vocab token "
+                             f"id! Vocabulary size: {vocab_size}")
 
     def truncated_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt after `truncate_prompt_tokens`: its last k tokens (left truncation).
@@ -204,6 +123,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's `clone`)."""
+        return copy.deepcopy(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,29 +165,3 @@ def _structured(value: Any) -> StructuredOutputsParams | None:
     except (TypeError, ValueError) as e:
         raise type(e)(f"SamplingParams.{e}" if str(e).startswith("structured_outputs")
                       else f"SamplingParams.structured_outputs: {e}") from None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _bias_dict(value: Any) -> dict[int, float]:
-    """{token id: bias} from a dict (int or numeric-string keys, as JSON gives) or from a list
-    of (id, bias) pairs (how an Arrow map column reads back); biases clamped to [-100, 100].
-    A null bias is no bias: an Arrow struct column fills the keys a row lacks with nulls."""
-    pairs = value.items() if isinstance(value, Mapping) else value
-    out: dict[int, float] = {}
-    try:
-        for key, bias in pairs:
-            if bias is None:
-                continue
-            tok = int(key) if isinstance(key, str) else key
-            if not _is_int(tok) or tok < 0:
-                raise ValueError(f"key {key!r} is not a token id")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-                raise ValueError(f"bias {bias!r} for token {key!r} is not a number")
-            out[tok] = min(100.0, max(-100.0, float(bias)))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"SamplingParams.logit_bias={value!r}: must map token ids (ints) to "
-                         f"numbers ({e})") from None
-    return out

@@ -33,7 +33,7 @@ from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
 from batchgen_data.kvcache import kv_format
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
-from batchgen_data.prompt_checks import first_bad_token
+from batchgen_data.prompt_checks import first_bad_token, too_long
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 
@@ -92,9 +92,9 @@ class Engine:
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens}: more than "
                              f"max_model_len ({self.max_model_len}), so it can never be met")
         prompt_token_ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len} (room for at least one output token needed)")
+        long = too_long(len(prompt_token_ids), self.max_model_len)  # no room for an output
+        if long is not None:
+            raise ValueError(long)
         self.sampler.check(params, self.vocab_size)
         check_limits(params, self.vocab_size, self.config.max_logprobs)
 

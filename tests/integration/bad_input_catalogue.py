@@ -59,24 +59,26 @@ def _sp(kind: str, overrides: str, message: str, offline: str = "params") -> Bad
     return Bad(kind, "sampling_params", overrides, prefix + message, offline)
 
 
-TOO_LONG = "prompt has 100 tokens; max_model_len is {max_model_len} (room for at least one " \
-           "output token needed)"
+TOO_LONG = "prompt has 100 tokens: the decoder prompt (length 100) is longer than the maximum " \
+           "model length of {max_model_len} (max_model_len)"
 CATALOGUE: list[Bad] = [
     Bad("null prompt", "prompt", None, "prompt is null", "generate"),
-    Bad("empty prompt", "prompt", "", "prompt is empty", "generate"),
+    Bad("empty prompt", "prompt", "", "prompt is empty: The decoder prompt cannot be empty",
+        "generate"),
     Bad("whitespace prompt", "prompt", " \n\t",
         r"prompt is empty (whitespace only): ' \n\t'", "generate"),
     Bad("prompt of the wrong type", "prompt", 42, "prompt must be a string, got int: 42",
         "generate", spark_column=False),
     Bad("prompt over max_model_len", "prompt_token_ids", [5] * 100, TOO_LONG, "generate"),
     Bad("token id out of the vocabulary", "prompt_token_ids", [5, 6, 99999],
-        "prompt_token_ids[2]=99999 is outside the vocabulary [0, {vocab})", "generate"),
+        "prompt_token_ids[2]=99999: Token id 99999 is out of vocabulary [0, {vocab})",
+        "generate"),
     Bad("negative token id", "prompt_token_ids", [-1, 5],
-        "prompt_token_ids[0]=-1 is outside the vocabulary [0, {vocab})", "generate"),
+        "prompt_token_ids[0]=-1: Token id -1 is out of vocabulary [0, {vocab})", "generate"),
     Bad("token ids of the wrong type", "prompt_token_ids", ["a", "b"],
         "prompt_token_ids[0] is not an int: 'a'", "generate", spark_column=False),
     Bad("empty token ids", "prompt_token_ids", [],
-        "prompt_token_ids is empty: a request needs at least one prompt token", "generate"),
+        "prompt_token_ids is empty: The decoder prompt cannot be empty", "generate"),
     Bad("message without a role", "messages", [{"role": None, "content": "hi"}],
         "messages[0] needs string 'role' and 'content': got {{'content': 'hi'}}", "chat"),
     Bad("message content not a string", "messages", [{"role": "user", "content": 5}],
@@ -87,13 +89,17 @@ CATALOGUE: list[Bad] = [
     Bad("empty messages", "messages", [],
         "messages must be a non-empty list of {{'role': str, 'content': str}}, got []", "chat"),
     _sp("negative temperature", '{"temperature": -1}',
-        "SamplingParams.temperature=-1: must be >= 0"),
+        "SamplingParams.temperature must be non-negative, got -1."),
     _sp("temperature NaN", '{"temperature": NaN}',
-        "SamplingParams.temperature=nan: must be a number, not NaN"),
+        "SamplingParams.temperature must be a finite number, got nan."),
+    _sp("temperature above 2", '{"temperature": 2.5}',
+        "SamplingParams.temperature must be in [0, 2], got 2.5."),
     _sp("temperature of the wrong type", '{"temperature": "hot"}',
         "SamplingParams.temperature must be a number, got str: 'hot'"),
-    _sp("top_p above 1", '{"top_p": 1.5}', "SamplingParams.top_p=1.5: must be in (0, 1]"),
-    _sp("max_tokens 0", '{"max_tokens": 0}', "SamplingParams.max_tokens=0: must be >= 1"),
+    _sp("top_p above 1", '{"top_p": 1.5}', "SamplingParams.top_p must be in (0, 1], got 1.5."),
+    _sp("max_tokens 0", '{"max_tokens": 0}', "SamplingParams.max_tokens must be at least 1, got 0."),
+    _sp("greedy with n > 1", '{"temperature": 0, "n": 2}',
+        "SamplingParams.n must be 1 when using greedy sampling, got 2."),
     _sp("max_tokens huge", '{"max_tokens": 1000000}',
         "SamplingParams.max_tokens=1000000: more than max_model_len ({max_model_len}), so it "
         "can never be met", offline="generate"),

@@ -35,6 +35,6 @@ def test_spark_runner_writes_the_table_local_writes(tmp_path: Path, spark: objec
     assert [r["id"] for r in got] == [1, 2, 3]  # input order, whatever order rows finished in
     cols = ("generated_text", "num_prompt_tokens", "finish_reason", "error")
     assert [{c: r[c] for c in cols} for r in got] == [{c: r[c] for c in cols} for r in want]
-    assert got[2]["error"] == "prompt is empty" and got[0]["generated_text"]
+    assert got[2]["error"].startswith("prompt is empty") and got[0]["generated_text"]
     # per-task engine samples reached the driver through the accumulator: a timeline
     assert "<h3>" in (tmp_path / "r.html").read_text()

@@ -17,7 +17,7 @@ from batchgen_data import SamplingParams
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"),
     (dict(n=0), "n"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
@@ -42,7 +42,7 @@ def test_from_dict_and_overrides() -> None:
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(logit_bias={5: "big"}), "logit_bias"),
     (dict(logit_bias={-3: 1.0}), "logit_bias"),
@@ -100,10 +100,12 @@ def test_truncated_prompt_keeps_the_last_tokens() -> None:
 
 
 def test_check_vocab_names_the_field() -> None:
-    ok = SamplingParams(allowed_token_ids=[0, 9], logit_bias={9: 1.0}, stop_token_ids=[70])
+    ok = SamplingParams(allowed_token_ids=[0, 9], logit_bias={9: 1.0}, stop_token_ids=[9])
     ok.check_vocab(10)
     for kw, field in ((dict(allowed_token_ids=[3, 10]), "allowed_token_ids"),
-                      (dict(logit_bias={12: 1.0}), "logit_bias")):
+                      (dict(logit_bias={12: 1.0}), "logit_bias"),
+                      # vLLM (0.34) refuses a stop id outside the logits' columns too
+                      (dict(stop_token_ids=[70]), "stop_token_ids")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw).check_vocab(10)
 

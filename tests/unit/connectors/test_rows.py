@@ -131,7 +131,7 @@ def test_every_failure_of_one_row_is_that_rows_error(kind: str,
     out = c.run(["fine", "", "boom", "lost", "x" * 40])
     assert [r["error"] is None for r in out] == [True, False, False, False, False]
     assert out[0]["generated_text"] == "ok"
-    assert out[1]["error"] == "prompt is empty"
+    assert out[1]["error"] == "prompt is empty: The decoder prompt cannot be empty"
     assert out[2]["error"] == "RuntimeError: tokenizer exploded"
     assert out[3]["error"] == "KeyError: 'request vanished'"
     assert "max_model_len" in out[4]["error"]

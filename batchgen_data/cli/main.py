@@ -14,13 +14,16 @@ import json
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from batchgen_data.cli.inputs import ROW_KEY, InputFile, WorkItem, read_input
 from batchgen_data.cli.outcome import Outcome, Runner
-from batchgen_data.cli.outputs import BatchOutput, LineLog, TableOutput
+from batchgen_data.cli.outputs import (ENGINE_FAILED, RETRY_KEY, BatchOutput, LineLog,
+                                       TableOutput, side_file)
 from batchgen_data.cli.progress import Progress
+from batchgen_data.cli.safe_files import OutputLock, refuse_input_as_output, write_text_nofollow
 from batchgen_data.connectors.common import OUTPUT_COLUMNS
 from batchgen_data.openai_batch_output import error_line, success_line
 from batchgen_data.report_record import RunRecord
@@ -80,14 +83,34 @@ def make_runner(args: argparse.Namespace, record: RunRecord) -> Runner:
 
 
 class Job:
-    """One run of the command: reads, skips what is done, runs the rest, writes as it goes."""
+    """One run of the command: reads, skips what is done, runs the rest, writes as it goes.
+
+    The output is checked not to be the input and locked against other runs before anything is
+    opened for writing (cli/safe_files.py); the lock is held until `run` returns."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.input: InputFile = read_input(args.input, args.max_tokens)
         out = Path(args.output)
-        self.output: LineLog = (BatchOutput(out, args.resume) if self.input.is_batch
-                                else TableOutput(out, args.resume))
+        written = {"-o": out} if self.input.is_batch else {"-o": out, "-o's side file":
+                                                             side_file(out)}
+        if args.report:
+            written["--report"] = Path(args.report)
+        refuse_input_as_output(Path(args.input), written)
+        if args.report:
+            refuse_input_as_output(out, {"--report": Path(args.report)})
+            if Path(args.report).is_symlink():  # refused now, not after the run
+                raise ValueError(f"--report {args.report!r} is a symbolic link; the report "
+                                 "is written without following links")
+        self.lock = OutputLock(out)
+        self.lock.acquire()
+        try:
+            self.output: LineLog = (BatchOutput(out, args.resume) if self.input.is_batch
+                                    else TableOutput(out, args.resume))
+        except BaseException:
+            self.lock.release()
+            raise
+        self.engine_failed = 0  # requests the engine's death took with it (retried by --resume)
         self.todo = [i for i in self.input.items if i.key not in self.output.done]
         self.record = RunRecord(title=f"batchgen-data run {Path(args.input).name}")
         self.progress = Progress(self.input.total, self.input.total - len(self.todo),
@@ -96,11 +119,49 @@ class Job:
         self.model_name = args.model or "SmolLM2-135M-Instruct"
 
     def run(self) -> int:
+        """Runs what is left; 0 when every request has its answer, 1 when some must run again
+        (`--resume`): the engine died, or the runner failed."""
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> int:
         failed = [i for i in self.todo if i.error is not None]
         runnable = [i for i in self.todo if i.error is None]
         for item in failed:  # bad input lines: answered at once, nothing to run
             self.emit(Outcome(item, error=item.error, error_code=item.error_code))
         num_run = len(runnable)
+        crashed: BaseException | None = None
+        try:
+            self._run_items(runnable)
+        except Exception as e:  # noqa: BLE001 - what was written stays; --resume goes on
+            traceback.print_exception(e)
+            crashed = e
+        self.record.end = time.time()
+        complete = crashed is None and self.engine_failed == 0
+        if isinstance(self.output, TableOutput) and complete:
+            self.output.finish()
+        else:  # a table is written whole only once every row has its answer
+            self.output.close()
+        self.progress.close()
+        if self.args.report:
+            from batchgen_data.report_html import render
+
+            write_text_nofollow(Path(self.args.report), render(self.record))
+        left = sum(1 for i in self.todo if i.key not in self.output.done)
+        if not complete:
+            why = (f"the run failed: {type(crashed).__name__}: {crashed}" if crashed is not None
+                   else f"the engine died: {self.engine_failed} request(s) lost with it "
+                        f"({ENGINE_FAILED})")
+            sys.stderr.write(f"[batchgen] {why}; {left} request(s) still to run: run "
+                             "the same command with --resume to run them\n")
+            return 1
+        sys.stderr.write(f"[batchgen] done: {num_run} run, {len(failed)} bad input, "
+                         f"{self.input.total - len(self.todo)} already in {self.args.output}\n")
+        return 0
+
+    def _run_items(self, runnable: list[WorkItem]) -> None:
         pooling = [i for i in runnable if i.request is not None and i.request.pooling is not None]
         if pooling:  # /v1/embeddings, /v1/score, /v1/rerank lines: cli/runner_pooling.py
             from batchgen_data.cli.runner_pooling import PoolingRunner
@@ -113,21 +174,10 @@ class Job:
         if runnable:
             self.runner = make_runner(self.args, self.record)
             self.runner.run(runnable, self.emit)
-        self.record.end = time.time()
-        if isinstance(self.output, TableOutput):
-            self.output.finish()
-        else:
-            self.output.close()
-        self.progress.close()
-        if self.args.report:
-            from batchgen_data.report_html import write_html
-
-            write_html(self.record, self.args.report)
-        sys.stderr.write(f"[batchgen] done: {num_run} run, {len(failed)} bad input, "
-                         f"{self.input.total - len(self.todo)} already in {self.args.output}\n")
-        return 0
 
     def emit(self, o: Outcome) -> None:
+        if o.error_code == ENGINE_FAILED:
+            self.engine_failed += 1
         self.output.write(self._line(o))
         self.progress.update(o.error is not None, o.generated_tokens)
         # the kind of an error, for the report, without the input line it happened on
@@ -163,6 +213,8 @@ class Job:
                    num_generated_tokens=len(c.token_ids) if c else 0,
                    finish_reason=c.finish_reason if c else None, error=o.error)
         row[ROW_KEY] = item.extra[ROW_KEY]
+        if o.error_code == ENGINE_FAILED:
+            row[RETRY_KEY] = True
         return row
 
 
@@ -178,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         args.engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     try:
         job = Job(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         sys.stderr.write(f"batchgen-data: {e}\n")
         return 2
     return job.run()

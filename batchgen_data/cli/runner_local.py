@@ -5,6 +5,10 @@ text: a chat request is `LLM.chat`'s rendering, a `/v1/completions` prompt is `L
 (sent as written), and a table row goes through the connectors' `RequestBuilder`. An unseeded
 sampled request is seeded from its prompt tokens, as the connectors seed one, so the local and
 the Ray runner agree. `n > 1` and logprobs come back in full here.
+
+When the engine dies, every request in it is answered with the `engine_failed` code (the
+command's `--resume` runs those again) and nothing more is submitted: the rest of the input is
+left for the `--resume` too.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, Outcome
+from batchgen_data.cli.outputs import ENGINE_FAILED
 from batchgen_data.connectors.common import RequestBuilder, RowError, encode_prompt, seeded
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.openai_batch_output import Choice
@@ -39,6 +44,7 @@ class LocalRunner:
         # input is read as it goes rather than queued whole
         self.max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
         self.submitted = 0  # requests handed to the engine (tests count them)
+        self.dead: BaseException | None = None  # why the engine died, once it has
         self._ids = 0
 
     def token_text(self, token_id: int) -> str:
@@ -49,8 +55,8 @@ class LocalRunner:
         source: Iterator[WorkItem] = iter(items)
         exhausted = False
         try:
-            while pending or not exhausted:
-                while not exhausted and len(pending) < self.max_in_flight:
+            while pending or not (exhausted or self.dead):
+                while not (exhausted or self.dead) and len(pending) < self.max_in_flight:
                     item = next(source, None)
                     if item is None:
                         exhausted = True
@@ -58,19 +64,30 @@ class LocalRunner:
                     fut = self._submit(item, emit)
                     if fut is not None:
                         pending[fut] = item
-                if pending:
-                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        emit(self._outcome(pending.pop(fut), fut))
+                if not pending:
+                    continue
+                # a timeout, not a blocking wait: a request queued for the engine as its loop
+                # died may never be resolved, and must still be answered
+                done, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
+                if not done and self.driver.dead is not None:
+                    self.dead = self.driver.dead
+                    done = set(pending)
+                for fut in done:
+                    emit(self._outcome(pending.pop(fut), fut))
         finally:
             self.driver.shutdown()
 
     def _submit(self, item: WorkItem, emit: Emit) -> Future | None:
+        from batchgen_data.engine.driver import EngineDeadError
+
         try:
             ids, params, text, lora = self._request(item)
             self._ids += 1
             fut = self.driver.submit(ids, params, request_id=f"cli-{self._ids}", prompt=text,
                                      lora_request=lora)
+        except EngineDeadError as e:  # not this request's fault: it is left for --resume
+            self.dead = e
+            return None
         except (RowError, ValueError, TypeError) as e:
             emit(Outcome(item, error=_message(item, e), error_code="invalid_request", actor=ACTOR))
             return None
@@ -93,7 +110,16 @@ class LocalRunner:
         return ids, seeded(params, self.engine.config.seed, ids), text, lora
 
     def _outcome(self, item: WorkItem, fut: Future) -> Outcome:
+        from batchgen_data.engine.driver import EngineDeadError
+
+        if not fut.done():  # queued as the engine died: it never reached the engine
+            return Outcome(item, error=_message(item, EngineDeadError(
+                f"engine loop died: {self.dead!r}")), error_code=ENGINE_FAILED, actor=ACTOR)
         exc = fut.exception()
+        if isinstance(exc, EngineDeadError):
+            self.dead = self.dead or exc
+            return Outcome(item, error=_message(item, exc), error_code=ENGINE_FAILED,
+                           actor=ACTOR)
         if exc is not None:
             return Outcome(item, error=_message(item, exc), error_code="generation_failed",
                            actor=ACTOR)

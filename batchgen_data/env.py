@@ -112,10 +112,18 @@ def cpu_attention_kernel() -> bool:
     return _get_flag("BATCHGEN_CPU_ATTENTION_KERNEL", default=True)
 
 
-def cpu_march() -> str | None:
-    """``$BATCHGEN_CPU_MARCH``: the ``-march`` the CPU kernels build with instead of ``native``
-    (a test hook: ``x86-64-v3`` runs the AVX2 paths on an AVX-512 machine)."""
-    return _get_str("BATCHGEN_CPU_MARCH")
+CPU_ISAS = ("native", "avx512", "avx2", "none")
+
+
+def cpu_isa() -> str:
+    """``$BATCHGEN_CPU_ISA``: the highest instruction set the C kernels are built for, to
+    emulate a lesser CPU kind (docs/cpu.md): ``native`` (default: this CPU's), ``avx512``,
+    ``avx2`` (an AVX2-only build on an AVX-512 machine) or ``none`` (no C kernels: the torch
+    paths). A level above this CPU's changes nothing. Read when the kernels are first built."""
+    value = (_get_str("BATCHGEN_CPU_ISA") or "native").lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"BATCHGEN_CPU_ISA={value!r}: expected one of {', '.join(CPU_ISAS)}")
+    return value
 
 
 def c_compiler() -> str | None:

@@ -2,7 +2,9 @@
 
 `LayerBackend.choose(device, dtype, cpu_kernels)` decides: the Triton kernels on CUDA; on the CPU
 the compiled C kernels (`batchgen_data.kernels.cpu`) where they run (fp32, a C compiler, the
-self-checks pass) and torch elsewhere. The model loader builds a model inside `building(backend)`,
+self-checks pass) and torch elsewhere. What runs on this CPU kind is asked of
+`kernels.cpu.capability` (the C library's ISA, oneDNN's answer per dtype, torch's own), so an
+AVX2-only box, an AVX-512 one without bf16 and an emulation of either choose alike. The model loader builds a model inside `building(backend)`,
 so every layer constructor reads the same choice (`current()`) and keeps its implementation for
 the model's life; the model code itself never branches on the backend.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ import torch
 
 from batchgen_data import env
 
+log = logging.getLogger(__name__)
 _forced = False
 
 
@@ -59,7 +63,7 @@ class LayerBackend:
     layer's routed experts in one C call for a few tokens (fp32 CPU). `c_rows`: a few rows times
     a plain-layout weight in C where no panel kernel runs (the tied output projection; fp32
     CPU with AVX2). `linear`: the weight layout of the linear layers, "plain" (torch), "rows",
-    "onednn" or "panels" (see layers/linear.py). `c_quant`: quantized weights multiplied by the
+    "onednn", "panels" or "widen" (see layers/linear.py). `c_quant`: quantized weights multiplied by the
     C kernel that widens them inside the product (fp32 CPU, AVX2; layers/quant.py).
     `kv_cache_dtype`: the paged KV cache's dtype when it is not the model's (float8_e4m3fn:
     `kv_cache_dtype="fp8"`, layers/kv_quant.py; every attention path above reads it).
@@ -105,15 +109,18 @@ class LayerBackend:
             return cls(device, dtype, triton=True, kv_cache_dtype=kv)
         if device.type != "cpu" or not cpu_kernels:
             return cls(device, dtype, kv_cache_dtype=kv)
-        from batchgen_data.kernels.cpu import attention, linear, moe, ops, quant
+        from batchgen_data.kernels.cpu import attention, capability, linear, moe, ops, quant
 
         fp32 = dtype == torch.float32
         if fp32 and linear.panel_gemm_available():
             layout = "panels"
         elif fp32 and linear.rows_gemm_available():
             layout = "rows"  # AVX2 without AVX-512: decode rows in C on the plain weight
-        elif dtype in (torch.float32, torch.bfloat16) and linear.onednn_available():
+        elif dtype in (torch.float32, torch.bfloat16) and linear.onednn_available(dtype):
             layout = "onednn"
+        elif dtype in capability.HALF and not capability.half_matmul_fast(dtype):
+            layout = "widen"  # torch's half GEMM is its slow reference one here
+            _say_widen(dtype)
         else:
             layout = "plain"
         c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
@@ -122,6 +129,18 @@ class LayerBackend:
                    c_moe=fp32 and moe.available(),
                    c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),
                    linear=layout, c_quant=fp32 and quant.available(), kv_cache_dtype=kv)
+
+
+@functools.lru_cache(maxsize=None)
+def _say_widen(dtype: torch.dtype) -> None:
+    """Tells, once per dtype, why a half-precision model's matmuls run the "widen" layout."""
+    from batchgen_data.kernels.cpu import capability
+
+    why = capability.onednn(dtype).reason if dtype == torch.bfloat16 else \
+        f"torch has no oneDNN {dtype} matmul on this CPU (ATen {capability.aten()})"
+    log.warning("dtype=%s on this CPU: %s; the linear layers keep plain %s weights and "
+                "widen them to float32 for prefill (docs/cpu.md, CPU kinds)",
+                str(dtype).replace("torch.", ""), why, str(dtype).replace("torch.", ""))
 
 
 _current: ContextVar[LayerBackend | None] = ContextVar("layer_backend", default=None)

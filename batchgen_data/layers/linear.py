@@ -8,7 +8,11 @@ The layout is chosen when the model is built (`backend.current().linear`) and ap
     rows (every decode step of a batch up to that size), torch's batched matmul on the same
     panels beyond (prefill chunks, bigger decode batches);
   * "rows": the plain [out, in] weight (CPU, fp32, AVX2 without AVX-512): the C row kernel up to
-    `ROWS_GEMM_MAX_ROWS` rows (decode steps), `F.linear` beyond (prefill chunks).
+    `ROWS_GEMM_MAX_ROWS` rows (decode steps), `F.linear` beyond (prefill chunks);
+  * "widen": the plain bf16 / fp16 weight (CPU, where neither oneDNN's packed weights nor
+    torch's own half matmuls have a fast path for the dtype, e.g. bf16 without AVX-512
+    BW/VL/DQ): `F.linear` in the dtype up to `WIDEN_MIN_ROWS` rows, the weight widened to fp32
+    for MKL beyond (`widen_forward`).
 Earlier versions kept the plain weight next to the packed copies (three copies of every weight
 while they fit 2 GiB); one copy is what keeps an engine of the default model near its weights'
 size in memory (`benchmarks/engine_memory.py`).
@@ -21,6 +25,11 @@ from torch import nn
 
 from batchgen_data.layers import quant
 from batchgen_data.layers.backend import current
+
+# rows up to which a "widen" layer multiplies in its half dtype: on an AVX2 box ATen's
+# reference bf16 GEMM and widening a 1536 x 576 weight to fp32 for MKL tie at about 8 rows;
+# beyond, widening wins (256 rows: 25.7 against 3.3 ms, one thread, ONEDNN_MAX_CPU_ISA=AVX2)
+WIDEN_MIN_ROWS = 8
 
 
 class Linear(nn.Module):
@@ -75,7 +84,7 @@ class Linear(nn.Module):
         """Moves the loaded weight into the layout's form and drops the plain copy."""
         if self.scheme is not None:
             return  # quantized: the stored form is the kernels' layout
-        if self.layout in ("plain", "rows") or self.weight is None:
+        if self.layout in ("plain", "rows", "widen") or self.weight is None:
             if self.layout == "rows" and self.weight is not None \
                     and not self.weight.is_contiguous():  # the C kernel reads rows in place
                 self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
@@ -113,6 +122,8 @@ class Linear(nn.Module):
             return out if self.bias is None else out.add_(self.bias)
         if self.layout == "rows":
             return rows_forward(x, self.weight, self.bias)
+        if self.layout == "widen":
+            return widen_forward(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return packed_forward(x, self.packed, self.bias, self.out_features, self.layout)
@@ -158,6 +169,18 @@ def rows_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     out = cpu_linear.rows_linear(x, weight)
     return out if bias is None else out.add_(bias)
+
+
+def widen_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """`F.linear` on a plain bf16 / fp16 weight where torch's GEMM in that dtype is its slow
+    reference one: a decode step's few rows stay in the dtype (reading the weight once beats
+    widening it), a prefill chunk widens the weight to fp32 for MKL and rounds the result back
+    (one transient fp32 copy of one layer's weight)."""
+    if x.numel() <= x.shape[-1] * WIDEN_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 class MergedLinear(Linear):

@@ -16,8 +16,10 @@ exactly one of these layouts and routes every call to the kernels of that layout
   projection (the embedding's plain rows; `layers/embedding.py`).
 
 Every kernel changes only the memory layout or the summation order, so results differ from
-`F.linear` by float rounding, which a first-use self-check bounds. ``BATCHGEN_CPU_SMALL_GEMM=0``
-turns both C matmuls off, ``BATCHGEN_CPU_PACKED_LINEAR=0`` the oneDNN one (test hooks).
+`F.linear` by float rounding, which a first-use self-check bounds. Whether each runs on this CPU
+is `capability`'s answer (the C library's ISA, oneDNN's own per dtype); a packing asked for
+where it cannot run is refused naming the CPU feature. ``BATCHGEN_CPU_SMALL_GEMM=0`` turns both
+C matmuls off, ``BATCHGEN_CPU_PACKED_LINEAR=0`` the oneDNN one (test hooks).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from batchgen_data import env
 from batchgen_data.kernels.cpu import build as cpu_kernels
+from batchgen_data.kernels.cpu import capability
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +70,17 @@ def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...
 
 
 # ---- oneDNN blocked layout -----------------------------------------------------------------
-def onednn_available() -> bool:
-    """Whether `onednn_linear` runs here (oneDNN ops in this torch build, not switched off, and
-    a self-check against F.linear passed)."""
-    return env.cpu_packed_linear() and _onednn_checked()
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `onednn_linear` runs here in `dtype` (float32 or bfloat16): oneDNN packs and
+    multiplies a weight of that dtype on this CPU (`capability.onednn`), it is not switched
+    off, and the fp32 kernel agrees with F.linear on a self-check."""
+    return (env.cpu_packed_linear() and capability.onednn(dtype).ok
+            and (dtype != torch.float32 or _onednn_checked()))
 
 
 @functools.lru_cache(maxsize=None)
 @torch.no_grad()
 def _onednn_checked() -> bool:
-    if not (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
     try:
         return _agrees_with_f_linear("oneDNN", 37, 53, (1, 5, 33), pack_onednn, onednn_linear)
     except (RuntimeError, NotImplementedError) as exc:  # op missing or unsupported here
@@ -88,7 +89,13 @@ def _onednn_checked() -> bool:
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered for `onednn_linear` (an opaque blocked layout)."""
+    """`weight` [out, in] reordered for `onednn_linear` (an opaque blocked layout); ValueError
+    naming what the CPU lacks where oneDNN has no path for its dtype (bf16 without AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT)."""
+    support = capability.onednn(weight.dtype)
+    if not support.ok:
+        raise ValueError(f"pack_onednn: no packed {weight.dtype} linear on this CPU: "
+                         f"{support.reason}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
@@ -207,9 +214,11 @@ def _panel_gemm_checked() -> bool:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] fp32 repacked into panels [ceil(out / 48), in, 48] (the last one
-    zero-padded), the layout of `panel_linear`. Needs the C library."""
+    zero-padded), the layout of `panel_linear`. ValueError naming what is missing where the
+    C library has no AVX-512 panel kernel."""
     lib = cpu_kernels.library()
-    assert lib is not None
+    if lib is None or not lib.bg_panel_gemm_supported():
+        raise ValueError(f"pack_panels: no panel kernel here: {capability.needs('avx512')}")
     weight = weight.detach().contiguous()
     out_f, in_f = weight.shape
     panels = torch.empty(-(-out_f // PANEL), in_f, PANEL, dtype=torch.float32)

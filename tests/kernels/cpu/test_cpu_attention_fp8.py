@@ -3,16 +3,13 @@ independent oracle: the codes dequantized with their per-tensor scales, then den
 The AVX-512 build and the portable one (what a CPU without AVX-512 runs) both."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import attention as cpu_attention
 from batchgen_data.kernels.cpu import build
 
-from cpu_kernel_utils import needs_cc, reference_decode
+from cpu_kernel_utils import kernels_built_for, needs_cc, on_x86, reference_decode
 
 FP8 = torch.float8_e4m3fn
 
@@ -55,15 +52,9 @@ def test_fp8_decode_refuses_mixed_caches() -> None:
 
 
 @needs_cc
-@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 flags")
-def test_fp8_decode_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(env.CACHE_DIR_VAR, str(tmp_path))
-    monkeypatch.setattr(build, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
-                                         for f in build.FLAGS])
-    build.library.cache_clear()
-    try:
+@on_x86
+def test_fp8_decode_portable_build(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with kernels_built_for("avx2", tmp_path):
         assert build.library() is not None
         _check(64, 6, 2, 16)
         _check(32, 4, 4, 8)
-    finally:
-        build.library.cache_clear()

@@ -1,16 +1,13 @@
 """The compiled C decode-attention kernel (`kernels/cpu/attention.py`) against dense attention."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import attention as cpu_attention
 from batchgen_data.kernels.cpu import build, linear as cpu_linear
 
-from cpu_kernel_utils import needs_cc, reference_decode
+from cpu_kernel_utils import kernels_built_for, needs_cc, on_x86, reference_decode
 
 
 @needs_cc
@@ -54,18 +51,12 @@ def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_cc
-@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86-64 flags")
-def test_kernels_built_without_avx512_keep_working(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@on_x86
+def test_kernels_built_without_avx512_keep_working(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # A CPU without AVX-512 (the build sees no __AVX512F__): the C matmuls say they are not
     # supported, so the layers keep the library matmuls, and decode attention takes the
     # portable C path, which must still match dense attention.
-    monkeypatch.setenv(env.CACHE_DIR_VAR, str(tmp_path))
-    monkeypatch.setattr(build, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
-                                         for f in build.FLAGS])
-    build.library.cache_clear()
-    cpu_linear._small_gemm_checked.cache_clear()
-    cpu_linear._panel_gemm_checked.cache_clear()
-    try:
+    with kernels_built_for("avx2", tmp_path):
         lib = build.library()
         assert lib is not None and lib.bg_small_gemm_supported() == 0
         assert not cpu_linear.small_gemm_available() and not cpu_linear.panel_gemm_available()
@@ -77,7 +68,3 @@ def test_kernels_built_without_avx512_keep_working(monkeypatch: pytest.MonkeyPat
         got = cpu_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
         want = reference_decode(q, k_cache, v_cache, tables, lens, 0.125)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    finally:
-        build.library.cache_clear()
-        cpu_linear._small_gemm_checked.cache_clear()
-        cpu_linear._panel_gemm_checked.cache_clear()

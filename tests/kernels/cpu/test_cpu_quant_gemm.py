@@ -2,8 +2,7 @@
 reference (`kernels/reference.py`): INT8, INT4 and FP8 codes, per channel and per group (group
 sizes that do not divide the row, odd ones that split an INT4 byte), stored zeros or the
 default, odd shapes, 1-64 rows in C and more through dequantize + MKL, and zero / extreme
-codes. Run it on the AVX2 build too: BATCHGEN_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2
-BATCHGEN_CACHE_DIR=<a fresh dir>."""
+codes. `make test` runs it on the AVX2 build too (the CPU-kind passes, docs/cpu.md)."""
 from __future__ import annotations
 
 import pytest

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen_data.kernels.cpu import attention, linear, ops
+from batchgen_data.kernels.cpu import attention, capability, linear, ops
 from batchgen_data.layers import backend
 from batchgen_data.layers.backend import LayerBackend, building, current
 from batchgen_data.layers.norm import RMSNorm
+
+pytestmark = pytest.mark.cpu_kind
 
 CPU = torch.device("cpu")
 
@@ -31,10 +33,16 @@ def test_fp32_cpu_takes_every_kernel_that_runs_here() -> None:
 
 
 def test_other_dtypes_keep_torch_ops() -> None:
+    # half weights: oneDNN's packed bf16 where oneDNN has that path on this CPU kind, else
+    # plain where torch's own half matmuls are fast, else widened to fp32 for prefill
     half = LayerBackend.choose(CPU, torch.float16, head_dim=64)
-    assert (half.c_ops, half.c_attention, half.linear) == (False, False, "plain")
+    fast16 = capability.half_matmul_fast(torch.float16)
+    assert (half.c_ops, half.c_attention, half.linear) == (False, False,
+                                                           "plain" if fast16 else "widen")
     bf16 = LayerBackend.choose(CPU, torch.bfloat16, head_dim=64)
-    assert not bf16.c_ops and bf16.linear in ("onednn", "plain")
+    want = ("onednn" if capability.onednn(torch.bfloat16).ok
+            else "plain" if capability.half_matmul_fast(torch.bfloat16) else "widen")
+    assert not bf16.c_ops and bf16.linear == want
 
 
 @pytest.mark.parametrize("var,field", [("BATCHGEN_CPU_FUSED_OPS", "c_ops"),

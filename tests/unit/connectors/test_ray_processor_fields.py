@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen_data.connectors.ray_processor import VLLM_FIELDS, _VllmFieldsThen, with_vllm_fields
+from batchgen_data.connectors.ray_llm_compat import VLLM_FIELDS, VllmFieldsThen, with_vllm_fields
 
 
 def test_vllm_names_carry_our_values() -> None:
@@ -17,7 +17,7 @@ def test_vllm_names_carry_our_values() -> None:
     assert out["generated_tokens"] == [4, 5] and out["num_input_tokens"] == 3
     assert out["prompt"] == "hi" and out["time_taken_llm"] is None
     assert {k: out[k] for k in row} == row  # our own fields unchanged
-    assert _VllmFieldsThen(lambda r: {"n": r["num_input_tokens"]})(row) == {"n": 3}
+    assert VllmFieldsThen(lambda r: {"n": r["num_input_tokens"]})(row) == {"n": 3}
 
 
 def test_names_match_ray_source() -> None:

@@ -37,6 +37,12 @@ def test_ray_runner_matches_local_runner(tmp_path: Path, ray_local: None) -> Non
     lines.append({"custom_id": "n2lp", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"messages": [{"role": "user", "content": "x"}], "n": 2,
                            "logprobs": True, "top_logprobs": 1}})
+    # values no runner can take: each runner answers them with the same named error
+    poison = {"bad-n": ({"n": "2"}, "SamplingParams.n"),
+              "bad-seed": ({"seed": 2**64, "temperature": 0.8}, "SamplingParams.seed")}
+    for key, (body, _) in poison.items():
+        lines.append({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"messages": [{"role": "user", "content": "x"}], **body}})
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     ray_out, local_out, report = tmp_path / "ray.jsonl", tmp_path / "local.jsonl", \
         tmp_path / "r.html"
@@ -53,7 +59,8 @@ def test_ray_runner_matches_local_runner(tmp_path: Path, ray_local: None) -> Non
         return out
 
     ray_answers, local_answers = answers(ray_out), answers(local_out)
-    assert sorted(ray_answers) == ["c0", "c1", "c2", "lp", "n2", "n2lp", "t0"]
+    assert sorted(ray_answers) == ["bad-n", "bad-seed", "c0", "c1", "c2", "lp", "n2", "n2lp",
+                                   "t0"]
     for key in ("c0", "c1", "c2", "t0", "n2", "lp"):
         assert ray_answers[key] == local_answers[key], key
     assert len(ray_answers["n2"]) == 2
@@ -71,6 +78,9 @@ def test_ray_runner_matches_local_runner(tmp_path: Path, ray_local: None) -> Non
     assert all(len(t["top_logprobs"]) == 2 for t in ray_lp)
     for r, lo in zip(ray_lp, local_lp):
         assert abs(r["logprob"] - lo["logprob"]) < 1e-4
+    for key, (_, field) in poison.items():
+        for path in (ray_out, local_out):
+            assert field in line(path, key)["error"]["message"], (path, key)
     # top alternatives of every one of n samples: only the local runner has them
     assert "--runner local" in line(ray_out, "n2lp")["error"]["message"]
     html = report.read_text()

@@ -99,3 +99,35 @@ def test_error_line_shape() -> None:
     assert line["response"] is None and line["error"] == {"code": "invalid_request",
                                                           "message": "line 3: bad"}
     assert line["id"].startswith("batch_req_")
+
+
+@pytest.mark.parametrize("url, body, pairs", [
+    ("/v1/score", {"queries": "q", "documents": ["a", "b"]}, [("q", "a"), ("q", "b")]),
+    ("/score", {"queries": ["q1", "q2"], "items": ["a", "b"]}, [("q1", "a"), ("q2", "b")]),
+    ("/v1/score", {"data_1": "q", "data_2": "a"}, [("q", "a")]),
+    ("/v1/score", {"text_1": "q", "text_2": ["a"]}, [("q", "a")]),
+    ("/v2/rerank", {"query": "q", "documents": ["a", "b"], "top_n": 0}, [("q", "a"), ("q", "b")]),
+])
+def test_score_and_rerank_shapes_of_vllm(url: str, body: dict, pairs: list) -> None:
+    req = parse_line(_line(url, **body, use_activation=False, request_id="x", priority=0), 1)
+    assert req.error is None, req.error
+    assert req.pooling is not None and req.pooling.inputs == pairs
+    assert req.pooling.params == {"activation": False}
+    assert req.pooling.kind == ("rerank" if "rerank" in url else "score")
+    assert req.pooling.top_n is None  # 0: every document, as vLLM reads it
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"queries": "q", "documents": ["a"], "text_2": ["b"]}, "one pair of fields"),
+    ({"queries": "q"}, "one pair of fields"),
+    ({"queries": "q", "documents": ["a", "b"], "priority": 3}, "priority=3"),
+    ({"queries": ["q1", "q2"], "documents": ["a", "b", "c"]}, "2 queries for 3 documents"),
+])
+def test_score_bodies_that_cannot_run(body: dict, match: str) -> None:
+    req = parse_line(_line("/v1/score", **body), 4)
+    assert req.error_code == "invalid_request" and match in req.error, req.error
+
+
+def test_a_string_n_is_the_lines_error_naming_the_field() -> None:
+    req = parse_line(_line(messages=[{"role": "user", "content": "x"}], n="2"), 2)
+    assert req.error_code == "invalid_request" and "SamplingParams.n" in req.error

@@ -59,6 +59,7 @@ def test_greedy_matches_hf(arch: str, case: str, tiny_model_dir, hf_model) -> No
     assert stack is None or stack.steps > 0
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_hf_with_per_layer_decode(arch: str, tiny_model_dir, hf_model,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -73,6 +74,7 @@ def test_greedy_matches_hf_with_per_layer_decode(arch: str, tiny_model_dir, hf_m
     assert run(llm, prompts, max_tokens) == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cpu_kernels_off_runs_torch_with_the_same_tokens(arch: str, tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
     path = tiny_model_dir(arch)

@@ -279,6 +279,7 @@ def test_host_kv_tier_holds_fp8_blocks(tiny_model_dir) -> None:  # type: ignore[
     assert llm.engine.stats.kv_host_seqs_peak > 0 and llm.engine.stats.kv_host_bytes_moved > 0
 
 
+@pytest.mark.cpu_kind
 def test_block_count_for_a_budget_follows_the_bytes_per_element(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(tiny_model_dir("llama"))
     budget = 3 << 20

@@ -120,6 +120,7 @@ def check_greedy_case(llm: LLM, hf, case: str) -> list[torch.Tensor]:  # type: i
     return steps
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_hf(arch: str, case: str, moe_model) -> None:  # type: ignore[no-untyped-def]

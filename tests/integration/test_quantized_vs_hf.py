@@ -114,6 +114,7 @@ def test_deepseek_v3_matches_hf_on_dequantized_weights(quantized, case: str) -> 
     _check(quantized, "deepseek_v3", case)
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("case", ["int4_g32", "fp8_block"])
 def test_torch_path_and_per_layer_path_give_the_same_tokens(quantized, case: str,  # type: ignore[no-untyped-def]
                                                            monkeypatch) -> None:

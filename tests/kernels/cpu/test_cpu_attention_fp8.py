@@ -11,6 +11,8 @@ from batchgen_data.kernels.cpu import build
 
 from cpu_kernel_utils import kernels_built_for, needs_cc, on_x86, reference_decode
 
+pytestmark = pytest.mark.cpu_kind
+
 FP8 = torch.float8_e4m3fn
 
 

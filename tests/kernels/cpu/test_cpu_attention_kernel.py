@@ -9,6 +9,8 @@ from batchgen_data.kernels.cpu import build, linear as cpu_linear
 
 from cpu_kernel_utils import kernels_built_for, needs_cc, on_x86, reference_decode
 
+pytestmark = pytest.mark.cpu_kind
+
 
 @needs_cc
 @pytest.mark.parametrize("bs", [8, 16, 32])

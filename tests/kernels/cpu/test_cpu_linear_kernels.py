@@ -11,6 +11,8 @@ from batchgen_data.kernels.cpu import linear as cpu_linear
 
 from cpu_kernel_utils import needs_onednn, needs_panels, needs_small_gemm, torch_panels
 
+pytestmark = pytest.mark.cpu_kind
+
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])

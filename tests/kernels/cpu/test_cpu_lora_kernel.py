@@ -8,8 +8,9 @@ import torch
 
 from batchgen_data.kernels.cpu import lora as cpu_lora
 
-pytestmark = pytest.mark.skipif(not cpu_lora.available(),
-                                reason="no C compiler or no AVX2/FMA here")
+pytestmark = [pytest.mark.cpu_kind,
+              pytest.mark.skipif(not cpu_lora.available(),
+                                 reason="no C compiler or no AVX2/FMA here")]
 
 
 def _case(tokens: int, k: int, rank: int, sizes: list[int], segs: list[tuple[int, int]],

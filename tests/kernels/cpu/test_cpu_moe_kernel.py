@@ -10,6 +10,8 @@ from batchgen_data.layers import moe
 from batchgen_data.layers.backend import LayerBackend, building
 from kernel_test_utils import assert_close_sum
 
+pytestmark = pytest.mark.cpu_kind
+
 needs_moe_kernel = pytest.mark.skipif(not cpu_moe.available(),
                                       reason="no C compiler or no AVX2/FMA here")
 

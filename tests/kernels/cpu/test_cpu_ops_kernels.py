@@ -13,6 +13,8 @@ from batchgen_data.layers.rotary import RotaryEmbedding
 from cpu_kernel_utils import needs_fused_ops
 from kernel_test_utils import assert_close_sum
 
+pytestmark = pytest.mark.cpu_kind
+
 
 @needs_fused_ops
 @pytest.mark.parametrize("rows", [1, 3, 64, 130])  # 64+: the rows are split over threads

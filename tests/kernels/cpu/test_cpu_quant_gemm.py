@@ -12,6 +12,8 @@ from batchgen_data.kernels import reference
 from batchgen_data.kernels.cpu import quant as cpu_quant
 from kernel_test_utils import assert_close_sum
 
+pytestmark = pytest.mark.cpu_kind
+
 needs_quant = pytest.mark.skipif(not cpu_quant.available(),
                                  reason="no C compiler or no AVX2/FMA here")
 

@@ -10,6 +10,8 @@ from batchgen_data.kernels.cpu import linear as cpu_linear
 from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers.embedding import VocabEmbedding
 
+pytestmark = pytest.mark.cpu_kind
+
 CPU = torch.device("cpu")
 needs_rows_gemm = pytest.mark.skipif(not cpu_linear.rows_gemm_available(),
                                      reason="no C compiler or no AVX2/FMA here")

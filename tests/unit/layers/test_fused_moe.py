@@ -11,6 +11,8 @@ from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers import moe
 from batchgen_data.layers.moe import FusedMoE, cpu_fused_experts, route
 
+pytestmark = pytest.mark.cpu_kind
+
 
 def naive_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

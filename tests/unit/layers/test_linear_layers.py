@@ -11,6 +11,8 @@ from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers.embedding import VocabEmbedding
 from batchgen_data.layers.linear import Linear, MergedLinear, QKVLinear
 
+pytestmark = pytest.mark.cpu_kind
+
 CPU = torch.device("cpu")
 LAYOUTS = [
     "plain",

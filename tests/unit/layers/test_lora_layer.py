@@ -10,6 +10,8 @@ import torch
 from batchgen_data.kernels.cpu import lora as cpu_lora
 from batchgen_data.layers.lora import LoRABatch, LoRAContext, LoRADelta
 
+pytestmark = pytest.mark.cpu_kind
+
 KERNELS = ["torch"] + (["c"] if cpu_lora.available() else [])
 SIZES = [48, 16, 16]  # q, k, v
 HIDDEN, RANK, SLOTS = 40, 8, 3

@@ -14,6 +14,8 @@ from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers.norm import RMSNorm
 from batchgen_data.layers.rotary import RotaryEmbedding
 
+pytestmark = pytest.mark.cpu_kind
+
 needs_c = pytest.mark.skipif(not ops.available(), reason="no C compiler")
 C_OPS = LayerBackend(torch.device("cpu"), torch.float32, c_ops=True)
 CFG = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=64)

@@ -14,8 +14,9 @@ from batchgen_data import LLM, LoRARequest, SamplingParams
 from batchgen_data.engine.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.kernels.cpu import linear as cpu_linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
-                                reason="no C kernels with AVX-512 here")
+pytestmark = [pytest.mark.cpu_kind,
+              pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
+                                 reason="no C kernels with AVX-512 here")]
 
 
 def _engine_at_decode(path, rows: int, **kw):  # type: ignore[no-untyped-def]

@@ -22,6 +22,9 @@ Prints a table per seed, the medians and one JSON line. Takes ~6 s a seed on one
 `--jobs` runs seeds in parallel. Simulated seconds: deterministic, whatever the box's load.
 
     PYTHONPATH=lab python -m batchgen_lab.migrate_headroom --seeds 21 --jobs 2
+
+`--json-out PATH` also writes {"summary": ..., "per_seed": [...]} (the printed JSON lines) to a
+file, for callers that must not parse stdout (a Ray driver in the process may print into it).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import json
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,6 +84,8 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--json-out", type=Path, default=None,
+                    help="also write the summary and the per-seed rows to this JSON file")
     ours, rest = ap.parse_known_args(argv if argv is not None else sys.argv[1:])
     args = ray_emulated.parse_args(RUN_DEFAULTS + rest)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{summary['bind_floor_vs_tuned_median']}; with lengths known (longest first): "
           f"{summary['lpt_ratio_median']}")
     print(json.dumps(summary))
+    if ours.json_out is not None:
+        ours.json_out.write_text(json.dumps({"summary": summary, "per_seed": rows}))
     return summary
 
 

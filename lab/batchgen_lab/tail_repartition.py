@@ -32,6 +32,9 @@ so this arm is what the engine's primitive would give that job, not what it gets
 
     PYTHONPATH=lab .venv/bin/python -m batchgen_lab.tail_repartition --seeds 21 --jobs 2 \\
         --collectives /tmp/tp_l4.json,/tmp/tp_l8.json --measured /tmp/repartition.log
+
+`--json-out PATH` also writes {"summary": ..., "per_seed": [...]} (the printed JSON lines) to a
+file, for callers that must not parse stdout (a Ray driver in the process may print into it).
 """
 from __future__ import annotations
 
@@ -263,6 +266,8 @@ def _json_lines(path: Path, bench: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--json-out", type=Path, default=None,
+                    help="also write the summary and the per-seed rows to this JSON file")
     ap.add_argument("--join-below", default="1,2,4,7")
     ap.add_argument("--pause-s", type=float, default=2.0,
                     help="the switch's pause as sourced for GPUs (the EP preset's 2 s)")
@@ -323,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"median / tuned over {len(rows)} seeds: {med}; best {best} {med[best]} "
           f"(goal <= {GOAL}: {'met' if med[best] <= GOAL else 'missed'})")
     print(json.dumps(summary))
+    if ours.json_out is not None:
+        ours.json_out.write_text(json.dumps({"summary": summary, "per_seed": rows}))
     return summary
 
 

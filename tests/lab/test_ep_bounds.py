@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,10 +18,12 @@ from batchgen_lab.sim.scenario import straggler_factors
 from batchgen_lab.sim.workload import Workload, make_workload
 
 
-def json_line(out: str) -> dict:
-    """The report's JSON line: the last line of stdout (the suite's Ray driver may print a
-    cluster message into a later test's capture)."""
-    return json.loads(out.strip().splitlines()[-1])
+def run_json(args: list[str], tmp_path: Path) -> dict:
+    """The command's JSON report, read from its own file (`--json-out`), never from stdout,
+    where the suite's Ray driver may print a cluster message."""
+    out = tmp_path / "report.json"
+    assert main(args + ["--json-out", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 DSV3 = EP_PRESETS["ep-moe-dsv3"]
@@ -66,11 +69,11 @@ def test_a_lone_row_on_a_group_with_a_straggler_waits_for_its_dummy_steps() -> N
     assert solo_decode_s(DSV3, 500, 4000, np.full(16, 1.5)) > solo_decode_s(DSV3, 500, 4000, slow)
 
 
-def test_the_report_and_table_state_the_bounds_and_the_verdict(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_report_and_table_state_the_bounds_and_the_verdict(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     args = ["--preset", "ep-moe-dsv3", "--actors", "32", "--rows", "300", "--jobs", "1",
             "--stragglers", "0.125:1.5", "--modes", "static-tuned,continuous"]
-    assert main(args + ["--json"]) == 0
-    b = json_line(capsys.readouterr().out)["bounds"]
+    b = run_json(args + ["--json"], tmp_path)["bounds"]
+    capsys.readouterr()
     assert 0 < b["work_bound_s"] and 0 < b["packing_floor_s"]
     assert b["goal_ratio"] == 2.3
     assert b["goal_reachable_in_model"] == (b["max_achievable_ratio"] >= 2.3)
@@ -80,14 +83,13 @@ def test_the_report_and_table_state_the_bounds_and_the_verdict(capsys) -> None: 
     assert ("UNREACHABLE" in table) != b["goal_reachable_in_model"]
 
 
-def test_diagnosis_charges_every_unit_of_work_once_and_follows_the_last_row(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_diagnosis_charges_every_unit_of_work_once_and_follows_the_last_row(tmp_path: Path) -> None:
     from batchgen_lab.sim.ep_bounds import group_unit_costs
 
     args = ["--preset", "ep-moe-dsv3", "--actors", "64", "--rows", "400", "--jobs", "1",
             "--stragglers", "0.125:1.5", "--modes", "static-tuned,migrate-repartition+pin",
             "--diagnose", "--json"]
-    assert main(args) == 0
-    rep = json_line(capsys.readouterr().out)
+    rep = run_json(args, tmp_path)
     wl = make_workload("reasoning", 400, seed=0)
     ideal_all = float(workload_work(wl) @ group_unit_costs(DSV3, np.ones(16)))
     for mode, d in rep["diagnosis"].items():

@@ -116,13 +116,14 @@ def test_evaluate_reports_medians_ratios_and_the_packing_bound() -> None:
     assert again["bct_s_by_seed"]["migrate"] == rep["bct_s_by_seed"]["migrate"][1:2]
 
 
-def test_command_line_seeds_stragglers_skew(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_command_line_seeds_stragglers_skew(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "report.json"  # its own file: the suite's Ray driver may print to stdout
     assert main(["--actors", "2", "--rows", "200", "--workload", "uniform", "--json", "--jobs", "1", "--seeds", "2",
                  "--stragglers", "0.5:2", "--startup-skew", "1.5", "--preset", "cpu-smollm2",
-                 "--tick", "2", "--max-num-seqs", "32", "--modes", "static-tuned,continuous,migrate"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1
-    rep = json.loads(out)
+                 "--tick", "2", "--max-num-seqs", "32", "--modes", "static-tuned,continuous,migrate",
+                 "--json-out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    capsys.readouterr()
     assert set(rep["bct_s"]) == {"static-tuned", "continuous", "migrate"}
     assert rep["stragglers"] == "0.5:2" and rep["startup_skew_s"] == 1.5
     assert len(rep["bct_s_by_seed"]["migrate"]) == 2 and rep["packing_bound_s"] > 0

@@ -9,6 +9,9 @@ migrate) on a simulated cluster.
         --stragglers 0.125:1.5 --modes static-tuned,migrate-repartition+pin --diagnose
     python -m batchgen_lab.sim calibrate --out cpu.json     # fit the cost model on this CPU
 
+`--json-out PATH` writes the JSON report to a file as well: a caller that reads it back (the
+tests) never parses stdout, where a Ray driver in the same process may print cluster messages.
+
 Expert-parallel presets print two floors (work bound, packing floor) and the largest ratio to
 tuned lockstep that they allow; `--diagnose` adds where each mode loses time against them.
 """
@@ -77,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1),
                    help="modes simulated at once, in worker processes")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--json-out", default=None, metavar="PATH",
+                   help="write the JSON report (as --json prints it) to this file too")
     p.add_argument("--diagnose", action="store_true",
                    help="expert-parallel presets: run the first seed's modes again, traced, and "
                         "report where each loses time against the work bound (ep_trace.py)")
@@ -169,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
 
             results, _ = run_seed(config_from(args, n), args.seed, args.jobs)
             plot_active(results, args.plot, title=f"{n} actors, {args.rows} rows, {args.workload}")
+    result = json.dumps(reports if args.sweep else reports[0])
     if args.json:  # one line
-        print(json.dumps(reports if args.sweep else reports[0]))
+        print(result)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(result)
     return 0
 
 

@@ -81,6 +81,15 @@ VLLM_ARGS: dict[str, _Arg] = {
                                          "when loaded"),
     "guided_decoding_backend": _Arg(_any, "structured output picks its own grammar engine"),
     "structured_outputs_config": _Arg(_any, "structured output picks its own grammar engine"),
+    "logprobs_mode": _Arg(_is("raw_logprobs", None), "logprobs are the raw model's "
+                          "log-probabilities (vLLM's default, raw_logprobs); raw logits and the "
+                          "processed modes (after temperature, penalties, top-k/p) are not "
+                          "computed"),
+    "config_format": _Arg(_is("auto", "hf", None), "the model's config.json (Hugging Face "
+                          "format) is read; Mistral's params.json is not"),
+    "speculative_config": _Arg(_is(None), "speculative decoding is not supported"),
+    "generation_config": _Arg(_is("vllm", None), "sampling defaults are vLLM's own "
+                              "(SamplingParams()); a model's generation_config.json is not read"),
 }
 
 

@@ -10,6 +10,7 @@ from batchgen_data.chat import render_chat
 from batchgen_data import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
+from batchgen_data.llm_inputs import check_priority, lora_list, params_list
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
@@ -49,6 +50,15 @@ class LLM:
             self.engine = Engine.from_kwargs(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's name)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling_params: vLLM's defaults. (vLLM reads a
+        model's generation_config.json into them; this engine does not, docs/vllm-compat.md.)"""
+        return SamplingParams()
+
     def close(self) -> None:
         """Stop the processes this LLM started (tensor-parallel ranks, a group's engines);
         they also stop when this process exits."""
@@ -72,6 +82,25 @@ class LLM:
                                        prompts, "prompts")
         plist = pooling_api.params_list(params, len(items), truncate_prompt_tokens)
         return pooling_api.run_requests(engine, items, plist, task, use_tqdm)
+
+    def encode(self, prompts: PromptType | Seq[PromptType],
+               pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+               use_tqdm: bool = True, lora_request: Any = None,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's pooling entry: `pooling_task` "embed" or "classify" (what `embed` and
+        `classify` run); vLLM's token-level tasks are refused by name."""
+        if pooling_task is None:
+            raise ValueError("pooling_task required for `LLM.encode`: use LLM.embed(...) or "
+                             "pooling_task=\"embed\", LLM.classify(...) or "
+                             "pooling_task=\"classify\", LLM.score(...) for similarity scores")
+        if pooling_task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported: only \"embed\" "
+                             "and \"classify\" (token_embed, token_classify and plugin tasks "
+                             "are vLLM's only)")
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are for generation (docs/lora.md)")
+        return self._pool(prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens)
 
     def embed(self, prompts: PromptType | Seq[PromptType],
               pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
@@ -117,19 +146,22 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 priority: int | Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts reach the model as written, as in vLLM: no chat template (see `chat`).
         `lora_request`: one adapter for every prompt, or a list with one (or None) per prompt
-        (needs enable_lora=True; docs/lora.md)."""
+        (needs enable_lora=True; docs/lora.md). `priority` (one, or one per prompt) is checked
+        and not used: requests are served first come, first served, as vLLM's default
+        scheduling policy does with it (its "priority" policy is refused here)."""
         if isinstance(self.engine, PoolingEngine):
             raise ValueError("this model runs as a pooling model (runner=\"pooling\"): use "
                              "embed, classify or score")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._params(sampling_params, len(prompts))
-        loras = _lora_list(lora_request, len(prompts))
+        params = params_list(sampling_params, len(prompts))
+        loras = lora_list(lora_request, len(prompts))
+        check_priority(priority, len(prompts))
         # validate everything before submitting anything: nothing half-runs
         encoded = [self._tokenize(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         for i, ((ids, _), sp, lr) in enumerate(zip(encoded, params, loras)):
@@ -192,20 +224,6 @@ class LLM:
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template,
                            chat_template_kwargs)
 
-    @staticmethod
-    def _params(sp: Any, n: int) -> list[SamplingParams]:
-        if sp is None:
-            return [SamplingParams()] * n
-        if isinstance(sp, SamplingParams):
-            return [sp] * n
-        sp = list(sp)
-        if len(sp) != n:
-            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
-        for i, p in enumerate(sp):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be SamplingParams")
-        return sp
-
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         left = len(order)
@@ -220,21 +238,6 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
-
-
-def _lora_list(lora: Any, n: int) -> list[LoRARequest | None]:
-    """vLLM's `lora_request`: one for all prompts, or one (or None) per prompt."""
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    if not isinstance(lora, (list, tuple)):
-        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
-                        f"{type(lora).__name__}")
-    if len(lora) != n:
-        raise ValueError(f"lora_request: got {len(lora)} for {n} prompts")
-    for i, lr in enumerate(lora):
-        if lr is not None and not isinstance(lr, LoRARequest):
-            raise TypeError(f"lora_request[{i}] must be a LoRARequest or None")
-    return list(lora)
 
 
 def _engine_group(model: str | None, dp: Any, repartition: Any,

@@ -1,7 +1,8 @@
 """Pooling tasks' parameters and results, in vLLM's shapes.
 
 `PoolingParams` is what one embed / classify / score request asks for (vLLM's field names:
-`dimensions`, `normalize`, `truncate_prompt_tokens`, `activation`). The results mirror vLLM's
+`dimensions`, `use_activation`, and the earlier releases' `normalize`, `truncate_prompt_tokens`,
+`activation`). The results mirror vLLM's
 `EmbeddingRequestOutput` / `ClassificationRequestOutput` / `ScoringRequestOutput`: a request
 output whose `.outputs` is an `EmbeddingOutput` (`.embedding`), `ClassificationOutput`
 (`.probs`) or `ScoringOutput` (`.score`).
@@ -17,17 +18,35 @@ TASKS = ("embed", "classify", "score")
 @dataclass(frozen=True)
 class PoolingParams:
     """`dimensions`: keep the first k values of a Matryoshka embedding (before normalisation).
-    `normalize`: L2-normalise the embedding (None: the model's pooling config decides).
-    `truncate_prompt_tokens`: keep the first k tokens of a longer input (-1: as many as the
-    model takes) instead of refusing it. `activation`: classify/score through softmax
-    (sigmoid for one label); False gives the raw logits."""
+    `normalize`: L2-normalise the embedding (None: `use_activation` if given, else the model's
+    pooling config decides). `truncate_prompt_tokens`: keep the first k tokens of a longer input
+    (-1: as many as the model takes) instead of refusing it. `use_activation` (vLLM's current
+    name) or `activation` (its earlier one): classify/score through softmax (sigmoid for one
+    label), False gives the raw logits; None means the default, True, as in vLLM. Both are
+    stored resolved, so the object reads the same after a round trip through `from_dict`."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    activation: bool = True
+    activation: bool | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
+        given = {k: v for k, v in (("use_activation", self.use_activation),
+                                   ("activation", self.activation)) if v is not None}
+        for name, v in given.items():
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}={v!r}: must be True, False or None")
+        if len(set(given.values())) > 1:
+            raise ValueError(f"use_activation={self.use_activation!r} and activation="
+                             f"{self.activation!r} disagree: give one (use_activation is "
+                             "vLLM's current name)")
+        on = next(iter(given.values()), True)
+        object.__setattr__(self, "activation", on)
+        object.__setattr__(self, "use_activation", on)
+        if self.normalize is None and "use_activation" in given:
+            # vLLM's use_activation is an embedding's normalisation too
+            object.__setattr__(self, "normalize", on)
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"dimensions={d!r}: must be an int >= 1")
@@ -49,7 +68,7 @@ class PoolingParams:
     def from_dict(cls, d: dict[str, Any] | None) -> "PoolingParams":
         d = dict(d or {})
         unknown = sorted(set(d) - {"dimensions", "normalize", "truncate_prompt_tokens",
-                                   "activation"})
+                                   "activation", "use_activation"})
         if unknown:
             raise TypeError(f"unknown pooling parameter(s) {unknown}")
         return cls(**d)

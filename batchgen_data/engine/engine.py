@@ -88,9 +88,6 @@ class Engine:
         bad = first_bad_token(prompt_token_ids, self.vocab_size)  # same words as the connectors
         if bad is not None:
             raise ValueError(bad)
-        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
-            raise ValueError(f"SamplingParams.max_tokens={params.max_tokens}: more than "
-                             f"max_model_len ({self.max_model_len}), so it can never be met")
         prompt_token_ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
         long = too_long(len(prompt_token_ids), self.max_model_len)  # no room for an output
         if long is not None:

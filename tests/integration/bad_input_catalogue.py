@@ -100,9 +100,6 @@ CATALOGUE: list[Bad] = [
     _sp("max_tokens 0", '{"max_tokens": 0}', "SamplingParams.max_tokens must be at least 1, got 0."),
     _sp("greedy with n > 1", '{"temperature": 0, "n": 2}',
         "SamplingParams.n must be 1 when using greedy sampling, got 2."),
-    _sp("max_tokens huge", '{"max_tokens": 1000000}',
-        "SamplingParams.max_tokens=1000000: more than max_model_len ({max_model_len}), so it "
-        "can never be met", offline="generate"),
     _sp("unknown sampling field", '{"temprature": 0.5}',
         "unknown sampling parameter(s) ['temprature']; valid: {valid}"),
     _sp("stop of the wrong type", '{"stop": 5}', "SamplingParams.stop must be a list, got int: 5"),

@@ -23,3 +23,10 @@ def model(tiny_model_dir: Callable[..., Path]) -> str:
 @pytest.fixture(scope="module")
 def llm(model: str, request: pytest.FixtureRequest) -> LLM:
     return LLM(model, **getattr(request.module, "ENGINE", {}))
+
+
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    """The embedded default model (SmolLM2-135M-Instruct): for the tests whose assertions need
+    real words (a random model's text is bytes that do not round-trip); mark them slow."""
+    return LLM(max_model_len=512)

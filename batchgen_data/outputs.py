@@ -1,7 +1,18 @@
-"""Results handed back to users: vLLM-shaped RequestOutput / CompletionOutput."""
+"""Results handed back to users: vLLM-shaped RequestOutput / CompletionOutput.
+
+Logprobs are vLLM's: per position a dict token id -> `Logprob` (batchgen_data/logprobs.py).
+`RequestOutput.metrics` is None, as vLLM's offline `LLM` leaves it (it fills it only when
+statistics are logged); this engine's counters are `engine.stats` (docs/ENGINE_API.md).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen_data.logprobs import Logprob
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -9,10 +20,14 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    # one dict per generated token: {token_id: logprob} (sampled token plus the top-n)
-    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    # with SamplingParams.logprobs: one dict per generated token, the sampled token plus the
+    # top-n, each a Logprob(logprob, rank, decoded_token)
+    logprobs: SampleLogprobs | None = None
     stop_reason: int | str | None = None
+    # fields added after the first release go below, so positional arguments keep their meaning
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
+    lora_request: Any = None  # the LoRARequest it ran under
 
     @property
     def finished(self) -> bool:
@@ -27,6 +42,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
-    # with SamplingParams.prompt_logprobs: one dict per prompt token, {token_id: logprob} (the
-    # prompt token plus the top-k); the first entry is None, since nothing predicts that token
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with SamplingParams.prompt_logprobs: one dict per prompt token (the prompt token plus the
+    # top-k, each a Logprob); the first entry is None, since nothing predicts that token
+    prompt_logprobs: PromptLogprobs | None = None
+    metrics: Any = None  # vLLM's RequestStateStats; None, as vLLM's offline LLM gives
+    lora_request: Any = None  # the LoRARequest it ran under

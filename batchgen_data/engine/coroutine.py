@@ -20,10 +20,11 @@ from itertools import repeat
 
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.stop import StopChecker
+from batchgen_data.logprobs import RawLogprobs
 
 
 def resume_step(seqs: Seq[Sequence], counts: Seq[int], sampled: Seq[Sequence],
-                token_ids: Seq[int], logprobs: Seq[dict[int, float] | None],
+                token_ids: Seq[int], logprobs: Seq[RawLogprobs | None],
                 stopper: StopChecker) -> list[Sequence]:
     """Resume every coroutine of a step: `seqs` computed `counts` tokens each, and the
     `sampled` ones (a subset of `seqs`, each once) drew `token_ids` with `logprobs`. Returns

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen_data.engine.sequence import Sequence
+from batchgen_data.logprobs import RawLogprobs
 
-Entries = list[dict[int, float]]
+Entries = list[RawLogprobs]  # the prompt token first, then the top-k (batchgen_data/logprobs.py)
 
 # rows turned into logits at a time: bounds the [rows, vocab] float32 buffers of a long chunk
 _ROWS_PER_SLICE = 512
@@ -67,15 +68,15 @@ def compute(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch
     for a in range(0, len(targets), _ROWS_PER_SLICE):
         b = a + _ROWS_PER_SLICE
         logprobs = torch.log_softmax(compute_logits(hidden[index[a:b]]).float(), -1)  # [r, V]
-        picked = logprobs.gather(1, target[a:b, None])[:, 0].tolist()
-        k = max(ks[a:b])
+        picked = logprobs.gather(1, target[a:b, None])  # [r, 1]
+        ranks = (logprobs >= picked).sum(1).tolist()  # vLLM's rank: 1 + how many are likelier
+        vocab = logprobs.shape[1]
+        wants = [vocab if k == -1 else k for k in ks[a:b]]  # -1: the whole vocabulary
+        k = max(wants)
         top_v, top_i = logprobs.topk(k, -1) if k else (logprobs[:, :0], logprobs[:, :0])
-        for tok, lp, vs, ids, want in zip(targets[a:b], picked, top_v.tolist(),
-                                          top_i.long().tolist(), ks[a:b]):
-            d = {tok: lp}
-            for v, t in zip(vs[:want], ids[:want]):
-                d.setdefault(t, v)
-            entries.append(d)
+        for tok, lp, rank, vs, ids, want in zip(targets[a:b], picked[:, 0].tolist(), ranks,
+                                                top_v.tolist(), top_i.long().tolist(), wants):
+            entries.append(([tok, *ids[:want]], [lp, *vs[:want]], rank))
     out, i = [], 0
     for seq, _, n in rows.spans:
         out.append((seq, entries[i:i + n]))

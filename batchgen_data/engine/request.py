@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from batchgen_data.engine.sequence import Sequence
 from batchgen_data.engine.stop import StopChecker
+from batchgen_data.logprobs import build as build_logprobs
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
@@ -28,17 +29,21 @@ class Request:
         return [s for s in self.seqs if not s.status.finished]
 
     def output(self, stopper: StopChecker) -> RequestOutput:
-        outs = [
-            CompletionOutput(
+        tok, text = stopper.tokenizer, self.params.detokenize
+        outs = []
+        for s in self.seqs:
+            logprobs, cumulative = build_logprobs(s.logprobs, tok, text)
+            outs.append(CompletionOutput(
                 index=s.index,
                 text=stopper.final_text(s),
                 token_ids=s.output_token_ids,
                 finish_reason=s.status.finish_reason,
-                logprobs=s.logprobs,
+                logprobs=logprobs,
                 stop_reason=s.stop_reason,
-            )
-            for s in self.seqs
-        ]
+                cumulative_logprob=cumulative,
+                lora_request=self.lora,
+            ))
+        prompt_raw = next((s.prompt_logprobs for s in self.seqs if s.index == 0), None)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -46,5 +51,6 @@ class Request:
             outputs=outs,
             finished=self.finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
-            prompt_logprobs=next((s.prompt_logprobs for s in self.seqs if s.index == 0), None),
+            prompt_logprobs=build_logprobs(prompt_raw, tok, text)[0],
+            lora_request=self.lora,
         )

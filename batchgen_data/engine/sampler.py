@@ -34,6 +34,7 @@ from batchgen_data.engine.token_draw import (
     threshold_race,
     top_k_race,
 )
+from batchgen_data.logprobs import RawLogprobs
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured.logits import StructuredLogits
 
@@ -54,7 +55,7 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    logprobs: list[RawLogprobs | None]  # per row that asked: sampled id first, then the top-k
 
 
 @dataclass
@@ -66,9 +67,10 @@ class PendingSample:
     host reads (a top-p band's widening)."""
 
     chosen: torch.Tensor  # [N] int64, on the logits' device
-    # the logprob rows: (rows [R], the chosen ids' logprobs [R], top values and ids [R, k] or
-    # None), and what each row asked for; None when no row asks
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
+    # the logprob rows: (rows [R], the chosen ids' logprobs [R] and vocabulary ranks [R], top
+    # values and ids [R, k] or None), and what each row asked for; None when no row asks
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                    torch.Tensor | None] | None
     want: list[int | None]
     host: tuple[torch.Tensor, ...] | None = None  # `to_host`'s copies
 
@@ -238,35 +240,35 @@ class Sampler:
     @staticmethod
     def _logprob_rows(raw: tuple[torch.Tensor, torch.Tensor] | None, chosen: torch.Tensor,
                       want: list[int | None]
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                  torch.Tensor | None] | None:
-        """(rows, the chosen ids' logprobs, top-k values, top-k ids) on the device; None when no
-        row asks."""
+        """(rows, the chosen ids' logprobs and ranks, top-k values, top-k ids) on the device;
+        None when no row asks. A rank counts the tokens at least as likely (vLLM's), so the
+        argmax has rank 1; -1 asks for the whole vocabulary."""
         if raw is None:
             return None
         idx, lp = raw  # [R], [R, V]
-        k = max(w for w in want if w is not None)
-        picked = lp.gather(1, chosen[idx].unsqueeze(1)).squeeze(1)
+        k = max(lp.shape[1] if w == -1 else w for w in want if w is not None)
+        picked = lp.gather(1, chosen[idx].unsqueeze(1))  # [R, 1]
+        ranks = (lp >= picked).sum(1)  # [R]
         tv, ti = lp.topk(k, -1) if k > 0 else (None, None)
-        return idx, picked, tv, ti
+        return idx, picked.squeeze(1), ranks, tv, ti
 
     @staticmethod
-    def _logprobs(p: PendingSample, host: list[torch.Tensor]) -> list[dict[int, float] | None]:
-        """Each row's logprobs dictionary from `_logprob_rows`'s tensors (as `host` holds them,
-        in that order, the chosen ids first)."""
+    def _logprobs(p: PendingSample, host: list[torch.Tensor]) -> list[RawLogprobs | None]:
+        """Each row's logprobs as plain data from `_logprob_rows`'s tensors (as `host` holds
+        them, in that order): the chosen id first, then its top-k (batchgen_data/logprobs.py)."""
         want = p.want
-        out: list[dict[int, float] | None] = [None] * len(want)
+        out: list[RawLogprobs | None] = [None] * len(want)
         if p.logprobs is None:
             return out
-        idx, picked = host[0].tolist(), host[1].tolist()
-        tv, ti = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else (None, None)
+        idx, picked, ranks = host[0].tolist(), host[1].tolist(), host[2].tolist()
+        tv, ti = (host[3].tolist(), host[4].tolist()) if len(host) > 3 else (None, None)
         chosen = p.host[0] if p.host is not None else p.chosen
         tokens = chosen[host[0]].tolist()
         for j, i in enumerate(idx):
             w = want[i]
-            d = {tokens[j]: picked[j]}
-            if w and tv is not None:
-                for c in range(w):
-                    d.setdefault(ti[j][c], tv[j][c])
-            out[i] = d
+            k = (len(tv[j]) if w == -1 else w) if tv is not None else 0
+            out[i] = ([tokens[j], *ti[j][:k]], [picked[j], *tv[j][:k]], ranks[j]) if k else \
+                ([tokens[j]], [picked[j]], ranks[j])
         return out

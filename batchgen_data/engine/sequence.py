@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.logprobs import RawLogprobs
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.sampling_params import SamplingParams
 
@@ -48,9 +49,10 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    # per output token (plain data, batchgen_data/logprobs.py): the sampled id and its top-k
+    logprobs: list[RawLogprobs] | None = None
     # prompt_logprobs, collected by the request's first sequence only (see engine/prompt_logprobs)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[RawLogprobs | None] | None = None
     text: str = ""
     # KV kept in host memory while held: (k, v) per layer, each [num_computed_tokens, Hkv, D]
     held_kv: Any = None

@@ -289,8 +289,11 @@ def test_logprobs_only_for_the_rows_that_ask(monkeypatch: pytest.MonkeyPatch) ->
     assert out.logprobs[0] is None and out.logprobs[2] is None
     lp = real(logits[1], -1)
     top2 = lp.topk(2).indices.tolist()
-    assert set(out.logprobs[1]) == {out.token_ids[1], *top2}
-    assert out.logprobs[1][out.token_ids[1]] == pytest.approx(float(lp[out.token_ids[1]]))
+    ids, values, rank = out.logprobs[1]  # plain data: the drawn id first, then the top 2
+    tok = out.token_ids[1]
+    assert ids == [tok, *top2] and values[0] == pytest.approx(float(lp[tok]))
+    assert values[1:] == pytest.approx(lp.topk(2).values.tolist())
+    assert rank == int((lp >= lp[tok]).sum())  # the vocabulary rank: 1 for the argmax
     assert Sampler(set())(logits, seqs[:1]).logprobs == [None] and shapes == [(1, 40)]
 
 

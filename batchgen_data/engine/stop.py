@@ -49,14 +49,20 @@ class StopChecker:
 
     def final_text(self, seq: Sequence) -> str:
         """Detokenise the output once, trimming at the stop string (vLLM semantics); '' when the
-        request asked for no text (`detokenize=False`, which also rules out stop strings)."""
+        request asked for no text (`detokenize=False`, which also rules out stop strings).
+
+        A token that stopped the sequence (EOS, or one of `stop_token_ids`) is left out of the
+        text unless `include_stop_str_in_output`, as vLLM's detokenizer does; it stays in
+        `token_ids`. A stop id before `min_tokens` did not stop anything: it is plain text."""
         if self.tokenizer is None or not seq.params.detokenize:
             return ""
         skip = seq.params.skip_special_tokens
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
-        if isinstance(seq.stop_reason, str):
+        out = seq.output_token_ids
+        if self._stopped_by_token(seq):
+            out = out[:-1]
+        text = self.tokenizer.decode(out, skip_special_tokens=skip)
+        if isinstance(seq.stop_reason, str) and seq.stop_reason in seq.params.stop:
             # cut at the occurrence the last token completed, not at an earlier one
-            out = seq.output_token_ids
             before = len(self.tokenizer.decode(out[:-1], skip_special_tokens=skip))
             cut = text.find(seq.stop_reason, max(0, before - len(seq.stop_reason) + 1))
             if cut < 0:
@@ -65,3 +71,15 @@ class StopChecker:
                 keep = len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0
                 text = text[: cut + keep]
         return text
+
+    def _stopped_by_token(self, seq: Sequence) -> bool:
+        """Whether the last output token is the EOS or stop id that finished `seq`: the
+        conditions `check` stopped on, read back from the sequence."""
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if p.include_stop_str_in_output or n_out == 0 or isinstance(seq.stop_reason, str):
+            return False
+        if seq.stop_reason is not None:
+            return seq.stop_reason == seq.token_ids[-1]
+        return (not p.ignore_eos and n_out >= p.min_tokens
+                and seq.token_ids[-1] in self.eos_token_ids)

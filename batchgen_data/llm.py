@@ -235,6 +235,18 @@ class LLM:
                         results[order[out.request_id]] = out
                         left -= 1
                         bar.update(1)
+        except BaseException:
+            # a step failed with no single request to blame (or an interrupt): this call's
+            # requests leave the engine, so the next call starts clean (a request a step was
+            # blamed on comes back with finish_reason "error" instead: engine/step_failure.py)
+            abort = getattr(self.engine, "abort", None)  # an engine group has none
+            try:
+                for rid, i in order.items():
+                    if results[i] is None and abort is not None:
+                        abort(rid)
+            except Exception:  # noqa: BLE001 - a broken engine: the first error is the one
+                pass
+            raise
         finally:
             bar.close()
         return results  # type: ignore[return-value]

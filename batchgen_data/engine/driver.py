@@ -14,6 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from batchgen_data.engine.engine import Engine
+from batchgen_data.engine.step_failure import request_error
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
@@ -22,7 +23,19 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; every request in flight on it failed with this error."""
+    """The engine loop failed; every request in flight on it failed with this error.
+    `suspects`: the requests of the step that failed when none of them could be blamed alone
+    (`step_failure.StepError`): one of them may have caused it, or nothing did (the device);
+    empty when the loop died elsewhere. Connectors keep them as evidence (a poison-row record)."""
+
+    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed for this request alone (engine/step_failure.py): its Future's error, a row
+    error to the connectors; the engine and the other requests run on."""
 
 
 class EngineDriver:
@@ -109,7 +122,7 @@ class EngineDriver:
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             self._dead = e
-            err = EngineDeadError(f"engine loop died: {e!r}")
+            err = EngineDeadError(f"engine loop died: {e!r}", getattr(e, "suspects", ()))
             for fut in list(self._futures.values()):
                 fut.set_exception(err)
             while self._inbox:
@@ -126,7 +139,11 @@ class EngineDriver:
     def _resolve(self, out: RequestOutput) -> None:
         fut = self._futures.pop(out.request_id, None)
         if fut is not None:
+            error = request_error(out)
             try:
-                fut.set_result(out)
+                if error is None:
+                    fut.set_result(out)
+                else:
+                    fut.set_exception(RequestFailedError(error))
             except InvalidStateError:  # cancelled by its caller meanwhile: nobody is waiting
                 pass

@@ -27,6 +27,7 @@ from batchgen_data.engine.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.step import Stepper
+from batchgen_data.engine.step_failure import reason
 from batchgen_data.engine.token_draw import sample_seed
 from batchgen_data.engine.limits import check_limits, seed_bits
 from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
@@ -204,6 +205,21 @@ class Engine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._pending_out.append(req.output(self.stopper))
         return True
+
+    def _fail(self, errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish these requests with finish_reason "error" and why as their stop_reason (a
+        step failed for each of them alone: engine/step_failure.py); their KV is freed."""
+        outs = []
+        for rid, exc in errors.items():
+            req = self.requests.pop(rid)
+            why = reason(exc)
+            for seq in req.unfinished():
+                self._retire(seq)
+                seq.status = SequenceStatus.FINISHED_ERROR
+                seq.stop_reason = why
+            self.stats.num_failed += 1
+            outs.append(req.output(self.stopper))
+        return outs
 
     def _reclaim_pins(self, need: int, asking: Sequence | None) -> int:
         """The scheduler is `need` blocks short: drop pins, least valuable first. A pin is worth

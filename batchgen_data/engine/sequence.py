@@ -24,6 +24,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # a step failed for its request alone (engine/step_failure.py)
 
     @property
     def finished(self) -> bool:
@@ -31,7 +32,7 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
 
 
 @dataclass(eq=False)

@@ -122,6 +122,7 @@ class EngineStats:
     generated_tokens: int = 0
     num_preemptions: int = 0  # running sequences the scheduler held for memory
     num_finished: int = 0
+    num_failed: int = 0  # requests a step failed for alone (engine/step_failure.py)
     step_time_s: float = 0.0
     # seconds per token of prompt-heavy steps (>= 4 tokens per sequence), moving average: what
     # recomputing a moved sequence's KV would cost here (0.0 until such a step ran)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from batchgen_data.engine.sampler import PendingSample, SamplerOutput
 from batchgen_data.engine.sampling_batch import SamplingBatch
 from batchgen_data.engine.scheduler import SchedulerOutput
 from batchgen_data.engine.stats import StepShape
+from batchgen_data.engine.step_failure import blame
 
 if TYPE_CHECKING:
     from batchgen_data.engine.engine import Engine
@@ -103,13 +104,17 @@ class Stepper:
         if not out.seqs:
             return finished
         t0 = time.perf_counter()
-        inp = e.runner.prepare(out)
-        logits = e.runner.run(inp)
-        seqs = inp.sample_seqs
-        pending = e.sampler.launch(logits, e.sampler.batch(seqs, logits.shape[1], logits.device),
-                                   seqs) if seqs else None
-        _mark(e.runner).wait()  # a step that samples nothing is timed to its end too
-        sampled = e.sampler.finish(pending) if pending is not None else None
+        try:  # free until it raises (zero-cost try): then `_failed` finds whose step it was
+            inp = e.runner.prepare(out)
+            logits = e.runner.run(inp)
+            seqs = inp.sample_seqs
+            pending = e.sampler.launch(
+                logits, e.sampler.batch(seqs, logits.shape[1], logits.device), seqs) \
+                if seqs else None
+            _mark(e.runner).wait()  # a step that samples nothing is timed to its end too
+            sampled = e.sampler.finish(pending) if pending is not None else None
+        except Exception as exc:  # noqa: BLE001 - sorted out by engine/step_failure.py
+            return finished + self._failed(out, exc)
         return finished + self._finish(_Step(out, inp, None, shape, t0), sampled, None)
 
     def drain(self) -> None:
@@ -117,8 +122,22 @@ class Stepper:
         what every primitive that touches sequences does first."""
         cur, self._inflight = self._inflight, None
         if cur is not None:
-            sampled, device_s = self._complete(cur)
+            try:
+                sampled, device_s = self._complete(cur)
+            except Exception as exc:  # noqa: BLE001 - as in `step`
+                self.engine._pending_out.extend(self._failed(cur.out, exc))
+                return
             self.engine._pending_out.extend(self._finish(cur, sampled, device_s))
+
+    def _failed(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A step raised while it was prepared, run or sampled (nothing of it was kept): the
+        requests it fails for finish with the reason, the others run on; `StepError` when none
+        is to blame (engine/step_failure.py)."""
+        e = self.engine
+        live = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id in e._coros]
+        if not live:  # its sequences stopped at the step before (overlapped): nothing was lost
+            return []
+        return e._fail(blame(e.runner, e.sampler, live, exc))
 
     # ---- the parts of a step ---------------------------------------------------------------
     def _schedule(self) -> tuple[SchedulerOutput, StepShape]:
@@ -195,7 +214,10 @@ class Stepper:
             e._move_kv(out)
             if not out.seqs:
                 return []
-            cur = self._start(self._prepared(out, shape))
+            try:
+                cur = self._start(self._prepared(out, shape))
+            except Exception as exc:  # noqa: BLE001 - as in `step`
+                return self._failed(out, exc)
         nxt = self._look_ahead(cur)  # step n+1, while step n runs
         queued = nxt is not None and not nxt.out.swap_in
         if queued:
@@ -205,23 +227,34 @@ class Stepper:
             self._start(nxt)
         assert cur.future is not None
         self._inflight = nxt if queued else None
-        pending, mark, t_run = cur.future.result()  # step n queued on the device
-        if queued:
-            # the device thread needs the GIL between the two steps (the fill, the launch);
-            # resuming step n's coroutines now would make it wait for this thread at every
-            # switch interval, so this thread waits those microseconds instead
-            nxt.started.wait()
-        if nxt is not None:
-            e.stats.overlapped_steps += 1
-        if nxt is not None and not queued:
-            # held KV comes back into its blocks only after step n's KV writes (a row of step
-            # n may belong to a sequence that stopped and gave those blocks up): queued on the
-            # device after them
-            self._fill_tokens(nxt, cur, pending)
-            e._move_kv(nxt.out)
-            self._start(nxt)
-        sampled, device_s = self._read(pending, mark, t_run)
+        try:
+            pending, mark, t_run = cur.future.result()  # step n queued on the device
+            if queued:
+                # the device thread needs the GIL between the two steps (the fill, the
+                # launch); resuming step n's coroutines now would make it wait for this thread
+                # at every switch interval, so this thread waits those microseconds instead
+                nxt.started.wait()
+            if nxt is not None:
+                e.stats.overlapped_steps += 1
+            if nxt is not None and not queued:
+                # held KV comes back into its blocks only after step n's KV writes (a row of
+                # step n may belong to a sequence that stopped and gave those blocks up):
+                # queued on the device after them
+                self._fill_tokens(nxt, cur, pending)
+                e._move_kv(nxt.out)
+                self._start(nxt)
+            sampled, device_s = self._read(pending, mark, t_run)
+        except Exception as exc:  # noqa: BLE001 - step n failed: drain, then isolate
+            self._abandon(nxt)
+            return self._failed(cur.out, exc)
         return self._finish(cur, sampled, device_s)
+
+    def _abandon(self, step: _Step | None) -> None:
+        """Let a step built on a failed one end on the device thread, and keep nothing of it:
+        it was scheduled as if the failed step had given its tokens, which it never did."""
+        self._inflight = None
+        if step is not None and step.future is not None:
+            wait([step.future])
 
     def _complete(self, step: _Step) -> tuple[SamplerOutput | None, float]:
         """Wait for a started step's results on the host (`drain`)."""
@@ -295,7 +328,10 @@ class Stepper:
             if not out.seqs:
                 return None
             assert not out.swap_out and not out.held, "a look-ahead preempted"
-            nxt = self._prepared(out, shape)
+            try:
+                nxt = self._prepared(out, shape)
+            except Exception:  # noqa: BLE001 - prepared again, and sorted out, when it runs
+                return None
             nxt.fill = _fill_plan(nxt, cur)
             return nxt
         finally:

@@ -11,10 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchgen_data.llm import LLM
+    from batchgen_data.llm_inputs import PromptType, TextPrompt, TokensPrompt
+    from batchgen_data.logprobs import Logprob
     from batchgen_data.lora_request import LoRARequest
     from batchgen_data.models.default_model import DEFAULT_MODEL
     from batchgen_data.outputs import CompletionOutput, RequestOutput
-    from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
+    from batchgen_data.pooling_params import (ClassificationOutput, ClassificationRequestOutput,
+                                              EmbeddingOutput, EmbeddingRequestOutput,
+                                              PoolingParams, PoolingRequestOutput, ScoringOutput,
+                                              ScoringRequestOutput)
     from batchgen_data.programs.api import Generate, GenerateResult, program
     from batchgen_data.sampling_params import SamplingParams
     from batchgen_data.structured import StructuredOutputsParams
@@ -28,6 +33,17 @@ _LAZY = {
     "SamplingParams": "batchgen_data.sampling_params",
     "PoolingParams": "batchgen_data.pooling_params",
     "PoolingRequestOutput": "batchgen_data.pooling_params",
+    # vLLM's other top-level names for results and prompts
+    "EmbeddingOutput": "batchgen_data.pooling_params",
+    "EmbeddingRequestOutput": "batchgen_data.pooling_params",
+    "ClassificationOutput": "batchgen_data.pooling_params",
+    "ClassificationRequestOutput": "batchgen_data.pooling_params",
+    "ScoringOutput": "batchgen_data.pooling_params",
+    "ScoringRequestOutput": "batchgen_data.pooling_params",
+    "Logprob": "batchgen_data.logprobs",
+    "PromptType": "batchgen_data.llm_inputs",
+    "TextPrompt": "batchgen_data.llm_inputs",
+    "TokensPrompt": "batchgen_data.llm_inputs",
     "program": "batchgen_data.programs.api",
     "Generate": "batchgen_data.programs.api",
     "GenerateResult": "batchgen_data.programs.api",
@@ -36,7 +52,9 @@ _LAZY = {
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "DEFAULT_MODEL", "program", "Generate", "GenerateResult",
-           "PoolingParams", "PoolingRequestOutput"]
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput", "Logprob", "PromptType", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 

@@ -10,7 +10,7 @@ from batchgen_data.chat import render_chat
 from batchgen_data import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
-from batchgen_data.llm_inputs import check_priority, lora_list, params_list
+from batchgen_data.llm_inputs import PromptType, check_priority, lora_list, params_list
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
@@ -19,7 +19,6 @@ from batchgen_data.programs.offline import ProgramRunner
 from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
 
 
 class LLM:

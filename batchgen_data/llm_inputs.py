@@ -1,12 +1,29 @@
 """The per-prompt arguments of `LLM.generate`, checked and spread over the prompts as vLLM
 does: `sampling_params`, `lora_request` and `priority` may each be one value for every prompt
-or a list with one per prompt (whose length must be the prompts')."""
+or a list with one per prompt (whose length must be the prompts'). And vLLM's prompt types:
+a prompt is a string, a `TextPrompt` or a `TokensPrompt` (plain dicts)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Union
 
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.sampling_params import SamplingParams
+
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: `{"prompt": str}` (multimodal fields are not supported)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt: `{"prompt_token_ids": [int]}`, with its text if known."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+PromptType = Union[str, TextPrompt, TokensPrompt, dict[str, Any]]
 
 
 def params_list(sp: Any, n: int) -> list[SamplingParams]:

@@ -29,8 +29,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
     lora_request: Any = None  # the LoRARequest it ran under
 
-    @property
     def finished(self) -> bool:
+        """Whether this sample ended (a method, as in vLLM; `RequestOutput.finished` is a bool)."""
         return self.finish_reason is not None
 
 

@@ -39,8 +39,8 @@ def check_limits(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
         count = vocab_size if asked == -1 else asked
         if count > limit:
             raise ValueError(f"SamplingParams.{name}={asked}: Requested {what} logprobs of "
-                             f"{count}, which is greater than max allowed: {limit} (engine "
-                             f"argument max_logprobs={max_logprobs}, vocabulary {vocab_size})")
+                             f"{count}, which is greater than max allowed: {limit} (the "
+                             "engine's max_logprobs)")
     seed = params.seed
     if seed is not None and not SEED_MIN <= seed < SEED_END:
         raise ValueError(f"SamplingParams.seed={seed}: must fit in 64 bits, in [-2**63, 2**64)")

@@ -103,6 +103,19 @@ CATALOGUE: list[Bad] = [
     _sp("unknown sampling field", '{"temprature": 0.5}',
         "unknown sampling parameter(s) ['temprature']; valid: {valid}"),
     _sp("stop of the wrong type", '{"stop": 5}', "SamplingParams.stop must be a list, got int: 5"),
+    _sp("logprobs over max_logprobs", '{"logprobs": 100000}',
+        "SamplingParams.logprobs=100000: Requested sample logprobs of 100000, which is greater "
+        "than max allowed: 20 (the engine's max_logprobs)", offline="generate"),
+    _sp("prompt_logprobs over max_logprobs", '{"prompt_logprobs": 100000}',
+        "SamplingParams.prompt_logprobs=100000: Requested prompt logprobs of 100000, which is "
+        "greater than max allowed: 20 (the engine's max_logprobs)", offline="generate"),
+    _sp("seed beyond 64 bits", '{"seed": 18446744073709551616, "temperature": 0.8}',
+        "SamplingParams.seed=18446744073709551616: must fit in 64 bits, in [-2**63, 2**64)",
+        offline="generate"),
+    _sp("repetition_penalty that underflows", '{"repetition_penalty": 1e-300, '
+        '"temperature": 0.8}', "SamplingParams.repetition_penalty=1e-300: must be in "
+        "[2**-64, 2**64], so that logits divided or multiplied by it stay finite in float32",
+        offline="generate"),
     _sp("sampling_params not an object", "[1, 2]", "sampling_params must be a dict, got list",
         offline=""),
     _sp("sampling_params not JSON", "{temperature", "sampling_params is not valid JSON: "

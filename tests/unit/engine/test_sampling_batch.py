@@ -117,7 +117,9 @@ def test_sampler_masks_biases_and_keeps_raw_logprobs() -> None:
     out = Sampler(set())(logits, seqs)
     assert out.token_ids == [6, 7, 0]
     raw = torch.log_softmax(logits[0], -1)[6].item()  # logprobs ignore the mask (raw mode)
-    assert out.logprobs[0] == {6: pytest.approx(raw)}
+    ids, values, rank = out.logprobs[0]  # plain data: the drawn id, no top-k (logprobs=0)
+    assert ids == [6] and values == [pytest.approx(raw)]
+    assert rank == 2  # in the raw vocabulary: only token 2 (logit 5) is likelier
 
 
 def test_edits_survive_the_packed_transfer(monkeypatch: pytest.MonkeyPatch) -> None:

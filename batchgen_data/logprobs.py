@@ -75,7 +75,7 @@ def build(raws: Sequence[RawLogprobs | None] | None, tokenizer: Any, detokenize:
     (the prompt's first token: nothing predicts it) stays None."""
     if raws is None:
         return None, None
-    decode = _TokenText(tokenizer) if detokenize and tokenizer is not None else None
+    texts = _TokenText(tokenizer, raws) if detokenize and tokenizer is not None else None
     out: list[dict[int, Logprob] | None] = []
     total = 0.0
     context: list[int] = []  # the tokens so far: they complete a token cut inside a character
@@ -83,30 +83,33 @@ def build(raws: Sequence[RawLogprobs | None] | None, tokenizer: Any, detokenize:
         if raw is None:
             out.append(None)
             continue
-        texts = decode(raw[0], context) if decode is not None else [None] * len(raw[0])
-        out.append(position_logprobs(raw, texts))
+        out.append(position_logprobs(raw, texts(raw[0], context) if texts is not None
+                                     else [None] * len(raw[0])))
         total += raw[1][0]
         context.append(raw[0][0])
     return out, total
 
 
 class _TokenText:
-    """Each candidate's text, decoded on its own as vLLM does; one that ends inside a UTF-8
-    character (byte-level tokens) is completed from the tokens before it, or is ''."""
+    """Each candidate's text, decoded on its own as vLLM does (every distinct id of the
+    sequence once, in one call); one that ends inside a UTF-8 character (byte-level tokens) is
+    completed from the tokens before it, or is ''."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, raws: Sequence[RawLogprobs | None]) -> None:
         self.tokenizer = tokenizer
-
-    def __call__(self, ids: list[int], context: list[int]) -> list[str | None]:
-        texts = self.tokenizer.batch_decode([[t] for t in ids])
-        pieces = self.tokenizer.convert_ids_to_tokens(ids)
-        out: list[str | None] = []
+        ids = sorted({t for raw in raws if raw is not None for t in raw[0]})
+        texts = tokenizer.batch_decode([[t] for t in ids])
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        self.text: dict[int, str] = {}
         for tok, text, piece in zip(ids, texts, pieces):
-            # a SentencePiece word start ("▁word") decodes without its space on its own
+            # a SentencePiece word start ("\u2581word") decodes without its space on its own
             if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" "):
                 text = " " + text
-            out.append(self._complete(tok, context) if text.endswith(_BAD) else text)
-        return out
+            self.text[tok] = text
+
+    def __call__(self, ids: list[int], context: list[int]) -> list[str | None]:
+        return [self._complete(t, context) if self.text[t].endswith(_BAD) else self.text[t]
+                for t in ids]
 
     def _complete(self, tok: int, context: list[int]) -> str:
         """The text `tok` adds after the shortest tail of `context` with which it ends on a

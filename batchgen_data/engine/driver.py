@@ -14,23 +14,14 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from batchgen_data.engine.engine import Engine
-from batchgen_data.engine.step_failure import request_error
+# EngineDeadError lives beside the step's failure search (which lets it through untouched) and
+# is named here, where the connectors have always imported it from
+from batchgen_data.engine.step_failure import EngineDeadError, request_error
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; every request in flight on it failed with this error.
-    `suspects`: the requests of the step that failed when none of them could be blamed alone
-    (`step_failure.StepError`): one of them may have caused it, or nothing did (the device);
-    empty when the loop died elsewhere. Connectors keep them as evidence (a poison-row record)."""
-
-    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.suspects = suspects
 
 
 class RequestFailedError(RuntimeError):
@@ -54,10 +45,10 @@ class EngineDriver:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, prompt: str | None = None,
                pin: str | None = None, front: bool = False,
-               lora_request: LoRARequest | None = None) -> Future:
+               lora_request: LoRARequest | None = None, alone: bool = False) -> Future:
         """Queue one request; invalid input raises ValueError here, synchronously (an
-        adapter is read from its directory here too, off the engine thread). `pin`, `front`
-        and `lora_request` as in `Engine.submit`."""
+        adapter is read from its directory here too, off the engine thread). `pin`, `front`,
+        `lora_request` and `alone` as in `Engine.submit`."""
         self.engine.check_request(prompt_token_ids, params)
         self.engine.check_lora(lora_request)
         fut: Future = Future()
@@ -65,7 +56,8 @@ class EngineDriver:
         def add(engine: Engine) -> None:
             try:
                 rid = engine.submit(prompt_token_ids, params, request_id=request_id, prompt=prompt,
-                                    pin=pin, front=front, lora_request=lora_request)
+                                    pin=pin, front=front, lora_request=lora_request,
+                                    alone=alone)
             except Exception as e:  # e.g. a duplicate request id: fail this request only
                 fut.set_exception(e)
                 return

@@ -110,12 +110,14 @@ class Engine:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
                pin: str | None = None, front: bool = False,
-               lora_request: LoRARequest | None = None) -> str:
+               lora_request: LoRARequest | None = None, alone: bool = False) -> str:
         """`pin`: when the request finishes, keep its cached KV under that key until
         `unpin(pin)` (a program's next step extends this conversation: engine/pins.py).
         `front`: queue it ahead of the waiting requests (a started program's next step goes
         before new programs, so it finishes while its KV is still there). `lora_request`: the
-        adapter it runs under (None: the base model)."""
+        adapter it runs under (None: the base model). `alone`: it runs in steps of its own,
+        with no other request (a row suspected of killing an engine, run so that a failure
+        names it alone: docs/row-errors.md)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
         self.check_lora(lora_request)
@@ -129,7 +131,7 @@ class Engine:
             seed = self._seed_for(params.seed, i)
             max_tokens = min(params.max_tokens or room, room)
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens,
-                                     lora=lora_request))
+                                     lora=lora_request, alone=alone))
         self._add(req, front=front)
         return rid
 
@@ -303,7 +305,8 @@ class Engine:
             seqs.append(state)
         return {"request_id": req.request_id, "prompt": req.prompt,
                 "prompt_token_ids": list(req.prompt_token_ids), "params": req.params.to_dict(),
-                "seqs": seqs, "lora": None if req.lora is None else req.lora.to_dict()}
+                "seqs": seqs, "lora": None if req.lora is None else req.lora.to_dict(),
+                "alone": any(s.alone for s in req.seqs)}
 
     def import_(self, state: dict[str, Any], front: bool = True) -> str:
         """Continue an exported request here; tokens match an unmoved run (greedy or seeded)."""
@@ -322,7 +325,8 @@ class Engine:
                            token_ids=req.prompt_token_ids + list(st["output_token_ids"]),
                            num_cached_tokens=st.get("num_cached_tokens", 0),
                            logprobs=st.get("logprobs"), stop_reason=st.get("stop_reason"),
-                           prompt_logprobs=st.get("prompt_logprobs"), lora=lora)
+                           prompt_logprobs=st.get("prompt_logprobs"), lora=lora,
+                           alone=bool(state.get("alone", False)))
             if st.get("finish") is not None:
                 seq.status = SequenceStatus(st["finish"])
             elif st.get("kv") is not None:

@@ -81,6 +81,9 @@ class Scheduler:
         # LoRA: at most this many adapters among the running sequences (the device slots,
         # engine/lora_manager.py); None: no limit
         self.max_loras: int | None = None
+        # the request admitted to run alone (`Sequence.alone`): no other request runs with it
+        self.alone: str | None = None
+        self._alone_waiting: set[int] = set()  # sequences of such requests passed over once
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -105,6 +108,11 @@ class Scheduler:
                         q.remove(seq)
         for seq in seqs:
             self.release(seq)
+        if self._alone_waiting:
+            self._alone_waiting.difference_update(s.seq_id for s in seqs)
+        if self.alone is not None and not any(
+                s.request_id == self.alone for q in (self.running, self.held) for s in q):
+            self.alone = None  # its last sequence left: others may run again
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
@@ -202,9 +210,18 @@ class Scheduler:
     def _admit(self, queue: deque[Sequence], out: SchedulerOutput, budget: int) -> int:
         adapters = None if self.max_loras is None else \
             {s.lora.lora_int_id for s in self.running if s.lora is not None}
-        passed: list[Sequence] = []  # their adapter has no slot now: they keep their place
+        # their adapter has no slot now, or they run alone and others run: they keep their place
+        passed: list[Sequence] = []
         while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
+            if self.alone is not None and seq.request_id != self.alone:
+                break  # nothing joins a request that runs alone
+            if seq.alone and not self._may_join(seq):
+                if seq.seq_id in self._alone_waiting:
+                    break  # passed over once: now the running ones drain, and it starts
+                self._alone_waiting.add(seq.seq_id)
+                passed.append(queue.popleft())  # the others queued now still start together
+                continue
             if adapters is not None and seq.lora is not None \
                     and seq.lora.lora_int_id not in adapters:
                 if len(adapters) >= self.max_loras:  # type: ignore[operator]
@@ -231,12 +248,21 @@ class Scheduler:
             if seq.held_kv is not None:
                 out.swap_in.append(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.alone:
+                self.alone = seq.request_id
+                self._alone_waiting.discard(seq.seq_id)
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
         queue.extendleft(reversed(passed))
         return budget
+
+    def _may_join(self, seq: Sequence) -> bool:
+        """Whether `seq`, of a request that runs alone (one the connectors suspect of killing
+        an engine: docs/row-errors.md), may start now: only among its own request's
+        sequences."""
+        return all(s.request_id == seq.request_id for s in self.running)
 
     def _match_prefix(self, seq: Sequence) -> None:
         # the last token is always computed so that there are logits to sample from (and

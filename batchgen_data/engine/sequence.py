@@ -60,6 +60,7 @@ class Sequence:
     # prefix-cache chain: hashes of this sequence's full, registered blocks
     block_hashes: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    alone: bool = False  # runs in steps with no other request's sequences (Engine.submit)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -40,6 +40,19 @@ Part = list[tuple[Sequence, int]]  # (sequence, tokens the step computes for it)
 REASON_CHARS = 500  # a reason names the error; a traceback would not fit a row's column
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every request in flight on it failed with this error.
+    `suspects`: the requests of the step that failed when none of them could be blamed alone
+    (`StepError`): one of them may have caused it, or nothing did (the device); empty when the
+    loop died elsewhere. Connectors keep them as evidence (a poison-row record). Raised inside
+    a step (a tensor-parallel rank that is gone), it is the engine's verdict already: no part
+    of the step is run again."""
+
+    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
 class StepError(RuntimeError):
     """A step failed and no single request could be blamed: the engine's failure.
     `suspects`: the request ids of the step when every part of it failed (one of them may have
@@ -101,6 +114,8 @@ class Prober:
 def blame(runner: Any, sampler: Any, part: Part, error: Exception) -> dict[str, Exception]:
     """The requests of a failed step (`part`, which raised `error`) that fail on their own,
     each with the exception it raised alone; raises `StepError` when none can be blamed."""
+    if isinstance(error, EngineDeadError):
+        raise error
     groups: dict[str, Part] = {}
     for seq, n in part:
         groups.setdefault(seq.request_id, []).append((seq, n))

@@ -162,3 +162,64 @@ def test_llm_returns_the_error_row_and_stays_usable(path: Path,
         llm.generate([{"prompt_token_ids": PROMPTS[BAD]}], GREEDY, use_tqdm=False)
     again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
     assert again[0].outputs[0].token_ids == hf_tokens[0]
+
+
+class StepSpy:
+    """The model runner, noting the requests of every step it prepares."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.steps = runner, []
+
+    def prepare(self, out: Any) -> Any:
+        self.steps.append({s.request_id for s in out.seqs})
+        return self.runner.prepare(out)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def test_a_request_submitted_alone_never_shares_a_step(path: Path,
+                                                       hf_tokens: list[list[int]]) -> None:
+    """`alone=True` (a row the poison-row record suspects): its steps hold no other request,
+    the others wait for it or it for them, and every request keeps HF's greedy tokens."""
+    from batchgen_data.config import make_engine_config
+    from batchgen_data.engine.setup import build_parts
+
+    config = make_engine_config(str(path), **ENGINE)
+    parts = build_parts(config)
+    spy = parts.runner = StepSpy(parts.runner)
+    engine = Engine(config, parts)
+    prompts = [p for i, p in enumerate(PROMPTS) if i != BAD]
+    ids = [engine.submit(p, GREEDY, alone=i in (1, 3)) for i, p in enumerate(prompts)]
+    outs: dict[str, Any] = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    want = [t for i, t in enumerate(hf_tokens) if i != BAD]
+    assert [outs[r].outputs[0].token_ids for r in ids] == want
+    alone = {ids[1], ids[3]}
+    for step in spy.steps:
+        assert not (step & alone) or len(step) == 1, step
+    assert any(len(s) > 1 for s in spy.steps)  # the others still batch together
+    # an export carries it: the importing engine runs it alone too
+    rid = engine.submit(prompts[0], GREEDY, alone=True)
+    state = engine.export(rid)
+    assert state["alone"] is True
+    assert engine.import_(state) == rid and all(s.alone for s in engine.requests[rid].seqs)
+
+
+def test_an_engine_dead_error_inside_a_step_is_not_searched(path: Path) -> None:
+    """A runner that says the engine is dead (a tensor-parallel rank gone) is believed: the
+    step's failure goes up as it is, no part of the step is run again."""
+    from batchgen_data.engine.driver import EngineDeadError
+
+    engine = poisoned_engine(str(path), "run", **ENGINE)
+    runner, calls = engine.runner, []
+
+    def run(inp: Any) -> Any:
+        calls.append(1)
+        raise EngineDeadError("rank 1 died")
+
+    runner.run = run  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        run_all(engine, GREEDY)
+    assert len(calls) == 1

@@ -166,6 +166,15 @@ def plan_replay(entries: list[Entry], alive: dict[str, float], handed_last: floa
     return plan
 
 
+def call_identity(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(Ray task id, digest of the rows): the same for every attempt of a call; the number of
+    calls of that task with the same rows before it completes the key."""
+    import ray
+
+    task_id = ray.get_runtime_context().get_task_id() or "no-task"
+    return task_id, hashlib.blake2b(repr(rows).encode(), digest_size=12).hexdigest()
+
+
 class EmittedClient:
     """One predictor's view of the job's log: a call's record, and a heartbeat."""
 
@@ -181,10 +190,7 @@ class EmittedClient:
         threading.Thread(target=self._beat, daemon=True, name="batchgen-emitted-beat").start()
 
     def call(self, rows: list[dict[str, Any]]) -> "CallRecord":
-        import ray
-
-        task_id = ray.get_runtime_context().get_task_id() or "no-task"
-        digest = hashlib.blake2b(repr(rows).encode(), digest_size=12).hexdigest()
+        task_id, digest = call_identity(rows)
         with self._lock:
             nth = self._seen[(task_id, digest)]
         return CallRecord(self, (task_id, digest), f"{task_id}:{digest}:{nth}")

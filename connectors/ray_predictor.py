@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Iterator
@@ -53,6 +54,7 @@ from batchgen_data.connectors.ray_metrics import start_stats_export
 from batchgen_data.connectors.pooling_rows import PoolingRows, check_task
 from batchgen_data.connectors.programs import attach_program_outputs, program_error_row
 from batchgen_data.connectors.ray_emitted import NO_RECORD, start_emitted
+from batchgen_data.connectors.ray_poison import PoisonCall, start_poison
 from batchgen_data.connectors.migration_options import MigrationOptions
 from batchgen_data.connectors.ray_migration import start_migration
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
@@ -159,8 +161,7 @@ class BatchGenPredictor:
                                                  chat_template_kwargs)
             self.rows = RowLifecycle(self.driver, builder, self.driver.engine.config.seed,
                                      on_error, request_prefix=uuid.uuid4().hex[:8],
-                                     on_engine_dead=lambda _: exit_if_engine_dead(self.driver),
-                                     program=program)
+                                     on_engine_dead=self._engine_died, program=program)
         # engines of one job share a coordinator: same Ray job and same predictor config
         fingerprint = repr((model, sampling_params, sorted(engine_kwargs.items()),
                             getattr(program, "name", None)))
@@ -175,6 +176,12 @@ class BatchGenPredictor:
         # without a record completion order is not exactly once: rows then leave in input order
         self.order = "ordered" if (stream is True and self.record_emitted and in_ray
                                    and self.emitted is None) else stream
+        # the job's poison-row record: what each call's rows had to do with engine deaths, so a
+        # retried call never sends a row into the same death again (connectors/poison.py)
+        self.poison = (start_poison(fingerprint, options.job_id)
+                       if in_ray and task == "generate" and program is None else None)
+        self._calls: dict[int, PoisonCall] = {}  # live calls by id(pending)
+        self._death_lock = threading.Lock()
         # engine statistics to ray.util.metrics, and to the job's run report if it keeps one
         self.stats_export = (start_stats_export(self.driver, self.migration, options.job_id)
                              if task == "generate" else None)
@@ -205,24 +212,40 @@ class BatchGenPredictor:
         pending: dict[Future, int] = {}
         if self.migration is not None:
             self.migration.enter_call()
+        call = self._poison_call(table, pending)
         try:
-            stream = self.order
-            if stream is True:
-                yield from self._completion_order(table, pending)
-                return
-            for i, row in enumerate(table.to_pylist()):
-                pending[self.rows.submit(row)] = i
-            if not stream:
-                wait(list(pending))
-                yield self._finished(table, pending, list(pending))
-                return
-            for fut in sorted(pending, key=pending.__getitem__):
-                wait([fut])
-                yield self._finished(table, pending, [fut])
+            yield from self._in_order(table, pending)
+            if call is not None:  # ended normally: the next call with these rows is a new one
+                call.finish()
         finally:
+            self._calls.pop(id(pending), None)
             self.rows.abandon(pending)  # task failed or was cancelled: stop its rows
             if self.migration is not None:
                 self.migration.leave_call()
+
+    def _in_order(self, table: pa.Table, pending: dict[Future, int]) -> Iterator[pa.Table]:
+        stream = self.order
+        if stream is True:
+            yield from self._completion_order(table, pending)
+            return
+        self._submit_rows(table.to_pylist(), set(), pending)
+        if not stream:
+            wait(list(pending))
+            yield self._finished(table, pending, list(pending))
+            return
+        for fut in sorted(pending, key=pending.__getitem__):
+            wait([fut])
+            yield self._finished(table, pending, [fut])
+
+    def _poison_call(self, table: pa.Table, pending: dict[Future, int]) -> PoisonCall | None:
+        """This call's entry in the poison-row record, read (what earlier attempts' engine
+        deaths say of its rows); None without a record."""
+        if self.poison is None:
+            return None
+        call = self.poison.call(table.to_pylist())
+        call.read()
+        self._calls[id(pending)] = call
+        return call
 
     def _completion_order(self, table: pa.Table, pending: dict[Future, int]
                           ) -> Iterator[pa.Table]:
@@ -256,9 +279,29 @@ class BatchGenPredictor:
                      pending: dict[Future, int]) -> None:
         """Rows of the batch to the engine, in input order, but for `skip` (tests override
         this seam to change what a retried attempt's engine sees)."""
+        call = self._calls.get(id(pending))
         for i, row in enumerate(rows):
-            if i not in skip:
+            if i in skip:
+                continue
+            if call is None:
                 pending[self.rows.submit(row)] = i
+            elif i in call.verdict.blamed:  # it killed engines before: a row error, not run
+                pending[self.rows.reject(call.verdict.blamed[i])] = i
+            else:
+                fut = self.rows.submit(row, alone=i in call.verdict.quarantined)
+                call.sent(self.rows.request_id(fut), i)
+                pending[fut] = i
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """The engine died: each live call's rows it names as suspects go to the poison-row
+        record, then the actor exits so that Ray restarts it and retries the calls."""
+        with self._death_lock:
+            suspects = set(getattr(self.driver.dead, "suspects", ()) or ())
+            if suspects:
+                for call in list(self._calls.values()):
+                    call.died(suspects)
+                self._calls.clear()  # written once: other threads see the same death
+            exit_if_engine_dead(self.driver)
 
     def _placeholders(self, table: pa.Table, indices: list[int]) -> pa.Table:
         """Rows of the right shape for outputs Ray already holds from an earlier attempt (it

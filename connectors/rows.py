@@ -87,10 +87,12 @@ class RowLifecycle:
             prefix=f"{self._prefix}-program", is_engine_dead=lambda e: isinstance(e, self._dead),
             lora_for=self.builder.lora_for)
 
-    def submit(self, row: Mapping[str, Any], key: Any = None) -> Future:
+    def submit(self, row: Mapping[str, Any], key: Any = None, alone: bool = False) -> Future:
         """build → seed → submit. A row error comes back as a finished Future holding it
         (raised at once with on_error="raise"); `key` seeds unseeded sampling (default: the
-        prompt's token ids), so a retried task or a moved row samples the same tokens."""
+        prompt's token ids), so a retried task or a moved row samples the same tokens.
+        `alone`: the engine runs it in steps of its own (a row the poison-row record suspects:
+        connectors/poison.py; a program row ignores it)."""
         if self.programs is not None:
             # the whole row goes to the program; its failures arrive through the Future
             return self.programs.submit(dict(row), program_row_key(row) if key is None else key)
@@ -100,8 +102,9 @@ class RowLifecycle:
             seed_key = req.prompt_token_ids if key is None else key
             params = seeded(req.params, self.base_seed, seed_key)
             rid = f"{self._prefix}-{next(self._ids)}"
+            extra = {"alone": True} if alone else {}
             fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid,
-                                     prompt=req.prompt, **lora_kwargs(req.lora))
+                                     prompt=req.prompt, **lora_kwargs(req.lora), **extra)
         except Exception as e:  # noqa: BLE001 - sorted by the rule above
             if isinstance(e, self._dead):
                 self._engine_failed(e)
@@ -111,6 +114,14 @@ class RowLifecycle:
             return failed_future(RowError(error_message(e)))
         self._request_ids[fut] = rid
         return fut
+
+    def is_engine_dead(self, exc: BaseException | None) -> bool:
+        """Whether `exc` is the engine's failure (`EngineDeadError`), not a row's."""
+        return isinstance(exc, self._dead)
+
+    def request_id(self, fut: Future) -> str | None:
+        """The engine's request id of a row in flight (None for a row error or a program)."""
+        return self._request_ids.get(fut)
 
     def reject(self, message: str) -> Future:
         """A row refused before it is built (e.g. a duplicate id): a row error like any other."""

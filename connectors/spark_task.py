@@ -21,6 +21,7 @@ from batchgen_data.chat import check_template_kwargs
 from batchgen_data.connectors import common, row_extras, spark_engine_cache, spark_metrics
 from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark_engine_cache import EngineSpec
+from batchgen_data.connectors.spark_retry import RetryingRows
 from batchgen_data.connectors.spark_streaming import BatchSizeProbe
 from batchgen_data.devices import cuda_indices, cuda_is_available, pick_device
 
@@ -127,48 +128,54 @@ class TaskSession:
 
     def __init__(self, settings: TaskSettings) -> None:
         self.settings = settings
-        self._rows: RowLifecycle | None = None
+        self._retry: RetryingRows | None = None
         self._probe: BatchSizeProbe | None = None
 
-    def _lifecycle(self) -> RowLifecycle:
+    def _rows(self) -> RetryingRows:
         # on first use, so an empty partition never loads a model
-        if self._rows is None:
-            driver = task_driver(self.settings)
-            s = self.settings
-            builder = common.RequestBuilder.from_engine(driver.engine, s.params,
-                                                        s.apply_chat_template, s.chat_template,
-                                                        s.chat_template_kwargs)
-            self._rows = RowLifecycle(
-                driver, builder, self.settings.spec.base_seed, self.settings.on_error,
-                request_prefix=f"spark-{uuid.uuid4().hex[:12]}",
-                # not the rows' fault: the next task on this worker builds a new engine
-                on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver),
-                program=self.settings.program)
-            if self.settings.debug_stats:
-                self._probe = BatchSizeProbe(driver.engine)
-            if self.settings.stats is not None:
-                spark_metrics.watch(driver)
-        return self._rows
+        if self._retry is None:
+            self._retry = RetryingRows(self._lifecycle, spark_engine_cache.ENGINES.discard)
+        return self._retry
+
+    def _lifecycle(self) -> RowLifecycle:
+        """A lifecycle over this worker's engine (after a death: a new engine's)."""
+        driver = task_driver(self.settings)
+        s = self.settings
+        builder = common.RequestBuilder.from_engine(driver.engine, s.params,
+                                                    s.apply_chat_template, s.chat_template,
+                                                    s.chat_template_kwargs)
+        rows = RowLifecycle(
+            driver, builder, self.settings.spec.base_seed, self.settings.on_error,
+            request_prefix=f"spark-{uuid.uuid4().hex[:12]}",
+            # not the rows' fault: the next engine of this worker is a new one
+            on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver),
+            program=self.settings.program)
+        if self.settings.debug_stats and self._probe is None:
+            self._probe = BatchSizeProbe(driver.engine)
+        if self.settings.stats is not None:
+            spark_metrics.watch(driver)
+        return rows
 
     def finish(self) -> None:
         """The task's end: its engine's samples go to the job's accumulator, if it keeps one."""
-        if self.settings.stats is not None and self._rows is not None:
-            self.settings.stats.add(spark_metrics.drain(self._rows.driver))
+        if self.settings.stats is not None and self._retry is not None:
+            self.settings.stats.add(spark_metrics.drain(self._retry.rows.driver))
 
     def submit(self, rows: list[dict[str, Any]], keys: list[Any]) -> list[Future]:
         """One Future per row (a row error is a finished Future holding it); `keys` seed
-        unseeded sampling, so a retried task samples the same tokens."""
-        lifecycle = self._lifecycle()
-        return [lifecycle.submit(row, key) for row, key in zip(rows, keys)]
+        unseeded sampling, so a retried task samples the same tokens. A row outlives an engine
+        death that names suspects: it is sent again to a new engine (spark_retry.py)."""
+        retry = self._rows()
+        return [retry.submit(row, key) for row, key in zip(rows, keys)]
 
     def reject(self, message: str) -> Future:
         """A row error for a row that never reaches the engine (see `RowLifecycle.reject`)."""
-        return self._lifecycle().reject(message)
+        retry = self._rows()
+        return retry.resolved(retry.rows, retry.rows.reject(message))
 
     def output_rows(self, futures: list[Future]) -> list[dict[str, Any]]:
         """Finished Futures -> output column values, one dict per row, same order."""
-        lifecycle = self._lifecycle()
-        rows = [lifecycle.outcome(f) for f in futures]
+        rows = [lifecycle.outcome(f) for f, lifecycle in (p.result() for p in futures)]
         if self.settings.debug_stats:
             peak = self._probe.max_batch_seqs() if self._probe is not None else 0
             for row in rows:
@@ -177,5 +184,5 @@ class TaskSession:
 
     def abandon(self, futures: list[Future]) -> None:
         """Abort rows nobody will read (Spark stopped early, e.g. `show()` or `limit`)."""
-        if self._rows is not None:
-            self._rows.abandon(futures)
+        if self._retry is not None:
+            self._retry.abandon(futures)

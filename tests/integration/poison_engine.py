@@ -5,12 +5,13 @@ option: the tests build engines with these parts. (A plain module, not a conftes
 Spark ship it to their workers by value.)"""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from batchgen_data.config import make_engine_config
+from batchgen_data.config import EngineConfig, make_engine_config
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.sampler import Sampler
-from batchgen_data.engine.setup import build_parts
+from batchgen_data.engine.setup import EngineParts, build_parts
 
 POISON = 7  # a token id of the tiny models' vocabulary
 MESSAGE = "a poisoned row is in this step"
@@ -73,3 +74,19 @@ def poisoned_engine(model: str | None, where: str = "run", kills_device: bool = 
     sampler.where = where
     engine.sampler = sampler
     return engine
+
+
+def poisoned_parts(config: EngineConfig) -> EngineParts:
+    """`parts_builder="poison_engine:poisoned_parts"`: the model's parts with a PoisonRunner,
+    for workers that build their engine from configuration (Spark executors, which import
+    this module once the test ships it with `addPyFile`)."""
+    parts = build_parts(dataclasses.replace(config, parts_builder=None))
+    parts.runner = PoisonRunner(parts.runner)
+    return parts
+
+
+def device_killing_parts(config: EngineConfig) -> EngineParts:
+    """As `poisoned_parts`, with a runner that loses its device on the poisoned row."""
+    parts = build_parts(dataclasses.replace(config, parts_builder=None))
+    parts.runner = PoisonRunner(parts.runner, kills_device=True)
+    return parts

@@ -104,6 +104,8 @@ class Prober:
             (DONE if mark is None else mark()).wait()
             if pending is not None:
                 self.sampler.finish(pending)
+        except EngineDeadError:  # the engine says it is gone (a rank): nothing to search
+            raise
         except Exception as e:  # noqa: BLE001 - what the probe is for
             return e
         finally:

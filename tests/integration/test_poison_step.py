@@ -223,3 +223,16 @@ def test_an_engine_dead_error_inside_a_step_is_not_searched(path: Path) -> None:
     with pytest.raises(EngineDeadError, match="rank 1 died"):
         run_all(engine, GREEDY)
     assert len(calls) == 1
+
+    # a step that fails, then a rank that dies during the search: the search stops there
+    engine = poisoned_engine(str(path), "run", **ENGINE)
+    calls.clear()
+
+    def run_then_die(inp: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("boom") if len(calls) == 1 else EngineDeadError("rank 1 died")
+
+    engine.runner.run = run_then_die  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        run_all(engine, GREEDY)
+    assert len(calls) == 2

@@ -174,7 +174,6 @@ def _poison_step(monkeypatch: pytest.MonkeyPatch, marker: str) -> None:
     monkeypatch.setattr(cli_main, "make_runner", make)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the engine-side fix of issue 57")
 def test_a_step_that_fails_for_one_row_fails_that_row_only(
         model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         clean: dict[str, tuple[str, int]]) -> None:

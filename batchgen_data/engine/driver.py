@@ -32,7 +32,10 @@ class RequestFailedError(RuntimeError):
 class EngineDriver:
     def __init__(self, engine: Engine, name: str = "batchgen-engine") -> None:
         self.engine = engine
-        self._inbox: deque[tuple[Callable[[Engine], Any], Future]] = deque()
+        # (call, its Future, whether the call's return value settles that Future: a submit's
+        # Future is settled by its request's end instead, or by the engine's death)
+        self._inbox: deque[tuple[Callable[[Engine], Any], Future, bool]] = deque()
+        self._inbox_lock = threading.Lock()  # a post never lands after the loop's death
         self._futures: dict[str, Future] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -63,7 +66,7 @@ class EngineDriver:
                 return
             self._futures[rid] = fut
 
-        self._post(add, Future())
+        self._post(add, fut, settles=False)
         return fut
 
     def call(self, fn: Callable[[Engine], T]) -> "Future[T]":
@@ -93,10 +96,11 @@ class EngineDriver:
         self._wake.set()
         self._thread.join(timeout)
 
-    def _post(self, fn: Callable[[Engine], Any], fut: Future) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}") from self._dead
-        self._inbox.append((fn, fut))
+    def _post(self, fn: Callable[[Engine], Any], fut: Future, settles: bool = True) -> None:
+        with self._inbox_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine loop died: {self._dead!r}") from self._dead
+            self._inbox.append((fn, fut, settles))
         self._wake.set()
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -113,20 +117,27 @@ class EngineDriver:
                     self._wake.wait(0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
-            self._dead = e
             err = EngineDeadError(f"engine loop died: {e!r}", getattr(e, "suspects", ()))
-            for fut in list(self._futures.values()):
-                fut.set_exception(err)
-            while self._inbox:
-                self._inbox.popleft()[1].set_exception(err)
+            with self._inbox_lock:  # from here no post lands in the inbox
+                self._dead = e
+            waiting = [*self._futures.values(), *(fut for _, fut, _ in self._inbox)]
+            self._inbox.clear()
+            for fut in waiting:
+                _fail(fut, err)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            fn, fut = self._inbox.popleft()
+            fn, fut, settles = self._inbox.popleft()
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except Exception as e:  # a bad call fails its caller, not the engine
-                fut.set_exception(e)
+                _fail(fut, e)
+            else:
+                if settles:
+                    try:
+                        fut.set_result(result)
+                    except InvalidStateError:  # cancelled by its caller meanwhile
+                        pass
 
     def _resolve(self, out: RequestOutput) -> None:
         fut = self._futures.pop(out.request_id, None)
@@ -139,3 +150,11 @@ class EngineDriver:
                     fut.set_exception(RequestFailedError(error))
             except InvalidStateError:  # cancelled by its caller meanwhile: nobody is waiting
                 pass
+
+
+def _fail(fut: Future, exc: BaseException) -> None:
+    """`fut` fails with `exc` unless it already ended (its caller cancelled it)."""
+    try:
+        fut.set_exception(exc)
+    except InvalidStateError:
+        pass

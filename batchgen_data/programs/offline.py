@@ -23,6 +23,7 @@ from batchgen_data.programs.admission import PoolState, ProgramAdmission
 from batchgen_data.programs.api import GenerateResult, Program
 from batchgen_data.programs.run import ProgramError, ProgramRun
 from batchgen_data.programs.stats import ProgramStats
+from batchgen_data.engine.step_failure import request_error
 from batchgen_data.programs.steps import StepRequest, render, result_of
 from batchgen_data.sampling_params import SamplingParams
 
@@ -99,6 +100,11 @@ class ProgramRunner:
                 if owner is None:
                     continue  # an aborted step of an exported program
                 pid, slot = owner
+                error = request_error(out)
+                if error is not None:  # the engine failed this step's request: the row fails
+                    self._fail_step(pid, f"program {self.runs[pid].program.name!r} step "
+                                         f"{self.runs[pid].num_steps}: {error}")
+                    continue
                 got = self._got[pid]
                 result = result_of(got[slot][0], out)
                 got[slot] = (got[slot][0], result)
@@ -113,6 +119,16 @@ class ProgramRunner:
         self._fill()
         finished, self._finished = self._finished, []
         return finished
+
+    def _fail_step(self, pid: str, message: str) -> None:
+        """End program `pid` as a row error: the rest of its pending step aborted."""
+        for rid in self._steps.get(pid, []):
+            if self._owner.pop(rid, None) is not None:
+                self.engine.abort(rid)
+        self._got.pop(pid, None)
+        run = self.runs[pid]
+        run.fail(message)
+        self._resubmit(pid, run)
 
     def run_all(self, rows: Iterable[dict[str, Any]], on_done: Any = None) -> list[dict[str, Any]]:
         """Every row's output dict in input order (`on_done()` after each program ends)."""

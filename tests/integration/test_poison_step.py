@@ -236,3 +236,25 @@ def test_an_engine_dead_error_inside_a_step_is_not_searched(path: Path) -> None:
     with pytest.raises(EngineDeadError, match="rank 1 died"):
         run_all(engine, GREEDY)
     assert len(calls) == 2
+
+
+def test_a_program_whose_step_the_engine_fails_is_that_rows_error(
+        path: Path, hf_tokens: list[list[int]]) -> None:
+    # LLM.run: a program row whose step is poisoned ends as a row error (its other requests of
+    # that step aborted); every other program keeps its HF tokens and the run finishes
+    from batchgen_data import Generate, program
+
+    @program
+    def two_samples(row: dict) -> Any:
+        a, b = yield [Generate(prompt_token_ids=row["ids"], temperature=0, max_tokens=8,
+                               ignore_eos=True)] * 2
+        return {"tokens": a.token_ids, "same": a.token_ids == b.token_ids}
+
+    llm = LLM(str(path), **ENGINE)
+    llm.engine = poisoned_engine(str(path), "run", **ENGINE)
+    outs = llm.run([{"ids": p} for p in PROMPTS], two_samples)
+    assert "poisoned row" in outs[BAD]["error"] and "step 1:" in outs[BAD]["error"]
+    for i, out in enumerate(outs):
+        if i != BAD:
+            assert out == {"tokens": hf_tokens[i], "same": True}
+    assert not llm.engine.has_unfinished()

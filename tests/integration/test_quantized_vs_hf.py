@@ -40,8 +40,12 @@ def _greedy_hf(model, tok, prompts: list[str]) -> list[list[int]]:
     out = []
     for p in prompts:
         ids = tok(p).input_ids
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        # EOS does not stop HF either: ours runs with ignore_eos, and a random model may draw
+        # its EOS id within MAX_TOKENS
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
         out.append(gen[0, len(ids):].tolist())
+        assert len(out[-1]) == MAX_TOKENS  # no early stop
     return out
 
 

@@ -39,7 +39,7 @@ test: $(STAMP)
 # (the printed capability line says what ran). The marked tests live in CPU_KIND_TESTS
 # (tests/unit/test_cpu_kind_marks.py checks that none is left out).
 CPU_KIND_TESTS := tests/kernels/cpu tests/unit/layers \
-	tests/unit/engine/fast_paths/test_cpu_decode_stack.py tests/integration/test_cpu_kinds.py \
+	tests/unit/worker/fast_paths/test_cpu_decode_stack.py tests/integration/test_cpu_kinds.py \
 	tests/integration/test_engine_vs_hf.py tests/integration/test_fp8_kv_cache.py \
 	tests/integration/test_quantized_vs_hf.py tests/integration/test_moe_vs_hf.py
 CPU_KINDS := avx2:ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2,BATCHGEN_CPU_ISA=avx2 \

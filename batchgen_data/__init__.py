@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchgen_data.llm import LLM
-    from batchgen_data.llm_inputs import PromptType, TextPrompt, TokensPrompt
+    from batchgen_data.inputs.prompts import PromptType, TextPrompt, TokensPrompt
     from batchgen_data.logprobs import Logprob
     from batchgen_data.lora_request import LoRARequest
     from batchgen_data.models.default_model import DEFAULT_MODEL
@@ -41,9 +41,9 @@ _LAZY = {
     "ScoringOutput": "batchgen_data.pooling_params",
     "ScoringRequestOutput": "batchgen_data.pooling_params",
     "Logprob": "batchgen_data.logprobs",
-    "PromptType": "batchgen_data.llm_inputs",
-    "TextPrompt": "batchgen_data.llm_inputs",
-    "TokensPrompt": "batchgen_data.llm_inputs",
+    "PromptType": "batchgen_data.inputs.prompts",
+    "TextPrompt": "batchgen_data.inputs.prompts",
+    "TokensPrompt": "batchgen_data.inputs.prompts",
     "program": "batchgen_data.programs.api",
     "Generate": "batchgen_data.programs.api",
     "GenerateResult": "batchgen_data.programs.api",

@@ -27,7 +27,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # exact override (tests use it to force preemption)
     gpu_memory_utilization: float = 0.85
     # Host memory for the KV of held (and preempted) sequences, copied out of the cache (vLLM's
-    # swap space, `kvcache/held_kv.py`); beyond it, held sequences are recomputed on resume.
+    # swap space, `core/kv/held_kv.py`); beyond it, held sequences are recomputed on resume.
     held_kv_bytes: int = 4 << 30
     # Host memory for running sequences' KV (the KV host tier of module-based batching,
     # docs/offload.md): steps grow past what the device KV holds. 0: off.

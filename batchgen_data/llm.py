@@ -6,17 +6,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from batchgen_data.chat import render_chat
-from batchgen_data import pooling_api
+from batchgen_data.inputs.chat import render_chat
+from batchgen_data.engine import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
-from batchgen_data.llm_inputs import PromptType, check_priority, lora_list, params_list
+from batchgen_data.inputs.prompts import PromptType, check_priority, lora_list, params_list
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.pooling_params import PoolingParams, PoolingRequestOutput
 from batchgen_data.programs.api import Program
 from batchgen_data.programs.offline import ProgramRunner
-from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
+from batchgen_data.inputs.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -254,10 +254,10 @@ class LLM:
 def _engine_group(model: str | None, dp: Any, repartition: Any,
                   engine_kwargs: dict[str, Any], width: int | None = None) -> Any:
     """`data_parallel_size=N` engines of one device each on this machine, one process each,
-    as one `EngineGroup` (engine/partition.py); `repartition` (True, or a `PartitionPolicy`)
+    as one `EngineGroup` (engine/group/group.py); `repartition` (True, or a `PartitionPolicy`)
     lets the group join them into tensor-parallel engines for a job's tail and split back
     (docs/parallel.md): one N wide, or N / k engines k wide with `repartition_width=k`."""
-    from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+    from batchgen_data.engine.group.group import EngineGroup, PartitionPolicy
 
     size = 2 if dp is None else dp
     if not isinstance(size, int) or isinstance(size, bool) or size < 2:

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchgen_data.sampling_checks import (ParamTypeError, bias_dict, check_core, check_fields,
                                            coerce)
-from batchgen_data.structured.params import StructuredOutputsParams
+from batchgen_data.structured import StructuredOutputsParams
 
 # vLLM fields this engine does not implement, and why (shown by `from_dict`)
 UNSUPPORTED = {

@@ -22,11 +22,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from batchgen_data.engine.model_runner import ModelRunner
+from batchgen_data.worker.model_runner import ModelRunner
 from batchgen_data.engine.setup import EngineParts
-from batchgen_data.engine.stop import StopChecker
-from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.core.stop import StopChecker
+from batchgen_data.core.kv.block_pool import BlockPool
+from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.layers.backend import LayerBackend
 
 PREFIX = "stub"

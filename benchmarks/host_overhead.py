@@ -83,7 +83,7 @@ class PhaseClock:
         engine.scheduler.schedule = counted  # type: ignore[method-assign]
         engine.runner.prepare = self._timed("prepare", engine.runner.prepare)
         sampler: Any = engine.sampler
-        if hasattr(sampler, "sample"):  # the sampler in parts (engine/step.py)
+        if hasattr(sampler, "sample"):  # the sampler in parts (engine/stepper.py)
             parts = ("batch", "launch", "finish") if hasattr(sampler, "launch") \
                 else ("batch", "sample")  # an older tree's two halves
             for part in parts:

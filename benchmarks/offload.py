@@ -297,7 +297,7 @@ def main() -> None:
     budget = int(total * args.budget_frac)
     prompts = make_prompts(n, lo, hi, SHAPES[name]["vocab_size"])
 
-    from batchgen_data.offload import measure_rates
+    from batchgen_data.worker.offload import measure_rates
 
     kv_kw = {} if args.kv_device_bytes is None else {"kv_cache_memory_bytes": args.kv_device_bytes}
     tier_kw = ({**kv_kw, "host_kv_tier_bytes": args.kv_host_tier_bytes}

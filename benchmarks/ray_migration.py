@@ -120,9 +120,9 @@ def run_once(rows: list[dict[str, Any]], model: str | None, args: argparse.Names
              migration: bool) -> tuple[float, dict[int, list[int]], dict[str, Any]]:
     import ray
 
-    from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
+    from batchgen_data.connectors.ray.coordinator import NAMESPACE, coordinator_name
 
-    from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig, build_processor
+    from batchgen_data.connectors.ray.processor import BatchGenProcessorConfig, build_processor
 
     placement = {"min_running_age": args.min_age, "min_kv_gain_tokens": args.min_gain}
     config = BatchGenProcessorConfig(

@@ -1,5 +1,5 @@
 """What a re-partition costs on this machine, measured on the real engine: two one-device
-engines (`EngineGroup`, engine/partition.py) join into one tensor_parallel_size=2 engine mid-job
+engines (`EngineGroup`, engine/group/group.py) join into one tensor_parallel_size=2 engine mid-job
 and split back, with `--seqs` live sequences of `--prompt-len` tokens each; and what a decode
 step of that tail costs before the join, after it, and after the split.
 
@@ -71,7 +71,7 @@ def reference(path: Path, args: argparse.Namespace, max_tokens: int) -> list[lis
 
 def one_repeat(path: Path, args: argparse.Namespace, max_tokens: int) -> dict[str, Any]:
     from batchgen_data import SamplingParams
-    from batchgen_data.engine.partition import EngineGroup
+    from batchgen_data.engine.group.group import EngineGroup
 
     t0 = time.perf_counter()
     group = EngineGroup.from_kwargs(str(path), size=2, policy=None, num_threads=args.threads,

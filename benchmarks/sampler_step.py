@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table, print_report, wait_for_quiet  # noqa: E402
 
-from batchgen_data.engine.sampler import Sampler  # noqa: E402
-from batchgen_data.engine.sequence import Sequence  # noqa: E402
+from batchgen_data.sample.sampler import Sampler  # noqa: E402
+from batchgen_data.core.sequence import Sequence  # noqa: E402
 from batchgen_data.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -66,7 +66,7 @@ FEATURES = {
     "logit_bias": {"logit_bias": {i: 0.5 for i in range(0, 2000, 100)}},
     "allowed_token_ids": {"allowed_token_ids": list(range(10, 30))},
     "bad_words": {"bad_words": ["no", "never", " x"]},
-    # random draws (engine/token_draw.py) and the penalties, on every row
+    # random draws (sample/draw/token_draw.py) and the penalties, on every row
     "random": {"temperature": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 50},
     "top_p": {"temperature": 1.0, "top_p": 0.9},

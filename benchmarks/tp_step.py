@@ -7,7 +7,7 @@ directory. For each TP size the script builds an engine, starts `--batch` sequen
 `--prompt-len` tokens, steps until every sequence decodes, then times `--steps` decode steps.
 At TP=2 rank 0's counters say what the collectives cost on it: the model's (an all-reduce after
 each o and down projection and after the embedding lookup, the logits' gather) and the step's
-broadcast of plain data (`distributed/step_io.py`); their time includes waiting for the slower
+broadcast of plain data (`worker/tp/step_io.py`); their time includes waiting for the slower
 rank, so it is an upper bound on transfer time. `--cases` lists TP size x threads per rank;
 the default compares TP=2 (one thread per rank) with TP=1 on the same two cores (two threads)
 and on one (one thread, the per-rank compute of TP=2 without the split).

@@ -33,13 +33,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
+from batchgen_data.inputs.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
 from batchgen_data.connectors import row_extras
 from batchgen_data.lora_request import (
     LORA_COLUMN, MODEL_COLUMN, AdapterNames, LoRARequest, no_adapters)
-from batchgen_data.prompt_checks import check_prompt_text, first_bad_token
+from batchgen_data.inputs.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
-from batchgen_data.structured.params import json_text
+from batchgen_data.structured import json_text
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
 PARAMS_COLUMN = "sampling_params"

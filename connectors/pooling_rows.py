@@ -72,7 +72,7 @@ class PoolingRows:
         self._lengths: dict[Future, int] = {}
 
     def _build(self, row: Mapping[str, Any]) -> tuple[Any, PoolingParams, str]:
-        from batchgen_data import pooling_api  # the engine side: imports torch
+        from batchgen_data.engine import pooling_api  # the engine side: imports torch
 
         extra = to_python(row.get("pooling_params"))
         try:

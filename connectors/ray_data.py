@@ -1,6 +1,6 @@
 """The Ray Data connector's public names, in one place.
 
-    ds.map_batches(BatchGenPredictor, ...)          # by hand (connectors/ray_predictor.py)
+    ds.map_batches(BatchGenPredictor, ...)          # by hand (connectors/ray/predictor.py)
     build_processor(BatchGenProcessorConfig(...))   # ray.data.llm's shape (ray_processor.py)
 
 Rows stream out of the predictor as they finish once Ray Data's optimizer has the row-streaming
@@ -10,9 +10,9 @@ that run a streaming `BatchGenPredictor` (docs/ray_data.md, "How rows stream").
 """
 from __future__ import annotations
 
-from batchgen_data.connectors.ray_blocks import install as _install_rule
-from batchgen_data.connectors.ray_predictor import BatchGenPredictor
-from batchgen_data.connectors.ray_processor import (
+from batchgen_data.connectors.ray.blocks import install as _install_rule
+from batchgen_data.connectors.ray.predictor import BatchGenPredictor
+from batchgen_data.connectors.ray.processor import (
     BatchGenProcessorConfig, Processor, build_processor, window_batches)
 
 

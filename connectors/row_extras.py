@@ -28,7 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.chat import check_template_kwargs
+from batchgen_data.inputs.chat import check_template_kwargs
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured import StructuredOutputsParams, from_response_format
 
@@ -54,7 +54,7 @@ def empty_columns() -> dict[str, Any]:
 def _sampled_logprobs(c: Any) -> list[float] | None:
     if c.logprobs is None:
         return None
-    # the sampled token is each dict's first key (engine/sampler.py builds them that way)
+    # the sampled token is each dict's first key (sample/sampler.py builds them that way)
     return [d[t] for t, d in zip(c.token_ids, c.logprobs)]
 
 

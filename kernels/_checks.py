@@ -81,7 +81,7 @@ def check_device(kernel: object, names: Sequence[str], tensors: Sequence[torch.T
             raise ValueError(f"{name} is on {t.device} but {names[0]} is on {device}")
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         # Triton launches on the current device: a tensor elsewhere means the caller forgot
-        # to enter its device (batchgen_data.devices.device_scope)
+        # to enter its device (batchgen_data.worker.devices.device_scope)
         raise ValueError(f"{names[0]} is on {device} but the current CUDA device is "
                          f"cuda:{torch.cuda.current_device()}; enter the tensor's device first")
     if device.type == "cpu":

@@ -1,5 +1,5 @@
 """The sampler's per-row work on its candidates in one kernel: temperature, top-k, top-p, min-p,
-the counter-based hash and the exponential race (engine/token_draw.py states the rule).
+the counter-based hash and the exponential race (sample/draw/token_draw.py states the rule).
 
 One program per row walks the row's candidates (``vals, ids [N, C]``, best first when
 ``ranked``, ``-inf`` padding) in blocks: the scaled logits, the mass top-p divides by, the

@@ -1,5 +1,5 @@
 """A capture seam for piecewise CUDA graphs that behaves like a CUDA graph on the CPU
-(`engine/fast_paths/piecewise_graphs.PieceCapture`): `RecordingPieces` records every aten op a
+(`worker/fast_paths/piecewise_graphs.PieceCapture`): `RecordingPieces` records every aten op a
 piece runs and replays exactly those ops on the same tensors, so a replay sees new data only
 through the tensors the piece read, any host value a piece read stays frozen at capture, and a
 piece that reads a device value on the host fails at capture, as it would on a GPU. Ops that do

@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.openai_batch import BatchRequest, is_batch_line, parse_line
+from batchgen_data.openai.batch import BatchRequest, is_batch_line, parse_line
 
 ROW_KEY = "__row"  # position of a table row in its input: how the output and --resume name it
 

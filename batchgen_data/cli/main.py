@@ -25,8 +25,8 @@ from batchgen_data.cli.outputs import (ENGINE_FAILED, RETRY_KEY, BatchOutput, Li
 from batchgen_data.cli.progress import Progress
 from batchgen_data.cli.safe_files import OutputLock, refuse_input_as_output, write_text_nofollow
 from batchgen_data.connectors.common import OUTPUT_COLUMNS
-from batchgen_data.openai_batch_output import error_line, success_line
-from batchgen_data.report_record import RunRecord
+from batchgen_data.openai.batch_output import error_line, success_line
+from batchgen_data.report.record import RunRecord
 
 RUNNERS = ("local", "ray", "spark")
 
@@ -146,7 +146,7 @@ class Job:
             self.output.close()
         self.progress.close()
         if self.args.report:
-            from batchgen_data.report_html import render
+            from batchgen_data.report.html import render
 
             write_text_nofollow(Path(self.args.report), render(self.record))
         left = sum(1 for i in self.todo if i.key not in self.output.done)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchgen_data.cli.inputs import WorkItem
-from batchgen_data.openai_batch_output import Choice
-from batchgen_data.report_record import RunRecord
+from batchgen_data.openai.batch_output import Choice
+from batchgen_data.report.record import RunRecord
 
 
 @dataclass

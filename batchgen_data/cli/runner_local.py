@@ -21,8 +21,8 @@ from batchgen_data.cli.outcome import Emit, Outcome
 from batchgen_data.cli.outputs import ENGINE_FAILED
 from batchgen_data.connectors.common import RequestBuilder, RowError, encode_prompt, seeded
 from batchgen_data.lora_request import LoRARequest
-from batchgen_data.openai_batch_output import Choice
-from batchgen_data.report_record import EngineSampler, RunRecord
+from batchgen_data.openai.batch_output import Choice
+from batchgen_data.report.record import EngineSampler, RunRecord
 from batchgen_data.sampling_params import SamplingParams
 
 ACTOR = "local"

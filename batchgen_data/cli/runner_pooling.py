@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen_data.cli.inputs import WorkItem
-from batchgen_data.openai_pooling import PoolingLine, pooling_success_line
-from batchgen_data.openai_batch_output import error_line
+from batchgen_data.openai.pooling import PoolingLine, pooling_success_line
+from batchgen_data.openai.batch_output import error_line
 
 EmitLine = Callable[[dict[str, Any], bool], None]  # (output line, failed)
 
@@ -61,7 +61,7 @@ class PoolingRunner:
                     emit(self._success(ln), False)
 
     def _submit(self, item: WorkItem, live: dict[str, _Line], emit: EmitLine) -> None:
-        from batchgen_data import pooling_api
+        from batchgen_data.engine import pooling_api
         from batchgen_data.pooling_params import PoolingParams
 
         assert item.request is not None and item.request.pooling is not None

@@ -17,7 +17,7 @@ from typing import Any
 
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, Outcome, outcome_from_row
-from batchgen_data.report_record import RunRecord
+from batchgen_data.report.record import RunRecord
 
 KEY = "__key"
 
@@ -51,8 +51,8 @@ class RayRunner:
     def run(self, items: Iterable[WorkItem], emit: Emit) -> None:
         import ray
 
-        from batchgen_data.connectors.ray_metrics import RunCollector
-        from batchgen_data.connectors.ray_processor import (BatchGenProcessorConfig,
+        from batchgen_data.connectors.ray.metrics import RunCollector
+        from batchgen_data.connectors.ray.processor import (BatchGenProcessorConfig,
                                                             build_processor)
 
         by_key: dict[str, WorkItem] = {}

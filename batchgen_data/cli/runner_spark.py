@@ -5,7 +5,7 @@ local one with `--actors` cores, one engine per Python worker. `generate_df` rea
 column, and a Spark column has one type, so prompts, chat messages and token ids run as up to
 three DataFrames, one after the other; rows of each stream back through `toLocalIterator` as
 Spark finishes its partitions; each task adds its engine's samples to an accumulator, the
-report's timelines (`connectors/spark_metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here,
+report's timelines (`connectors/spark/metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here,
 and `n > 1` samples and logprobs come back in the connectors' list columns (`n > 1` together with
 `top_logprobs` needs `--runner local`).
 """
@@ -19,7 +19,7 @@ from typing import Any
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, outcome_from_row
 from batchgen_data.cli.runner_ray import KEY, RayRunner, top_count
-from batchgen_data.report_record import RunRecord
+from batchgen_data.report.record import RunRecord
 
 _TYPES = {"prompt": "string", "messages": "array<struct<role:string,content:string>>",
           "prompt_token_ids": "array<int>"}
@@ -69,7 +69,7 @@ class SparkRunner(RayRunner):
             groups.setdefault(column, []).append((row[KEY], row[column], row["sampling_params"]))
         if not groups:
             return
-        from batchgen_data.connectors.spark_metrics import stats_accumulator
+        from batchgen_data.connectors.spark.metrics import stats_accumulator
 
         spark = self._session()
         stats = stats_accumulator(spark)  # each task adds its engine's samples

@@ -16,17 +16,13 @@ from typing import Any, TypeVar
 from batchgen_data.engine.engine import Engine
 # EngineDeadError lives beside the step's failure search (which lets it through untouched) and
 # is named here, where the connectors have always imported it from
-from batchgen_data.engine.step_failure import EngineDeadError, request_error
+from batchgen_data.core.errors import EngineDeadError, RequestFailedError
+from batchgen_data.engine.step_failure import request_error
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
 T = TypeVar("T")
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed for this request alone (engine/step_failure.py): its Future's error, a row
-    error to the connectors; the engine and the other requests run on."""
 
 
 class EngineDriver:

@@ -18,23 +18,23 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig, make_engine_config
-from batchgen_data.engine.model_runner import ModelRunner
-from batchgen_data.engine.pins import PrefixPins
-from batchgen_data.engine.request import Request
-from batchgen_data.engine.sampler import Sampler
-from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
-from batchgen_data.engine.sequence import Sequence, SequenceStatus
+from batchgen_data.worker.model_runner import ModelRunner
+from batchgen_data.core.pins import PrefixPins
+from batchgen_data.core.request import Request
+from batchgen_data.sample.sampler import Sampler
+from batchgen_data.core.scheduler import Scheduler, SchedulerOutput, decide_held_kv
+from batchgen_data.core.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
-from batchgen_data.engine.step import Stepper
+from batchgen_data.engine.stepper import Stepper
 from batchgen_data.engine.step_failure import reason
-from batchgen_data.engine.token_draw import sample_seed
+from batchgen_data.sample.draw.token_draw import sample_seed
 from batchgen_data.engine.limits import check_limits, seed_bits
-from batchgen_data.engine.lora_manager import adapter_names_for, check_adapter
-from batchgen_data.kvcache import kv_format
+from batchgen_data.worker.lora_manager import adapter_names_for, check_adapter
+from batchgen_data.worker import kv_format
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
-from batchgen_data.prompt_checks import first_bad_token, too_long
+from batchgen_data.inputs.prompt_checks import first_bad_token, too_long
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 
@@ -53,8 +53,8 @@ class Engine:
         self.scheduler = Scheduler(p.scheduler_config or config.scheduler, p.pool, p.held_kv,
                                    (moe.num_experts, moe.top_k) if moe is not None else None)
         self.runner: ModelRunner = p.runner
-        if config.lora.enable_lora:  # adapters per request (engine/lora_manager.py)
-            from batchgen_data.engine.lora_manager import attach
+        if config.lora.enable_lora:  # adapters per request (worker/lora_manager.py)
+            from batchgen_data.worker.lora_manager import attach
 
             self.runner.lora = attach(p.model, p.runner, config)
             self.scheduler.max_loras = config.lora.max_loras
@@ -63,14 +63,14 @@ class Engine:
         self.stats = EngineStats()
         if config.enable_expert_parallel and config.tensor_parallel_size > 1:
             self.stats.tokens_per_expert.ranks = config.tensor_parallel_size  # per-rank shares
-        self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (engine/pins.py)
+        self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (core/pins.py)
         self.scheduler.reclaim = self._reclaim_pins
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resume()
         # called with every step's shape before the model runs (sim/calibrate.py times steps)
         self.on_step: Callable[[StepShape], None] | None = None
         # the live sequence coroutines by seq_id: a suspended coroutine is its Sequence, resumed
-        # a step at a time by `coroutine.resume_step` (engine/coroutine.py)
+        # a step at a time by `coroutine.resume_step` (core/coroutine.py)
         self._coros: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -112,7 +112,7 @@ class Engine:
                pin: str | None = None, front: bool = False,
                lora_request: LoRARequest | None = None, alone: bool = False) -> str:
         """`pin`: when the request finishes, keep its cached KV under that key until
-        `unpin(pin)` (a program's next step extends this conversation: engine/pins.py).
+        `unpin(pin)` (a program's next step extends this conversation: core/pins.py).
         `front`: queue it ahead of the waiting requests (a started program's next step goes
         before new programs, so it finishes while its KV is still there). `lora_request`: the
         adapter it runs under (None: the base model). `alone`: it runs in steps of its own,
@@ -161,7 +161,7 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling round (engine/step.py; with `async_scheduling`, overlapped with the
+        """One scheduling round (engine/stepper.py; with `async_scheduling`, overlapped with the
         next one: docs/step.md)."""
         return self._stepper.step()
 

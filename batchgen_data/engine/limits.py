@@ -53,7 +53,7 @@ def check_limits(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
 
 def seed_bits(seed: int) -> int:
     """`seed` (checked by `check_limits`) as the signed 64-bit integer with its low 64 bits:
-    the value a step packs as int64 and hashes (engine/draw_hash.py)."""
+    the value a step packs as int64 and hashes (sample/draw/draw_hash.py)."""
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 

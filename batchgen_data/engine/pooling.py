@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig, make_engine_config
-from batchgen_data.devices import device_scope, pick_device, resolve_device
-from batchgen_data.engine.model_runner import ModelRunner
-from batchgen_data.engine.scheduler import Scheduler
-from batchgen_data.engine.sequence import Sequence
+from batchgen_data.worker.devices import device_scope, pick_device, resolve_device
+from batchgen_data.worker.model_runner import ModelRunner
+from batchgen_data.core.scheduler import Scheduler
+from batchgen_data.core.sequence import Sequence
 from batchgen_data.engine.setup import _num_blocks, pick_dtype
-from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.core.kv.block_pool import BlockPool
+from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.layers.backend import LayerBackend, building
 from batchgen_data.layers.pooler import (PoolerConfig, PoolingType, chunk_pools, finish_pool,
                                          matryoshka)
@@ -39,7 +39,7 @@ from batchgen_data.models.pooling_config import matryoshka_dimensions, read_pool
 from batchgen_data.models.registry import resolve_pooling_architecture
 from batchgen_data.pooling_params import (TASKS, ClassificationOutput, EmbeddingOutput,
                                           PoolingParams, PoolingRequestOutput, ScoringOutput)
-from batchgen_data.prompt_checks import first_bad_token
+from batchgen_data.inputs.prompt_checks import first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 
 

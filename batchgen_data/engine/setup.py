@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig, SchedulerConfig
-from batchgen_data.devices import pick_device, resolve_device
-from batchgen_data.distributed.launch import RankGroup
-from batchgen_data.engine import tp_runner
-from batchgen_data.engine.model_runner import ModelRunner
-from batchgen_data.engine.stop import StopChecker
-from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.worker.devices import pick_device, resolve_device
+from batchgen_data.worker.tp.launch import RankGroup
+from batchgen_data.worker.tp import runner as tp_runner
+from batchgen_data.worker.model_runner import ModelRunner
+from batchgen_data.core.stop import StopChecker
+from batchgen_data.core.kv.block_pool import BlockPool
+from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.layers import parallel
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
@@ -94,7 +94,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         raise ValueError("quantized MoE experts do not stream per expert (their scales would "
                          "have to move with the codes): pass stream_experts=False to stream "
                          "whole layers")
-    if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (engine/tp_runner.py)
+    if config.tensor_parallel_size > 1:  # checked, then ranks 1.. start (worker/tp/runner.py)
         ranks = ranks or tp_runner.start_ranks(config, hf_config, plan is not None, device)
         device = tp_runner.rank_device(device, ranks.rank, ranks.device_index,
                                        config.rank_devices)
@@ -119,7 +119,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
     sc = config.scheduler
     store = None
     if offload:
-        from batchgen_data.offload import offload_model, scheduler_for
+        from batchgen_data.worker.offload import offload_model, scheduler_for
         streamed = offload_model(model, config.cpu_offload_gb, device, hf_config,
                                  config.weight_memory_bytes, stream_experts=config.stream_experts)
         if streamed is not None:
@@ -139,7 +139,7 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
                  ) -> tuple[int, BlockPool, HeldKVStore, ModelRunner]:
     """What runs a loaded `model` (this rank's shard when `ranks`): the longest sequence, the
     block pool, the held-KV store and the runner with its KV cache (and fast paths). Also what
-    a re-partition builds for a model re-sharded in memory (engine/partition.py), whose ranks
+    a re-partition builds for a model re-sharded in memory (engine/group/group.py), whose ranks
     agree on the block count under `blocks_key`, rank 0 waiting at most `limit_s`."""
     max_len = model.shape.max_positions
     if config.max_model_len is not None:
@@ -166,7 +166,7 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
     host = HeldKVStore(cc.held_kv_bytes, per_token * full_heads // s.num_kv_heads)
     tier = None
     if host_blocks:
-        from batchgen_data.offload.kv_engine import HostKVTier
+        from batchgen_data.worker.offload.kv_engine import HostKVTier
         tier = HostKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
     if ranks is not None:  # no fast path: the whole-step ones have no collectives
         runner: ModelRunner = tp_runner.TPRunner(model, num_blocks, cc.block_size, backend,

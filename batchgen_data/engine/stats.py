@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from batchgen_data.engine.scheduler import SchedulerOutput
+    from batchgen_data.core.scheduler import SchedulerOutput
 
 _COMPUTED = attrgetter("num_computed_tokens")
 

@@ -29,38 +29,16 @@ import dataclasses
 import logging
 from typing import Any
 
-from batchgen_data.engine.device_mark import DONE
-from batchgen_data.engine.scheduler import SchedulerOutput
-from batchgen_data.engine.sequence import Sequence
+from batchgen_data.worker.device_mark import DONE
+from batchgen_data.core.scheduler import SchedulerOutput
+from batchgen_data.core.errors import EngineDeadError, StepError
+from batchgen_data.core.sequence import Sequence
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 Part = list[tuple[Sequence, int]]  # (sequence, tokens the step computes for it)
 REASON_CHARS = 500  # a reason names the error; a traceback would not fit a row's column
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; every request in flight on it failed with this error.
-    `suspects`: the requests of the step that failed when none of them could be blamed alone
-    (`StepError`): one of them may have caused it, or nothing did (the device); empty when the
-    loop died elsewhere. Connectors keep them as evidence (a poison-row record). Raised inside
-    a step (a tensor-parallel rank that is gone), it is the engine's verdict already: no part
-    of the step is run again."""
-
-    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.suspects = suspects
-
-
-class StepError(RuntimeError):
-    """A step failed and no single request could be blamed: the engine's failure.
-    `suspects`: the request ids of the step when every part of it failed (one of them may have
-    caused it, or the device is gone), empty when no part reproduced the failure."""
-
-    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.suspects = suspects
 
 
 def reason(exc: BaseException) -> str:

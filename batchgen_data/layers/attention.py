@@ -47,7 +47,7 @@ class AttentionMetadata:
 
 
 # (layer, q, k, v, kv_cache, meta) -> [T, H, D]: what an Attention call becomes inside
-# `split_at_attention` (the cut points of piecewise CUDA graphs, engine/fast_paths/)
+# `split_at_attention` (the cut points of piecewise CUDA graphs, worker/fast_paths/)
 SplitHook = Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor,
                       "tuple[torch.Tensor, torch.Tensor]", AttentionMetadata], torch.Tensor]
 _split: ContextVar[SplitHook | None] = ContextVar("attention_split", default=None)
@@ -67,7 +67,7 @@ def split_at_attention(hook: SplitHook) -> Iterator[None]:
 
 class Attention(nn.Module):
     """Writes the new tokens' K/V into the paged cache and attends over it, where the cache is:
-    a cache on another device than q (KV held in host memory, `offload/kv_tier.py`) is written
+    a cache on another device than q (KV held in host memory, `worker/offload/kv_tier.py`) is written
     and attended on its own device by the torch path, with `meta` on that device, and the
     output comes back to q's device."""
 

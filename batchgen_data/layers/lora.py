@@ -9,7 +9,7 @@ its shards; shard i's output columns of B^T take h's columns [i R, i R + R) (no 
 zeros to multiply or store).
 
 Which rows run under which slot is the step's `LoRABatch`, set on the shared `LoRAContext` by
-the runner before the forward (engine/lora_manager.py); without one a layer adds nothing. The
+the runner before the forward (worker/lora_manager.py); without one a layer adds nothing. The
 product is done per adapter segment, never per row: on CUDA by the segmented gather-matmul
 kernels (`kernels/lora.py`: one shrink, one expand per shard); on an fp32 CPU by one C call
 that reads the rows in place (`kernels/cpu/lora.py`, also called by the C decode stack);

@@ -17,7 +17,7 @@ W_uk [H, n, L] and W_uv [H, v, L] can be moved to the query and the output ("abs
 Each head's query becomes [W_uk^T q_n | rope(q_r)] (L + r wide) against keys [c | rope(k_r)], and
 the attention output over the same rows, cut to its first L columns, is sum_s p_s c_s, which W_uv
 maps to the head's value. The cache has one plane for this layer's model (`kv_planes = 1`,
-kvcache/planes.py): the attention's V is the K plane itself (the layer reads only its first L
+core/kv/planes.py): the attention's V is the K plane itself (the layer reads only its first L
 columns back). For DeepSeek-V3 that is 576 numbers per token and layer instead of 40,960: about
 71x less KV memory, so 71x more sequences' context fits.
 The price is compute: every query head attends over L + r = 576 dims instead of n + r = 192, which

@@ -36,7 +36,7 @@ from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import Linear
 
-# [T] 0/1 per token row while a padded batch runs (CUDA graphs, engine/fast_paths/
+# [T] 0/1 per token row while a padded batch runs (CUDA graphs, worker/fast_paths/
 # cuda_graphs.py): only rows of weight 1 count towards `expert_tokens`; None: every row counts
 _COUNTED_ROWS: ContextVar[torch.Tensor | None] = ContextVar("moe_counted_rows", default=None)
 
@@ -309,7 +309,7 @@ class FusedMoE(nn.Module):
     def experts_for(self, ids: torch.Tensor, counts: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(w13, w2, ids, counts) to compute this step's experts with: the layer's own weights,
-        or, when weights stream (`offload/experts.py`), only the experts `ids` [T, k] routes to,
+        or, when weights stream (`worker/offload/experts.py`), only the experts `ids` [T, k] routes to,
         copied in by `expert_stream`, with `ids` and `counts` re-indexed to them."""
         if self.expert_stream is None:
             return self.w13, self.w2, ids, counts

@@ -15,7 +15,7 @@ the one its query heads read). The layers themselves (`linear.py`, `embedding.py
 about ranks: they are built narrower, and the weight loader fills them with their slice
 (`models/tp_shards.py`).
 
-The process group is made elsewhere (`batchgen_data/distributed/`) and handed in as a
+The process group is made elsewhere (`batchgen_data/worker/tp/`) and handed in as a
 `TensorParallel`; every collective waits at most `timeout`, so a dead peer is an error, never a
 hang. A size-1 group does nothing.
 """

@@ -47,7 +47,7 @@ class DeepseekV3Shape(DecoderShape):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = 1
         self.head_dim = self.mla.cache_head_dim
-        self.kv_planes = 1  # the latent rows are the keys and the values (kvcache/planes.py)
+        self.kv_planes = 1  # the latent rows are the keys and the values (core/kv/planes.py)
         self.intermediate = config.intermediate_size
         self.vocab = config.vocab_size
         self.eps = config.rms_norm_eps

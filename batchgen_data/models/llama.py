@@ -134,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
             x = self.self_attn(x, positions, kv_cache, meta)
         else:
             # each micro-batch's cache is read just before it attends: a host-tier one is
-            # staged then (offload/kv_tier.py), after the micro-batch before it has attended
+            # staged then (worker/offload/kv_tier.py), after the micro-batch before it has attended
             x = torch.cat([self.self_attn(x[rows], positions[rows],
                                           kv_cache if caches is None else caches[i], sub)
                            for rows, sub, caches, i in parts])
@@ -173,7 +173,7 @@ class DecoderForCausalLM(nn.Module):
                 parts: list[AttentionPart] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden]. With `parts` (the micro-batches, in row order) each layer
         attends per micro-batch, each in the caches its KV is in (`AttentionPart.caches`: the
-        host tier's, `offload/module_batch.py`), and runs its MLP once over the whole step."""
+        host tier's, `worker/offload/module_batch.py`), and runs its MLP once over the whole step."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

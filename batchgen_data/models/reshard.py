@@ -1,4 +1,4 @@
-"""Re-shard a loaded model's weights in memory, both ways (a re-partition, engine/partition.py).
+"""Re-shard a loaded model's weights in memory, both ways (a re-partition, engine/group/group.py).
 
 `narrow_into(shard, full)`: a rank's model (built under `parallel.sharding`, its parameters
 still plain and unfilled) takes its slice of every weight of the full model held in this

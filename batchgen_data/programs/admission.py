@@ -1,6 +1,6 @@
 """Admission control for programs: when may one more program start on this engine?
 
-A program keeps its conversation's KV between steps (engine/pins.py), so every program in
+A program keeps its conversation's KV between steps (core/pins.py), so every program in
 flight holds memory until it ends. Start them all at once and their steps overflow the KV
 pool: pins are taken back, the next steps prefill the whole conversation again, and the
 program runs no better than three separate passes. Start too few and the decode batches are

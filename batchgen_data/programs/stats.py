@@ -1,7 +1,7 @@
 """What a program run reused: prompt tokens and prefix-cache hits per step index.
 
 A program's first step has nothing to reuse; every later step repeats the conversation so far,
-so its prompt should mostly be prefix hits (pinned KV, engine/pins.py). These counters show
+so its prompt should mostly be prefix hits (pinned KV, core/pins.py). These counters show
 whether it was (`by_step`), next to the engine's pin counters (`pins`), so a benchmark or a test
 can tell reuse from recompute without timing anything.
 """

@@ -4,7 +4,7 @@ A step's prompt reaches the model exactly as the same call by hand would send it
 through the chat template as `LLM.chat` renders them, a `prompt` as written as `LLM.generate`
 encodes it, token ids unchanged. So a program's outputs equal the same steps run one by one
 with `LLM.generate`/`LLM.chat` (greedy or seeded), and the next step's prompt, which repeats the
-previous conversation, shares its KV prefix (see engine/pins.py).
+previous conversation, shares its KV prefix (see core/pins.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchgen_data.chat import render_chat
+from batchgen_data.inputs.chat import render_chat
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.programs.api import Generate, GenerateResult
 from batchgen_data.sampling_params import SamplingParams

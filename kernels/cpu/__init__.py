@@ -11,5 +11,5 @@ Launchers validate shapes and dtypes:
     moe.py        an MoE layer's routed experts in one call (few tokens, AVX2)
     lora.py       the LoRA deltas of one linear layer for many adapters in one call (AVX2)
 `csrc/decode_stack.c` (a whole decode step in one call) is driven by the runner's fast path
-`batchgen_data.engine.fast_paths.cpu_decode_stack`. Nothing here knows about models.
+`batchgen_data.worker.fast_paths.cpu_decode_stack`. Nothing here knows about models.
 """

@@ -34,9 +34,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from batchgen_data.engine.scheduler import SchedulerOutput
-from batchgen_data.engine.sequence import Sequence
-from batchgen_data.kvcache.held_kv import KVCopy
+from batchgen_data.core.scheduler import SchedulerOutput
+from batchgen_data.core.sequence import Sequence
+from batchgen_data.core.kv.held_kv import KVCopy
 
 if TYPE_CHECKING:
     from batchgen_data.config import EngineConfig
@@ -261,9 +261,9 @@ class EmulatedTokenizer:
 def build_parts(config: EngineConfig) -> EngineParts:
     """`EngineParts` around an `EmulatedRunner`: KV pool sized by the preset's capacity."""
     from batchgen_data.engine.setup import EngineParts
-    from batchgen_data.engine.stop import StopChecker
-    from batchgen_data.kvcache.block_pool import BlockPool
-    from batchgen_data.kvcache.held_kv import HeldKVStore
+    from batchgen_data.core.stop import StopChecker
+    from batchgen_data.core.kv.block_pool import BlockPool
+    from batchgen_data.core.kv.held_kv import HeldKVStore
     spec = EmulatedSpec.parse(config.model or "")
     cost = spec.cost_model()
     cc = config.cache

@@ -150,7 +150,7 @@ class Barrier:
 
 def arm_config(arm: str, args: argparse.Namespace, model: str, max_len: int,
                max_tokens: int) -> Any:
-    from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig
+    from batchgen_data.connectors.ray.processor import BatchGenProcessorConfig
 
     seats = args.max_num_seqs
     cost = EmulatedSpec.parse(model).cost_model()
@@ -201,8 +201,8 @@ def run_arm(arm: str, rows: list[dict[str, Any]], wl: Workload, args: argparse.N
             factors: list[float], seed: int = 0) -> dict[str, Any]:
     import ray
 
-    from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name
-    from batchgen_data.connectors.ray_processor import build_processor
+    from batchgen_data.connectors.ray.coordinator import NAMESPACE, coordinator_name
+    from batchgen_data.connectors.ray.processor import build_processor
 
     spec = EmulatedSpec(args.preset, args.scale, 1.0, args.tokens_per_step)
     max_len = int(wl.input_lens.max()) + wl.max_output + 1

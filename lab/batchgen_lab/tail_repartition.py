@@ -4,7 +4,7 @@ SIMULATED, and a model on top of the simulator: `migrate_headroom.py`'s configur
 actors of 32 seats on the `h200-llama8b` cost model, coarse tokens of g=64, 2 of 16 actors
 1.5x slower, the reasoning workload, Ray's dispatch and the connector's mailbox) runs its
 `tuned` and `migrate` arms in the simulator, seed by seed. The re-partition arm is then derived
-from the migrate run, as `engine/partition.EngineGroup` would change it:
+from the migrate run, as `engine/group/group.EngineGroup` would change it:
 
 * **when**: the first moment every input batch is bound and at most `J` rows are unfinished
   (`PartitionPolicy.join_below_seqs`; every `J` in `--join-below` is printed, none is picked per

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from batchgen_data.chat import ROLES
+from batchgen_data.inputs.chat import ROLES
 from batchgen_data.sampling_params import SamplingParams
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "row-errors.md"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchgen_data.connectors.ray_data import BatchGenPredictor
-from batchgen_data.connectors.ray_predictor import default_device_kwargs
+from batchgen_data.connectors.ray.predictor import default_device_kwargs
 from batchgen_data.engine.driver import EngineDriver
 from batchgen_data.engine.engine import Engine
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from batchgen_data.config import EngineConfig, make_engine_config
 from batchgen_data.engine.engine import Engine
-from batchgen_data.engine.sampler import Sampler
+from batchgen_data.sample.sampler import Sampler
 from batchgen_data.engine.setup import EngineParts, build_parts
 
 POISON = 7  # a token id of the tiny models' vocabulary

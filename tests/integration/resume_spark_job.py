@@ -18,7 +18,7 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 import batchgen_data.connectors.spark as spark_connector
-from batchgen_data.connectors.spark_resume import write_generated
+from batchgen_data.connectors.spark.resume import write_generated
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8}
 SEEN_DIR = sys.argv[3] if len(sys.argv) > 3 else ""

@@ -125,7 +125,7 @@ def test_export_import_mid_generation(deepseek_model, include_kv: bool) -> None:
 def test_attention_micro_batches_and_streamed_experts(deepseek_model) -> None:  # type: ignore[no-untyped-def]
     """The MoE-side engine features reach DeepSeek-V3 too: attention in micro-batches of two
     sequences with the experts once per step, and weights offloaded with per-expert streaming."""
-    from batchgen_data.offload import weight_bytes
+    from batchgen_data.worker.offload import weight_bytes
 
     path, hf = deepseek_model("q_lora")
     prompts = prompts_with_shared_prefix(seed=8)[:4]
@@ -164,7 +164,7 @@ def test_piecewise_graphs_give_hf_tokens(deepseek_model) -> None:  # type: ignor
     in pieces around the attention gives HF's greedy tokens."""
     from recording_capture import RecordingPieces
 
-    from batchgen_data.engine.fast_paths.piecewise_graphs import MixedGraphs
+    from batchgen_data.worker.fast_paths.piecewise_graphs import MixedGraphs
 
     path, hf = deepseek_model("q_lora")
     llm = LLM(str(path), block_size=4, max_num_seqs=4, max_model_len=64,

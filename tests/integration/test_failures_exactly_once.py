@@ -10,7 +10,7 @@ order (stream="ordered"); whole batches (stream=False) once.
 
 The restarted actor submits each batch's rows in reverse order, so a retried batch's rows finish
 in another order than the first attempt's: completion order then stays exactly once only
-through the emitted-rows record (connectors/ray_emitted.py). With the record switched off
+through the emitted-rows record (connectors/ray/emitted.py). With the record switched off
 (`record_emitted = False`) these tests lose and repeat rows in completion order.
 """
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_mixed_batch_matches_peft_applied_and_merged(arch: str, kernel: str | No
     prompts = prompts_for(base.config.vocab_size, 10, seed=3)
     loras = [None if i % 5 == 4 else reqs[i % 4] for i in range(len(prompts))]
     if kernel is not None:  # the layers' torch path (no C kernel): the C stack takes no LoRA step
-        from batchgen_data.engine import lora_manager
+        from batchgen_data.worker import lora_manager
 
         monkeypatch.setattr(lora_manager, "_kernel", lambda backend: kernel)
     llm = LLM(str(path), enable_lora=True, max_loras=4, max_lora_rank=16, block_size=4)

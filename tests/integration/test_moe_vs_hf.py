@@ -248,7 +248,7 @@ def test_graph_padding_rows_are_not_counted(moe_model) -> None:  # type: ignore[
     the engine's tokens per expert count only the real ones: each step's counts equal those of
     the plain engine on the same prompts."""
     pytest.importorskip("triton")
-    from batchgen_data.engine.fast_paths.cuda_graphs import DecodeGraphs, eager_capture
+    from batchgen_data.worker.fast_paths.cuda_graphs import DecodeGraphs, eager_capture
     from batchgen_data.layers import backend
 
     path, _ = moe_model("qwen3_moe")
@@ -320,7 +320,7 @@ def test_piecewise_graphs_route_and_count_real_rows(arch: str, moe_model) -> Non
     counted)."""
     from recording_capture import RecordingPieces
 
-    from batchgen_data.engine.fast_paths.piecewise_graphs import MixedGraphs
+    from batchgen_data.worker.fast_paths.piecewise_graphs import MixedGraphs
 
     path, hf = moe_model(arch)
     llm = LLM(str(path), block_size=4, max_num_seqs=5, max_model_len=64, dtype="float32",

@@ -1,4 +1,4 @@
-"""Re-partition on the CPU (engine/partition.py; gloo, two processes, one thread each): two
+"""Re-partition on the CPU (engine/group/group.py; gloo, two processes, one thread each): two
 one-device engines join into one TP=2 engine mid-job when the policy says so, split back, and
 join again, every sequence kept and every greedy token equal to HF `generate` (fp32); a rank
 killed during a switch fails the group with EngineDeadError within a bounded time.
@@ -17,7 +17,7 @@ import torch
 
 from batchgen_data import SamplingParams
 from batchgen_data.engine.driver import EngineDeadError
-from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+from batchgen_data.engine.group.group import EngineGroup, PartitionPolicy
 from batchgen_data.outputs import RequestOutput
 
 from tests.conftest import build_tiny_model, build_tokenizer

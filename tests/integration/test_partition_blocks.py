@@ -1,4 +1,4 @@
-"""A group of 4 one-device engines joins into 2 TP engines 2 wide (engine/partition.py,
+"""A group of 4 one-device engines joins into 2 TP engines 2 wide (engine/group/group.py,
 `width=2`; gloo on the CPU, four processes, one thread each): ranks 0-1 and 2-3 each become
 one TP engine, rank 0 stepping its own while rank 2 leads the other on rank 0's messages. The
 group steps joined, takes new requests on both TP engines, splits back into 4 engines, and
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+from batchgen_data.engine.group.group import EngineGroup, PartitionPolicy
 from batchgen_data.outputs import RequestOutput
 
 from tests.integration.test_partition import (KW, LATE, ROWS, Outputs, _model, _want,

@@ -22,11 +22,11 @@ import pytest
 
 import poison_engine
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.connectors import spark_engine_cache, spark_task
+from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
 from batchgen_data.connectors.common import RequestBuilder, RowError
 from batchgen_data.connectors.rows import RowLifecycle
-from batchgen_data.connectors.spark_engine_cache import EngineCache
-from batchgen_data.connectors.spark_task import TaskSession, TaskSettings
+from batchgen_data.connectors.spark.engine_cache import EngineCache
+from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.engine.driver import EngineDriver
 from poison_engine import POISON, poisoned_engine
 
@@ -122,7 +122,7 @@ def predictor_class() -> type:
             super().__init__(**kw)
 
         def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
-            from batchgen_data.connectors.ray_predictor import default_device_kwargs
+            from batchgen_data.connectors.ray.predictor import default_device_kwargs
             return EngineDriver(poisoned_engine(model, kills_device=self.kills_device,
                                                 **default_device_kwargs(engine_kwargs)))
 

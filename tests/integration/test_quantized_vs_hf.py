@@ -158,7 +158,7 @@ def test_quantized_layers_hold_the_stored_bytes_only(quantized) -> None:  # type
 def test_offload_streams_the_quantized_layers(quantized) -> None:  # type: ignore[no-untyped-def]
     import re
 
-    from batchgen_data.offload.store import layer_bytes
+    from batchgen_data.worker.offload.store import layer_bytes
 
     qdir, _ = quantized("llama", "int4_g32")
     want = _greedy_ours(qdir)

@@ -27,7 +27,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.ray_data import (  # noqa: E402
     BatchGenPredictor, BatchGenProcessorConfig, build_processor)
-from batchgen_data.connectors.ray_placement import GROUP_PREFIX, release_groups  # noqa: E402
+from batchgen_data.connectors.ray.placement import GROUP_PREFIX, release_groups  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
-from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
+from batchgen_data.connectors.ray.coordinator import NAMESPACE, coordinator_name  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
 import gated_engine  # noqa: E402

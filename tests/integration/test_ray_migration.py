@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
 from batchgen_data.connectors.common import derive_seed  # noqa: E402
-from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
+from batchgen_data.connectors.ray.coordinator import NAMESPACE, coordinator_name  # noqa: E402
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
@@ -214,7 +214,7 @@ class HoldTail(BatchGenPredictor):
     a row, so the tail is still there when the other engine runs dry."""
 
     def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
-        from batchgen_data.connectors.ray_predictor import default_device_kwargs
+        from batchgen_data.connectors.ray.predictor import default_device_kwargs
         from batchgen_data.engine.driver import EngineDriver
         from batchgen_data.engine.engine import Engine
 

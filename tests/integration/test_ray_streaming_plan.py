@@ -1,4 +1,4 @@
-"""Row streaming is a rule in Ray Data's physical optimizer (`connectors/ray_blocks.py`): check
+"""Row streaming is a rule in Ray Data's physical optimizer (`connectors/ray/blocks.py`): check
 that it is installed and what it does to the physical plan, rather than timing rows.
 
 The plan is built with Ray Data's own planner, without running the job: only the operator of
@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from batchgen_data.connectors import ray_blocks  # noqa: E402
+from batchgen_data.connectors.ray import blocks as ray_blocks  # noqa: E402
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
 
 

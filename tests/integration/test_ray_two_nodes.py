@@ -42,10 +42,10 @@ ray = pytest.importorskip("ray")
 import pyarrow as pa  # noqa: E402
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
-from batchgen_data.connectors.ray_coordinator import NAMESPACE, coordinator_name  # noqa: E402
+from batchgen_data.connectors.ray.coordinator import NAMESPACE, coordinator_name  # noqa: E402
 from batchgen_data.connectors.ray_data import (  # noqa: E402
     BatchGenPredictor, BatchGenProcessorConfig, build_processor)
-from batchgen_data.connectors.ray_placement import release_groups  # noqa: E402
+from batchgen_data.connectors.ray.placement import release_groups  # noqa: E402
 from batchgen_data.placement import TransferCost  # noqa: E402
 
 import gated_engine  # noqa: E402

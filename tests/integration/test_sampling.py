@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.engine.sampler import hash_uniform
+from batchgen_data.sample.sampler import hash_uniform
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ def test_stalled_rank_fails_the_engine_within_the_collective_timeout(
 
 def test_tp_size_the_heads_refuse_is_named_before_anything_starts(
         model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchgen_data.distributed import launch
+    from batchgen_data.worker.tp import launch
     from batchgen_data.models import loader
 
     def never(*args: object, **kwargs: object) -> None:

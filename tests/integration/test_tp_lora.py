@@ -58,7 +58,7 @@ def test_a_group_with_adapters_joins_and_splits(tiny_model_dir, hf_model,
     back: each request keeps its adapter (export / import carry it), the joined engine's
     ranks read their parts of the adapters, the split engines theirs whole again; greedy
     tokens equal HF + peft."""
-    from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
+    from batchgen_data.engine.group.group import EngineGroup, PartitionPolicy
     from tests.integration.test_partition import KW, ROWS, join_step_split_finish
 
     torch.set_num_threads(1)

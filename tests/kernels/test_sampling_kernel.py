@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchgen_data.engine import token_draw  # noqa: E402
-from batchgen_data.engine.sampler import Sampler, kernel_race  # noqa: E402
-from batchgen_data.engine.sequence import Sequence  # noqa: E402
+from batchgen_data.sample.draw import token_draw  # noqa: E402
+from batchgen_data.sample.sampler import Sampler, kernel_race  # noqa: E402
+from batchgen_data.core.sequence import Sequence  # noqa: E402
 from batchgen_data.kernels import reference  # noqa: E402
 from batchgen_data.kernels.sampling import race_candidates  # noqa: E402
 from batchgen_data.sampling_params import SamplingParams  # noqa: E402

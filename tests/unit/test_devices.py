@@ -1,12 +1,12 @@
-"""batchgen_data/devices.py: the one device picker (offline, Ray actor, Spark task), the
+"""batchgen_data/worker/devices.py: the one device picker (offline, Ray actor, Spark task), the
 resolved device index, and the device scope the engine enters (fake multi-GPU via monkeypatch)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchgen_data import devices
-from batchgen_data.devices import device_scope, pick_device, resolve_device
+from batchgen_data.worker import devices
+from batchgen_data.worker.devices import device_scope, pick_device, resolve_device
 
 
 @pytest.mark.parametrize("requested, gpus, visible, cuda, expected", [
@@ -73,7 +73,7 @@ def test_spark_gpu_one_with_no_mask_is_entered(four_gpus: list[int]) -> None:
 def test_the_runner_enters_its_device_for_every_forward(tiny_model_dir, four_gpus: list[int],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     from batchgen_data import LLM, SamplingParams
-    from batchgen_data.engine import model_runner
+    from batchgen_data.worker import model_runner
 
     llm = LLM(str(tiny_model_dir("qwen2")), max_num_seqs=2, max_model_len=64)
     runner = llm.engine.runner
@@ -94,7 +94,7 @@ def test_the_runner_enters_its_device_for_every_forward(tiny_model_dir, four_gpu
 
 def test_graph_capture_enters_its_device(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     from batchgen_data import LLM
-    from batchgen_data.engine.fast_paths import cuda_graphs
+    from batchgen_data.worker.fast_paths import cuda_graphs
 
     llm = LLM(str(tiny_model_dir("qwen2")), max_num_seqs=2, max_model_len=64)
     runner = llm.engine.runner
@@ -131,7 +131,7 @@ def test_each_rank_on_its_device() -> None:
     """rank_device: a launcher's index (a Ray rank sees only its GPU) first, then the listed
     `rank_devices`, else consecutive from rank 0's device."""
     from batchgen_data.config import make_engine_config
-    from batchgen_data.engine.tp_runner import rank_device
+    from batchgen_data.worker.tp.runner import rank_device
 
     cuda2, cpu = torch.device("cuda", 2), torch.device("cpu")
     assert [rank_device(cuda2, r) for r in (0, 1)] == [torch.device("cuda", 2),

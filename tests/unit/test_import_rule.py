@@ -20,7 +20,7 @@ def rule() -> dict[str, int]:
 
 
 def unit_of(dotted: str) -> str | None:
-    """`batchgen_data.engine.scheduler` -> `engine`; `batchgen_data` itself -> None."""
+    """`batchgen_data.core.scheduler` -> `engine`; `batchgen_data` itself -> None."""
     parts = dotted.split(".")
     return parts[1] if parts[0] == "batchgen_data" and len(parts) > 1 else None
 
@@ -100,7 +100,7 @@ def test_the_rule_rejects_an_outward_import() -> None:
 
 
 def test_layers_take_no_kv_routing_callback() -> None:
-    # where a micro-batch's KV lives is the KV cache's business (offload/kv_tier.py gives the
+    # where a micro-batch's KV lives is the KV cache's business (worker/offload/kv_tier.py gives the
     # caches): the attention metadata and the micro-batch parts hold tensors and plain data
     import dataclasses
     import typing

@@ -166,7 +166,7 @@ def test_the_coordinator_process_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, batchgen_data.placement, batchgen_data.connectors.ray_coordinator\n"
+    code = ("import sys, batchgen_data.placement, batchgen_data.connectors.ray.coordinator\n"
             "heavy = {'torch', 'transformers', 'ray.data'} & set(sys.modules)\n"
             "assert not heavy, heavy\n"
             "from batchgen_data import LLM, SamplingParams\n"  # still there on first use

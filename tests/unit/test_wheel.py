@@ -136,9 +136,9 @@ def test_a_package_missing_from_the_wheel_fails_the_probe(installed: Path, tmp_p
     # although the checkout beside it has the package
     broken = tmp_path / "broken"
     shutil.copytree(installed, broken)
-    shutil.rmtree(broken / "batchgen_data" / "offload")
+    shutil.rmtree(broken / "batchgen_data" / "worker" / "offload")
     script = tmp_path / "probe.py"
     script.write_text(_ISOLATE + "from batchgen_data import LLM\nLLM.__init__\n")
     proc = subprocess.run([sys.executable, str(script), str(broken), str(ROOT)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "batchgen_data.offload" in proc.stderr
+    assert proc.returncode != 0 and "batchgen_data.worker.offload" in proc.stderr

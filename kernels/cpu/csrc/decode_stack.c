@@ -16,7 +16,7 @@
  * are norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
  * With `lora` (a step whose rows run under LoRA adapters), each linear's output then gets its
  * adapters' deltas from lora.c, as `Linear.forward` adds them after the base product.
- * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/engine/fast_paths/cpu_decode_stack.py.
+ * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/worker/fast_paths/cpu_decode_stack.py.
  */
 #include <math.h>
 #include <stdint.h>

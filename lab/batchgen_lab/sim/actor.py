@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.engine.scheduler import Scheduler, SchedulerOutput, decide_held_kv
-from batchgen_data.engine.sequence import Sequence, SequenceStatus
+from batchgen_data.core.scheduler import Scheduler, SchedulerOutput, decide_held_kv
+from batchgen_data.core.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.stats import DecodeSpeed
-from batchgen_data.kvcache.block_pool import BlockPool
-from batchgen_data.kvcache.held_kv import HeldKVStore
+from batchgen_data.core.kv.block_pool import BlockPool
+from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.placement import EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_lab.sim.costmodel import CostModel

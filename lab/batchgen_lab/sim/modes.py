@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from batchgen_data.placement import KINDS, PlacementConfig
 
 MODES = ("static", "static-tuned", "continuous", "late-bind", "migrate")
-# connectors/ray_processor.py MAX_WINDOW_BATCHES: the connector's calls per actor at most
+# connectors/ray/processor.py MAX_WINDOW_BATCHES: the connector's calls per actor at most
 CONNECTOR_MAX_CALLS = 128
 # what the coordinator may move in each mode that has one (the others have no coordinator)
 MOVABLE: dict[str, tuple[str, ...]] = {"late-bind": ("waiting",), "migrate": KINDS}
@@ -69,7 +69,7 @@ class ModeConfig:
     max_donors: int = 16  # donors the coordinator asks for request summaries per round
     max_tasks_in_flight: int | None = None  # task dispatch; None: 2 x max_concurrent_batches
     ray_tasks: bool = False  # streaming modes: dispatch by Ray tasks as the connector does
-    # the Ray connector's protocol (connectors/ray_migration.py): engines meet the coordinator
+    # the Ray connector's protocol (connectors/ray/migration.py): engines meet the coordinator
     # only at their reports, every `tick_s`, at uncorrelated phases, so in expectation an order
     # reaches its donor tick/2 after the plan, an exported row reaches its receiver 1.5 ticks
     # after the export (the donor's next report carries it, the receiver's next one fetches

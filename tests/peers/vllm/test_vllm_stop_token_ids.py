@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen_data import SamplingParams
-from batchgen_data.engine.sequence import Sequence, SequenceStatus
-from batchgen_data.engine.stop import StopChecker
+from batchgen_data.core.sequence import Sequence, SequenceStatus
+from batchgen_data.core.stop import StopChecker
 
 EOS = 3  # decodes to "<eos>" when special tokens are shown
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from batchgen_data.openai_batch import CHAT_URL, COMPLETIONS_URL, parse_line
-from batchgen_data.openai_batch_output import Choice, error_line, success_line
+from batchgen_data.openai.batch import CHAT_URL, COMPLETIONS_URL, parse_line
+from batchgen_data.openai.batch_output import Choice, error_line, success_line
 
 
 def _line(url: str = CHAT_URL, custom_id: str = "a", **body: object) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from batchgen_data.cli.inputs import ROW_KEY, read_input
 from batchgen_data.cli.outputs import BatchOutput, TableOutput
 from batchgen_data.cli.progress import Progress
-from batchgen_data.openai_batch_output import error_line
+from batchgen_data.openai.batch_output import error_line
 
 
 def test_resume_reads_keys_and_cuts_a_torn_line(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from batchgen_data.report_html import idle_spans, write_html
-from batchgen_data.report_record import EngineSampler, RunRecord, Sample
+from batchgen_data.report.html import idle_spans, write_html
+from batchgen_data.report.record import EngineSampler, RunRecord, Sample
 
 
 def _record() -> RunRecord:

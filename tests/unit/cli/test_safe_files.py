@@ -14,7 +14,7 @@ from batchgen_data.cli.inputs import ROW_KEY
 from batchgen_data.cli.main import main
 from batchgen_data.cli.outputs import ENGINE_FAILED, RETRY_KEY, BatchOutput, TableOutput
 from batchgen_data.cli.safe_files import OutputLock, OutputLocked, open_nofollow
-from batchgen_data.openai_batch_output import error_line
+from batchgen_data.openai.batch_output import error_line
 
 REQUEST = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
            "body": {"messages": [{"role": "user", "content": "hi"}]}}

@@ -12,10 +12,11 @@ import pyarrow as pa
 import pytest
 
 from batchgen_data import SamplingParams
-from batchgen_data.connectors import ray_predictor, spark_engine_cache, spark_task
-from batchgen_data.connectors.ray_predictor import BatchGenPredictor
-from batchgen_data.connectors.spark_engine_cache import EngineCache, build_driver
-from batchgen_data.connectors.spark_task import TaskSession, TaskSettings
+from batchgen_data.connectors.ray import predictor as ray_predictor
+from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
+from batchgen_data.connectors.ray.predictor import BatchGenPredictor
+from batchgen_data.connectors.spark.engine_cache import EngineCache, build_driver
+from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.engine.driver import EngineDeadError, EngineDriver
 from batchgen_data.engine.engine import Engine
 

@@ -1,10 +1,10 @@
 """The poison-row record's evidence rule (connectors/poison.py) and Ray's log of it
-(connectors/ray_poison.py) without Ray: a row is run alone once a death names it, and is
+(connectors/ray/poison.py) without Ray: a row is run alone once a death names it, and is
 blamed only when it was named at two deaths, one of them alone in the failed step."""
 from __future__ import annotations
 
 from batchgen_data.connectors.poison import DEATHS, PoisonBook, poison_message
-from batchgen_data.connectors.ray_poison import PoisonLog
+from batchgen_data.connectors.ray.poison import PoisonLog
 
 
 def test_no_death_no_verdict() -> None:

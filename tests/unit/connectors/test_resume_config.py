@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from batchgen_data.connectors.resume import checkpoint_config
-from batchgen_data.connectors.spark_resume import write_generated
+from batchgen_data.connectors.spark.resume import write_generated
 
 ray = pytest.importorskip("ray")
 
-from batchgen_data.connectors.ray_processor import BatchGenProcessorConfig  # noqa: E402
+from batchgen_data.connectors.ray.processor import BatchGenProcessorConfig  # noqa: E402
 
 
 def test_checkpoint_config_keeps_the_record_so_a_finished_job_reruns_as_a_no_op(tmp_path):

@@ -17,12 +17,16 @@ from typing import Any, Callable
 import pyarrow as pa
 import pytest
 
-from batchgen_data.connectors import ray_predictor, rows, spark_engine_cache, spark_task
+from batchgen_data.connectors.ray import predictor as ray_predictor
+
+from batchgen_data.connectors import rows
+
+from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
 from batchgen_data.connectors.common import RequestBuilder, RowError
-from batchgen_data.connectors.ray_predictor import BatchGenPredictor
+from batchgen_data.connectors.ray.predictor import BatchGenPredictor
 from batchgen_data.connectors.rows import EmptyAnswerWatch, RowLifecycle
-from batchgen_data.connectors.spark_engine_cache import EngineCache
-from batchgen_data.connectors.spark_task import TaskSession, TaskSettings
+from batchgen_data.connectors.spark.engine_cache import EngineCache
+from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.engine.driver import EngineDeadError
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.engine.scheduler import step_token_budget
+from batchgen_data.core.scheduler import step_token_budget
 from batchgen_data.engine.stats import EngineStats
 
 

@@ -1,5 +1,5 @@
 """The re-partition policy from load reports alone, and what an engine group refuses before any
-process starts (engine/partition.py)."""
+process starts (engine/group/group.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchgen_data.config import make_engine_config
-from batchgen_data.distributed import launch
-from batchgen_data.engine.partition import EngineGroup, PartitionPolicy
-from batchgen_data.engine.partition_policy import spread as _spread
+from batchgen_data.worker.tp import launch
+from batchgen_data.engine.group.group import EngineGroup, PartitionPolicy
+from batchgen_data.engine.group.policy import spread as _spread
 from batchgen_data.placement import EngineLoad
 
 
@@ -69,7 +69,7 @@ def test_a_moe_model_passes_the_group_checks(tmp_path: Path,
     """MoE groups re-shard their experts (the refusal went): the checks give the TP config."""
     from transformers import Qwen3MoeConfig
 
-    from batchgen_data.engine.partition_policy import check_group
+    from batchgen_data.engine.group.policy import check_group
 
     Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -110,9 +110,9 @@ def test_each_engine_of_a_group_on_cuda_gets_its_own_gpu(monkeypatch) -> None:  
     of the TP engine; on the CPU every engine keeps the config as it is."""
     import torch
 
-    from batchgen_data import devices
+    from batchgen_data.worker import devices
     from batchgen_data.config import make_engine_config
-    from batchgen_data.engine.partition_worker import own_device
+    from batchgen_data.engine.group.member import own_device
 
     monkeypatch.setattr(devices, "resolve_device", lambda name: torch.device(
         "cuda", 0) if name == "cuda" else torch.device(name))
@@ -132,7 +132,7 @@ def test_quantized_experts_under_expert_parallel_are_refused_by_name() -> None:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
     from batchgen_data.config import make_engine_config
-    from batchgen_data.engine.tp_runner import check_tp
+    from batchgen_data.worker.tp.runner import check_tp
 
     moe = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen_data.report import error_kind
+from batchgen_data.report.summary import error_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class Finished:
     t: float
     actor: str
     generated_tokens: int
-    error: str | None  # error kind (`report.error_kind`), None for a good row
+    error: str | None  # error kind (`summary.error_kind`), None for a good row
 
 
 @dataclass

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 
 from batchgen_data.connectors.common import error_row, output_schema
-from batchgen_data.report import JobReport, error_kind, summarize
+from batchgen_data.report import summarize
+from batchgen_data.report.summary import JobReport, error_kind
 
 
 def _good(text: str, prompt: int, generated: int, reason: str = "stop") -> dict:

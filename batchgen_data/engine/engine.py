@@ -28,7 +28,7 @@ from batchgen_data.engine.setup import EngineParts, build_parts
 from batchgen_data.engine.stats import EngineStats, StepShape
 from batchgen_data.engine.stepper import Stepper
 from batchgen_data.engine.step_failure import reason
-from batchgen_data.sample.draw.token_draw import sample_seed
+from batchgen_data.sample.draw.draw_hash import sample_seed
 from batchgen_data.engine.limits import check_limits, seed_bits
 from batchgen_data.worker.lora_manager import adapter_names_for, check_adapter
 from batchgen_data.worker import kv_format

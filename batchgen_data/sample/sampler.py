@@ -26,10 +26,10 @@ import torch
 from batchgen_data.sample.bad_words import BadWords
 from batchgen_data.sample.sampling_batch import SamplingBatch
 from batchgen_data.core.sequence import Sequence
+from batchgen_data.sample.draw.draw_hash import hash_uniform_at
+from batchgen_data.sample.draw.rows import Rows
 from batchgen_data.sample.draw.token_draw import (
     RaceFn,
-    Rows,
-    hash_uniform_at,
     race_over_candidates,
     threshold_race,
     top_k_race,

@@ -13,15 +13,12 @@ and ``nonzero``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from batchgen_data.sample.draw import draw_hash  # looked up at call time: one hash for all paths
-
-if TYPE_CHECKING:
-    from batchgen_data.sample.draw.token_draw import Rows
+from batchgen_data.sample.draw.rows import Rows
 
 # logits per block of rows on the CPU (at least one row): 1 MiB of float32, which with its
 # mask and the mass's buffer stays within a core's L2 (2 MiB on the Xeon measured; blocks of

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen_data.sample.draw import draw_hash, token_draw  # attributes looked up at call time
-from batchgen_data.sample.draw.token_draw import Rows
+from batchgen_data.sample.draw import draw_hash  # looked up at call time: one hash for all paths
+from batchgen_data.sample.draw import rows as draw_rows  # CHUNK_ELEMS looked up at call time
+from batchgen_data.sample.draw.rows import Rows
 
 # A flat row (more than FLAT_SHARE of its vocabulary inside the top-p band) races over the
 # dense logits instead of a listed, sorted band: its nucleus comes from a histogram of the
@@ -41,7 +42,7 @@ def dense_top_p_race(logits: torch.Tensor, rows: Rows, top: torch.Tensor) -> tor
     top-p) skip the histogram: one pass, every token in the race."""
     n, vocab = logits.shape
     temp = rows.temperature
-    chunks = token_draw._chunks(n, vocab)
+    chunks = draw_rows.chunks(n, vocab)
     cuts = rows.top_p is not None and bool((rows.top_p < 1).any())
     if cuts:
         top_p = rows.top_p

@@ -46,24 +46,18 @@ lies that close to the min-p floor, may fall on the other side of it than in ano
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from batchgen_data.sample.draw import candidate_scan
+from batchgen_data.sample.draw import candidate_scan, dense_draw
+from batchgen_data.sample.draw import rows as draw_rows  # CHUNK_ELEMS looked up at call time
 from batchgen_data.sample.draw.candidate_scan import Listing
 from batchgen_data.sample.draw.candidate_scan import flat_race, padded, top_k_by_id
 from batchgen_data.sample.draw.draw_hash import G_MAX, hash_uniform_at
-from batchgen_data.sample.draw.draw_hash import sample_seed as sample_seed  # the engine imports it here
+from batchgen_data.sample.draw.rows import Rows
 
-_CHUNK_ELEMS = 1 << 21  # rows x columns per pass of the vocabulary-wide sum
 BAND_TOP_P = 10.0  # top-p rows: first candidates within this of the best scaled logit
-
-
-def _chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
-    width = max(1024, _CHUNK_ELEMS // max(rows, 1))
-    return [(c, min(c + width, vocab)) for c in range(0, vocab, width)]
 
 
 def scaled_sumexp(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor
@@ -71,29 +65,12 @@ def scaled_sumexp(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Te
     """``sum_v exp(logits[:, v] / T - top)`` ``[N, 1]`` over the whole vocabulary, chunk by
     chunk into one reused buffer (no ``[N, V]`` temporary)."""
     total = torch.zeros_like(top)
-    buf = torch.empty(logits.shape[0], _chunks(*logits.shape)[0][1], device=logits.device)
-    for lo, hi in _chunks(*logits.shape):
+    parts = draw_rows.chunks(*logits.shape)
+    buf = torch.empty(logits.shape[0], parts[0][1], device=logits.device)
+    for lo, hi in parts:
         b = torch.div(logits[:, lo:hi], temperature, out=buf[:, :hi - lo])
         total += b.sub_(top).exp_().sum(-1, keepdim=True)
     return total
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The per-row parameters of the rows one draw covers (``[N]`` or ``[N, 1]``)."""
-    seeds: torch.Tensor  # [N] int64
-    steps: torch.Tensor  # [N] int64: the output index being drawn
-    temperature: torch.Tensor  # [N, 1] float32, > 0
-    top_k: torch.Tensor  # [N, 1] int64, >= V when off
-    top_p: torch.Tensor | None  # [N, 1] float32, None when no row has top_p < 1
-    min_p: torch.Tensor | None  # [N, 1] float32, None when no row has min_p > 0
-
-    def take(self, idx: torch.Tensor) -> "Rows":
-        """The rows ``idx [M]`` of these."""
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[idx]
-        return Rows(*(pick(t) for t in (self.seeds, self.steps, self.temperature, self.top_k,
-                                        self.top_p, self.min_p)))
 
 
 def race_over_candidates(vals: torch.Tensor, ids: torch.Tensor, rows: Rows,
@@ -281,7 +258,6 @@ def _with_dense(token: torch.Tensor, over: torch.Tensor | None, logits: torch.Te
     """``token`` with the rows ``over`` the cap (flat rows) drawn by the dense race."""
     if over is None or not bool(over.any()):
         return token
-    from batchgen_data.sample.draw import dense_draw  # only flat rows need it
     idx = over.nonzero().squeeze(1)
     return token.index_copy(0, idx, dense_draw.dense_top_p_race(logits[idx], rows.take(idx),
                                                                 top[idx]))

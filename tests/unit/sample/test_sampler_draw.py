@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from batchgen_data.sample.draw import dense_draw, draw_hash, token_draw
+from batchgen_data.sample.draw import rows as draw_rows
 from batchgen_data.sample.sampler import Sampler, hash_uniform
 from batchgen_data.core.sequence import Sequence
 from batchgen_data.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ MIXES = {
 def test_same_tokens_as_the_full_vocabulary_draw(mix: str, vocab: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # small chunks and narrow bands: the chunked sum and the second (floor) pass both run
-    monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(draw_rows, "CHUNK_ELEMS", 1024)
     monkeypatch.setattr(token_draw, "BAND_TOP_P", 0.5)
     gen = torch.Generator().manual_seed(vocab)
     for step in range(12):
@@ -99,7 +100,7 @@ def test_the_dense_race_of_flat_rows_draws_the_full_vocabulary_tokens(
     # clamped bucket (few buckets) against the old full-sort draw; a batch without top-p
     # takes the one-pass race (no histogram)
     monkeypatch.setattr(token_draw, "FLAT_SHARE", -1.0)
-    monkeypatch.setattr(token_draw, "_CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(draw_rows, "CHUNK_ELEMS", 1024)
     monkeypatch.setattr(dense_draw, "BUCKETS_PER_UNIT",
                         {"fine": 256.0, "coarse": 2.0, "few": 8.0}[buckets])
     monkeypatch.setattr(dense_draw, "BUCKETS", {"fine": 4096, "coarse": 64, "few": 6}[buckets])
@@ -182,13 +183,13 @@ def test_a_uniform_of_one_no_longer_wins_whatever_its_logit() -> None:
 _MEMORY_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from batchgen_data.sample.draw import token_draw
+    from batchgen_data.sample.draw import rows as draw_rows
     from batchgen_data.sample.sampler import Sampler
     from batchgen_data.core.sequence import Sequence
     from batchgen_data.sampling_params import SamplingParams
     torch.set_num_threads(1)
     rows, vocab = int(sys.argv[1]), int(sys.argv[2])
-    token_draw._CHUNK_ELEMS = int(sys.argv[4])
+    draw_rows.CHUNK_ELEMS = int(sys.argv[4])
     kinds = {"top_k": dict(top_k=50), "top_p": dict(top_p=0.9), "plain": dict(temperature=0.8),
              "top_k_p": dict(top_k=40, top_p=0.95, min_p=0.05)}
     params = SamplingParams(**kinds[sys.argv[3]])

@@ -22,7 +22,7 @@ import torch
 from batchgen_data.sample.draw import draw_hash, token_draw
 from batchgen_data.sample.sampler import Sampler
 from batchgen_data.core.sequence import Sequence
-from batchgen_data.sample.draw.token_draw import sample_seed
+from batchgen_data.sample.draw.draw_hash import sample_seed
 from batchgen_data.sampling_params import SamplingParams
 
 P_FLOOR = 1e-6

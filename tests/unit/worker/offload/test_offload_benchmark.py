@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _bench(tmp_path: Path, *args: str, **env_kw: str) -> tuple[str, list[dict[str, Any]]]:

@@ -2,8 +2,9 @@
 
 The sources are in `csrc/` (plain C, no torch headers); `build.library()` compiles them once per
 machine with the system C compiler and loads them through ctypes, or returns None (no compiler,
-a failed build) so every caller keeps its torch path. `capability.py` says what this CPU kind
-runs (the kernels' ISA, oneDNN's and torch's answers); every CPU-dependent choice asks it.
+a failed build) so every caller keeps its torch path, for the ISA level `isa.py` reads from the
+CPU's flags under its cap. `capability.py` says what this CPU kind runs (the built kernels',
+oneDNN's and torch's answers); every CPU-dependent choice asks it.
 Launchers validate shapes and dtypes:
     attention.py  decode attention straight from the paged KV cache
     ops.py        residual add + RMSNorm, the rotary embedding, SiLU * up

@@ -5,7 +5,7 @@ The kernels are plain C (no torch headers) and build in about a second with the 
 compiler (``$CC``, else ``cc``) into one shared library under ``<cache_dir>/cpu_kernels/``. The
 file name is keyed by the sources, the flags and this CPU's feature flags, so a cache shared
 between different machines never loads a binary built for another CPU (``-march=native``).
-``BATCHGEN_CPU_ISA`` caps the build (`capability.kernel_march`: ``-march=x86-64-v3`` for an
+``BATCHGEN_CPU_ISA`` caps the build (`isa.kernel_march`: ``-march=x86-64-v3`` for an
 AVX2-only build on an AVX-512 machine; ``none``: no library), to emulate a lesser CPU kind.
 Builds are atomic (temp file + rename), so concurrent Ray/Spark workers are safe. With no
 compiler or a failed build, `library()` returns None and every caller keeps its torch path.
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from batchgen_data import env
-from batchgen_data.kernels.cpu import capability
+from batchgen_data.kernels.cpu import isa
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,13 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-f
 
 def _flags() -> list[str]:
     """`FLAGS` with ``-march=native`` replaced by the capped level's ``-march`` when
-    ``BATCHGEN_CPU_ISA`` is below this CPU's (`capability.kernel_march`)."""
-    march = capability.kernel_march()
+    ``BATCHGEN_CPU_ISA`` is below this CPU's (`isa.kernel_march`)."""
+    march = isa.kernel_march()
     return [f"-march={march}" if f == "-march=native" and march else f for f in FLAGS]
 
 
 def _cpu_signature() -> str:
-    flags = capability.cpu_flags()
+    flags = isa.cpu_flags()
     return " ".join(sorted(flags)) if flags else platform.processor()
 
 
@@ -125,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first use; None when it cannot be built here or
     ``BATCHGEN_CPU_ISA=none`` keeps the C kernels out."""
-    if capability.kernel_isa() == "none":
+    if isa.kernel_isa() == "none":
         log.info("BATCHGEN_CPU_ISA=none: no CPU kernels; using the torch paths")
         return None
     compiler = env.c_compiler() or "cc"

@@ -6,11 +6,9 @@ with AVX2 only, AVX-512 boxes without bf16) and the answer belongs to the librar
 op. Three layers decide, each with its own answer and its own variable to emulate a lesser CPU
 on any box (docs/cpu.md, "CPU kinds"):
 
-* the project's C kernels (`csrc/`) are compiled for an ISA level, `kernel_isa()`: "avx512"
-  (AVX-512 F/BW/DQ/VL: the panel and small-row matmuls, 16-lane loops), "avx2" (AVX2 + FMA:
-  the row, MoE, quantized and LoRA kernels, 8-lane loops), "baseline" (scalar C only) or
-  "none" (no library). It is the CPU's level from its flags, capped by ``BATCHGEN_CPU_ISA``;
-  the built library then says which kernels it holds (`bg_*_supported`, `built_isa()`).
+* the project's C kernels (`csrc/`) are compiled for an ISA level (`isa.kernel_isa()`: the
+  CPU's level from its flags, capped by ``BATCHGEN_CPU_ISA``); the built library then says
+  which kernels it holds (`bg_*_supported`, `built_isa()`).
 * oneDNN's packed weights (``torch.ops.mkldnn``): `onednn(dtype)` packs and multiplies a tiny
   weight of that dtype and reports oneDNN's own refusal when it fails (on a CPU without
   AVX-512 BW/VL/DQ or AVX-NE-CONVERT it has no bf16 path). ``ONEDNN_MAX_CPU_ISA`` caps it.
@@ -28,7 +26,6 @@ import argparse
 import functools
 import json
 import logging
-import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,16 +33,10 @@ from pathlib import Path
 import torch
 
 from batchgen_data import env
+from batchgen_data.kernels.cpu import build, isa
 
 log = logging.getLogger(__name__)
 
-# lowest first; a cap picks the lower of the CPU's level and the cap
-LEVELS = ("none", "baseline", "avx2", "avx512")
-# the flags each level needs (Linux /proc/cpuinfo names); x86-64-v3 / -v4 are the compilers'
-# names for the same sets, so a capped build never uses an instruction the level lacks
-NEEDS = {"avx2": ("avx2", "fma"),
-         "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl")}
-MARCH = {"avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -57,62 +48,9 @@ class Support:
     reason: str = ""
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def native_isa() -> str:
-    """The highest level of `LEVELS` this CPU runs ("baseline" off x86-64)."""
-    flags = cpu_flags()
-    for level in ("avx512", "avx2"):
-        if _x86() and all(f in flags for f in NEEDS[level]):
-            return level
-    return "baseline"
-
-
-def missing(level: str) -> list[str]:
-    """The flags of `level` this CPU lacks (empty when it has them all)."""
-    if level not in NEEDS:
-        return []
-    flags = cpu_flags()
-    return [f for f in NEEDS[level] if f not in flags]
-
-
-def kernel_isa() -> str:
-    """The level the C kernels are built for: this CPU's, capped by ``BATCHGEN_CPU_ISA`` (a cap
-    above the CPU changes nothing: a build never uses an instruction the CPU lacks)."""
-    cap = env.cpu_isa()
-    native = native_isa()
-    if cap == "native":
-        return native
-    return LEVELS[min(LEVELS.index(cap), LEVELS.index(native))]
-
-
-def kernel_march() -> str | None:
-    """The ``-march`` of the C kernels' build: None for ``native`` (the CPU's own level), else
-    the capped level's name (``x86-64-v3`` for "avx2")."""
-    isa = kernel_isa()
-    return None if isa == native_isa() else MARCH.get(isa)
-
-
 def built_isa() -> str:
     """The level of the kernels the built library holds (its own answer): "avx512" with the
     panel kernel, "avx2" with the row kernel, "baseline" with neither, "none" without one."""
-    from batchgen_data.kernels.cpu import build
-
     lib = build.library()
     if lib is None:
         return "none"
@@ -123,10 +61,10 @@ def built_isa() -> str:
 
 def needs(level: str) -> str:
     """Why a kernel of `level` is not built here, naming what is missing (a refusal's text)."""
-    lacks = missing(level)
+    lacks = isa.missing(level)
     if lacks:
         return f"it needs {', '.join(lacks)}, which this CPU lacks"
-    return (f"it needs {level.upper()}; the C kernels here are built for {kernel_isa()} "
+    return (f"it needs {level.upper()}; the C kernels here are built for {isa.kernel_isa()} "
             f"(BATCHGEN_CPU_ISA={env.cpu_isa()}, or no C compiler)")
 
 
@@ -175,7 +113,7 @@ def onednn(dtype: torch.dtype) -> Support:
 
 def report() -> dict[str, str]:
     """Every answer above as text: what a CPU kind runs (printed by the CI's CPU-kind passes)."""
-    out = {"cpu": native_isa(), "aten": aten(), "c_kernels": kernel_isa(),
+    out = {"cpu": isa.native_isa(), "aten": aten(), "c_kernels": isa.kernel_isa(),
            "c_kernels_built": built_isa()}
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         s = onednn(dtype)

@@ -1,4 +1,4 @@
-"""`kernels/cpu/capability.py`: the C kernels' ISA from the CPU's flags capped by
+"""`kernels/cpu/isa.py` and `capability.py`: the C kernels' ISA from the CPU's flags capped by
 ``BATCHGEN_CPU_ISA``, checked against a hand-written table and against what the built library
 itself reports; oneDNN's and torch's answers per dtype; refusals that name the CPU feature."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchgen_data.kernels.cpu import build, capability, ops
+from batchgen_data.kernels.cpu import isa as cpu_isa
 from batchgen_data.kernels.cpu import linear as cpu_linear
 
 from cpu_kernel_utils import kernels_built_for, needs_cc, on_x86
@@ -33,38 +34,38 @@ OLD_BOX = {"sse4_2", "avx"}
 def test_the_kernel_isa_is_the_cpu_level_under_the_cap(flags: set[str], cap: str | None,
                                                        isa: str, march: str | None,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capability, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(capability, "_x86", lambda: True)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_isa, "_x86", lambda: True)
     if cap is None:
         monkeypatch.delenv("BATCHGEN_CPU_ISA", raising=False)
     else:
         monkeypatch.setenv("BATCHGEN_CPU_ISA", cap)
-    assert (capability.kernel_isa(), capability.kernel_march()) == (isa, march)
+    assert (cpu_isa.kernel_isa(), cpu_isa.kernel_march()) == (isa, march)
 
 
 def test_off_x86_there_is_only_the_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capability, "cpu_flags", lambda: frozenset(AVX512_BOX))
-    monkeypatch.setattr(capability, "_x86", lambda: False)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(AVX512_BOX))
+    monkeypatch.setattr(cpu_isa, "_x86", lambda: False)
     monkeypatch.setenv("BATCHGEN_CPU_ISA", "avx2")
-    assert (capability.native_isa(), capability.kernel_march()) == ("baseline", None)
+    assert (cpu_isa.native_isa(), cpu_isa.kernel_march()) == ("baseline", None)
 
 
 def test_an_unknown_isa_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHGEN_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="BATCHGEN_CPU_ISA='sse9'.*avx2"):
-        capability.kernel_isa()
+        cpu_isa.kernel_isa()
 
 
 def test_the_refusal_names_the_flags_a_cpu_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capability, "cpu_flags", lambda: frozenset(AVX2_BOX))
-    assert capability.missing("avx512") == ["avx512f", "avx512bw", "avx512dq", "avx512vl"]
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(AVX2_BOX))
+    assert cpu_isa.missing("avx512") == ["avx512f", "avx512bw", "avx512dq", "avx512vl"]
     assert "avx512f, avx512bw" in capability.needs("avx512")
 
 
 @needs_cc
 def test_the_built_library_holds_the_level_it_was_built_for() -> None:
     # its own answer (which kernels it holds) against the level the flags and the cap chose
-    assert capability.built_isa() == capability.kernel_isa()
+    assert capability.built_isa() == cpu_isa.kernel_isa()
 
 
 @needs_cc
@@ -107,7 +108,7 @@ def test_packing_bf16_without_onednns_path_is_refused_by_feature(
 
 def test_the_report_says_what_each_layer_runs() -> None:
     got = capability.report()
-    assert got["c_kernels"] == capability.kernel_isa() and got["aten"] == capability.aten()
+    assert got["c_kernels"] == cpu_isa.kernel_isa() and got["aten"] == capability.aten()
     assert got["onednn_bf16"].startswith("yes" if capability.onednn(torch.bfloat16).ok else "no (")
     assert set(got) == {"cpu", "aten", "c_kernels", "c_kernels_built", "onednn_fp32",
                         "onednn_bf16", "torch_bf16_matmul", "torch_fp16_matmul"}

@@ -122,7 +122,7 @@ class PoolingEngine:
                 torch.set_default_dtype(prev)
         self.model = model = model.eval().requires_grad_(False)
         if self.is_encoder:
-            from batchgen_data.models.bert import load_encoder_weights
+            from batchgen_data.models.encoder_weights import load_encoder_weights
             load_encoder_weights(model, path)
         else:
             loader.load_weights(model, path)

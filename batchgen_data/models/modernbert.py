@@ -122,8 +122,8 @@ class ModernBertModel(nn.Module):
     """The encoder stack; `forward` returns the final-normed hidden states of a packed batch."""
 
     is_encoder = True
-    # how `bert.load_encoder_weights` reads a checkpoint: the base's prefix in a model saved
-    # with a head, and the heads it does not use
+    # how `encoder_weights.load_encoder_weights` reads a checkpoint: the base's prefix in a
+    # model saved with a head, and the heads it does not use
     checkpoint_prefixes = ("model.",)
     foreign_heads = ("head.", "decoder.")
 
@@ -143,7 +143,7 @@ class ModernBertModel(nn.Module):
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(rope_config(config, kind), head_dim,
                                                            config.max_position_embeddings)
                                      for kind in dict.fromkeys(kinds)})
-        self.pooler = None  # no BERT pooler (bert.load_encoder_weights asks)
+        self.pooler = None  # no BERT pooler (encoder_weights.load_encoder_weights asks)
 
     @property
     def max_model_len(self) -> int:

@@ -27,7 +27,8 @@ import torch
 
 from batchgen_data.core import coroutine
 from batchgen_data.worker.device_mark import DONE, DeviceMark
-from batchgen_data.worker.model_runner import ModelInput, ModelRunner
+from batchgen_data.worker.model_input import ModelInput
+from batchgen_data.worker.model_runner import ModelRunner
 from batchgen_data.sample.sampler import PendingSample, SamplerOutput
 from batchgen_data.sample.sampling_batch import SamplingBatch
 from batchgen_data.core.scheduler import SchedulerOutput

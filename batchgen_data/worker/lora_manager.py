@@ -17,7 +17,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,7 +30,15 @@ from batchgen_data.models.lora_adapter import AdapterWeights, TargetShape, load_
 
 if TYPE_CHECKING:
     from batchgen_data.config import EngineConfig
-    from batchgen_data.worker.model_runner import ModelRunner
+
+
+class AdaptedRunner(Protocol):
+    """What `attach` reads of the runner whose steps the adapters join: the backend its layers
+    were built for, and whether its KV host tier or weight store is in use."""
+
+    backend: LayerBackend
+    kv_tier: object | None
+    weight_store: object | None
 
 
 def _adaptable(model: torch.nn.Module) -> None:
@@ -220,7 +228,8 @@ class LoRAManager:
         return LoRABatch.build(token_slots, self.config.max_loras, self.device, self.dtype)
 
 
-def attach(model: torch.nn.Module, runner: "ModelRunner", config: "EngineConfig") -> LoRAManager:
+def attach(model: torch.nn.Module, runner: AdaptedRunner, config: "EngineConfig"
+           ) -> LoRAManager:
     """The manager of an engine started with enable_lora; ValueError for what it cannot
     combine with (the adapted layers see the whole step's rows at once)."""
     if runner.kv_tier is not None:

@@ -10,7 +10,6 @@ memory for hold/resume and export/import.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from batchgen_data.worker.fast_paths import FastPath, build_fast_paths
 from batchgen_data.worker.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.worker.fast_paths.cuda_graphs import DecodeGraphs
 from batchgen_data.worker.fast_paths.piecewise_graphs import MixedGraphs
+from batchgen_data.worker.model_input import ModelInput
 from batchgen_data.sample.sampling_batch import to_device
 from batchgen_data.core.scheduler import SchedulerOutput
 from batchgen_data.core.sequence import Sequence, collecting
@@ -33,7 +33,6 @@ from batchgen_data.core.kv.held_kv import KVCopy
 from batchgen_data.core.kv.planes import check_one_plane_scales, kv_planes, layer_caches
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
-from batchgen_data.layers.lora import LoRABatch
 from batchgen_data.worker.offload import module_batch
 from batchgen_data.worker.offload.kv_engine import HostKVTier
 from batchgen_data.worker.offload.store import WeightStore
@@ -45,26 +44,6 @@ _COMPUTED = attrgetter("num_computed_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
 _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 _NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
-
-
-@dataclass
-class ModelInput:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    sample_index: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_seqs: list[Sequence]
-    order: list[int]  # scheduled index of each flattened sequence
-    # prompt_logprobs: rows whose logits are wanted (None: no sequence asks), and the result
-    prompt_rows: prompt_logprobs.PromptRows | None = None
-    prompt_logprobs: list[tuple[Sequence, prompt_logprobs.Entries]] | None = None
-    # micro-batches (token rows, metadata) of a step with host-tier KV; None: one batch
-    parts: list[tuple[slice, AttentionMetadata]] | None = None
-    # the rows that run under LoRA adapters, by device slot (None: the base model for all)
-    lora: LoRABatch | None = None
-    # the step's sequences in row order with, once the step is done, their computed tokens and
-    # their token counts (a sampled one has its new token): `Scheduler.after_step` reads them
-    flat: tuple[list[Sequence], np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from batchgen_data.worker.model_runner import ModelInput
+    from batchgen_data.worker.model_input import ModelInput
     from batchgen_data.layers.backend import LayerBackend
 
 

@@ -31,7 +31,7 @@ from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.linear import Linear
 
 if TYPE_CHECKING:
-    from batchgen_data.worker.model_runner import ModelInput
+    from batchgen_data.worker.model_input import ModelInput
 
 log = logging.getLogger(__name__)
 

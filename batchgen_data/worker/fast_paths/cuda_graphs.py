@@ -30,7 +30,7 @@ from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.moe import counted_rows
 
 if TYPE_CHECKING:
-    from batchgen_data.worker.model_runner import ModelInput
+    from batchgen_data.worker.model_input import ModelInput
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -35,7 +35,7 @@ from batchgen_data.layers.attention import Attention, AttentionMetadata, split_a
 from batchgen_data.layers.moe import counted_rows
 
 if TYPE_CHECKING:
-    from batchgen_data.worker.model_runner import ModelInput
+    from batchgen_data.worker.model_input import ModelInput
 
 TOKEN_SIZES = (8, 16, 32, 64, 128, 256, 512)
 

@@ -27,7 +27,8 @@ from batchgen_data.worker.devices import device_scope
 from batchgen_data.worker.tp import step_io
 from batchgen_data.worker.tp.launch import RankGroup
 from batchgen_data.sample import prompt_logprobs
-from batchgen_data.worker.model_runner import ModelInput, ModelRunner
+from batchgen_data.worker.model_input import ModelInput
+from batchgen_data.worker.model_runner import ModelRunner
 from batchgen_data.core.kv.held_kv import KVCopy
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.parallel import CollectiveError, kv_heads_of_rank

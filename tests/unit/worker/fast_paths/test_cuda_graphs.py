@@ -19,7 +19,7 @@ from batchgen_data.worker.fast_paths.cuda_graphs import (
     padded_size,
 )
 from batchgen_data.layers import backend
-from batchgen_data.worker.model_runner import ModelInput
+from batchgen_data.worker.model_input import ModelInput
 from batchgen_data.layers.attention import AttentionMetadata
 
 

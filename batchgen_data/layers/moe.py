@@ -20,12 +20,17 @@ sequence suspended at this layer arrive here as one batch (see `models/moe.py`).
 
 Every call also counts the tokens each expert received (`expert_tokens`, summed until the engine
 takes them with `take_expert_tokens`) for the engine's `tokens_per_expert` statistics.
+
+The experts' weights are the layer's own unless they stream from host memory: an `ExpertSource`
+given to the layer once, after the build, through `stream_experts_from` (the offload's weight
+store, `worker/offload/experts.py`) then hands the layer the routed experts of each step.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -57,10 +62,15 @@ def counted_rows(rows: torch.Tensor) -> Iterator[None]:
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                      torch.Tensor]
 
-# (layer, ids [T, k], counts [E] or None) -> (w13 [n, 2I, H], w2 [n, H, I], ids and counts
-# re-indexed to those n experts): see `FusedMoE.experts_for`
-ExpertStream = Callable[["FusedMoE", torch.Tensor, torch.Tensor | None],
-                        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+class ExpertSource(Protocol):
+    """Where a layer's expert weights come from when they are not kept in the layer."""
+
+    def experts_for(self, layer: "FusedMoE", ids: torch.Tensor, counts: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(w13 [n, 2I, H], w2 [n, H, I], ids [T, k] and counts re-indexed to those n) for
+        the n experts of `layer` that `ids` routes to, in ascending id order."""
+        ...
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -205,8 +215,16 @@ class FusedMoE(nn.Module):
         self.act = SiluAndMul()
         # a step of up to `MAX_TOKENS` tokens runs all routed experts in one C call
         self._c_experts: ExpertsFn | None = cpu_moe.moe_experts if current().c_moe else None
-        # set by the weight store when this layer's experts stream from host memory
-        self.expert_stream: ExpertStream | None = None
+        # where the expert weights come from when not from `w13` / `w2` (`stream_experts_from`)
+        self._source: ExpertSource | None = None
+
+    def stream_experts_from(self, source: ExpertSource) -> None:
+        """From now on each step takes its routed experts' weights from `source` (they have left
+        `w13` / `w2`: offload's expert streaming); quantized experts cannot stream."""
+        if self.scheme is not None:
+            raise ValueError("quantized MoE experts do not stream per expert (their scales would "
+                             "have to move with the codes)")
+        self._source = source
 
     def use_quant(self, scheme: quant.QuantScheme | None) -> None:
         """Allocates the expert weights deferred at build: stored as `scheme`, or dense."""
@@ -240,7 +258,6 @@ class FusedMoE(nn.Module):
                        counts: torch.Tensor) -> torch.Tensor:
         """The routed experts on quantized weights: per expert that received tokens, its two
         base matmuls on the stored codes (`quant.quant_matmul`), as `cpu_fused_experts`."""
-        assert self.expert_stream is None, "quantized experts do not stream (offload)"
         order, token_of, counts = _sort_pairs(ids, self.num_experts, counts)
         xs = x.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
         out = torch.empty_like(xs)
@@ -309,11 +326,11 @@ class FusedMoE(nn.Module):
     def experts_for(self, ids: torch.Tensor, counts: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(w13, w2, ids, counts) to compute this step's experts with: the layer's own weights,
-        or, when weights stream (`worker/offload/experts.py`), only the experts `ids` [T, k] routes to,
-        copied in by `expert_stream`, with `ids` and `counts` re-indexed to them."""
-        if self.expert_stream is None:
+        or, when they stream (`stream_experts_from`), only the experts `ids` [T, k] routes to,
+        from the source, with `ids` and `counts` re-indexed to them."""
+        if self._source is None:
             return self.w13, self.w2, ids, counts
-        return self.expert_stream(self, ids, counts)
+        return self._source.experts_for(self, ids, counts)
 
     def take_expert_tokens(self) -> torch.Tensor:
         """Tokens each expert received since the last call ([E] int64), and a fresh count."""

@@ -2,7 +2,7 @@
 
 A streamed MoE layer's stacked expert weights (`FusedMoE.w13` [E, 2I, H], `w2` [E, H, I]) stay in
 host memory (pinned on CUDA) outside the layer's slot. When the layer runs, its router picks each
-token's experts; `FusedMoE.experts_for` then calls `ExpertStreamer.fetch` with those ids. The
+token's experts; `FusedMoE.experts_for` then asks its `ExpertSource` for those ids. The
 streamer copies the *routed* experts (ascending id, contiguous runs of ids in one copy) into the
 front of a device expert set, and hands back views of the first n experts of that set plus the
 ids remapped to 0..n-1. The remap keeps the experts' order, so the expert kernel visits the same
@@ -62,8 +62,8 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class ExpertStreamer:
-    """Streams the experts of the MoE layers `moes` (their weights leave the layers here; the
-    weight store points each layer's `expert_stream` at `fetch`)."""
+    """Streams the experts of the MoE layers `moes` (their weights leave the layers here): an
+    `ExpertSource` (`layers/moe.py`), given to each layer by the weight store."""
 
     def __init__(self, moes: list[FusedMoE], num_sets: int, device: torch.device) -> None:
         assert moes and num_sets >= 1
@@ -89,8 +89,8 @@ class ExpertStreamer:
     def held_bytes(self) -> int:
         return sum(self.held)
 
-    def fetch(self, moe: FusedMoE, ids: torch.Tensor, counts: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def experts_for(self, moe: FusedMoE, ids: torch.Tensor, counts: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(w13 [n, 2I, H], w2 [n, H, I], ids remapped to 0..n-1, counts of those n) for the n
         experts `ids` [T, k] routes to, copied into the next expert set."""
         host = self.host[id(moe)]

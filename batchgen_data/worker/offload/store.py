@@ -11,7 +11,8 @@ copy of layer i+1 overlaps the compute of layer i (`copy.StreamCopier`); after t
 offloaded layer the first one is prefetched for the next step. The model code is untouched: this works for any decoder
 stack exposed as `model.layers`, dense or MoE. With `stream_experts`, an MoE layer's experts are
 not in its slot: `experts.ExpertStreamer` copies in only the routed ones when the layer's router
-has run (the store installs its `fetch` as each layer's `FusedMoE.expert_stream`).
+has run (the store is each such layer's `ExpertSource`, given through
+`FusedMoE.stream_experts_from`).
 
 Tensors shared with other modules (the rotary cache every layer references, tied embeddings)
 stay resident, and so do integer buffers (state such as an MoE layer's per-expert token counts,
@@ -144,7 +145,7 @@ class WeightStore:
         moes = streamed_moes(model, indices) if stream_experts else []
         self.experts = ExpertStreamer(moes, num_slots, device) if moes else None
         for moe in moes:
-            moe.expert_stream = self._fetch_experts
+            moe.stream_experts_from(self)
         self.layers = [self._take(model.layers[i], i, shared, device) for i in indices]
         self.slot_bytes = max(layer.nbytes for layer in self.layers)
         self.workspace = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
@@ -203,11 +204,13 @@ class WeightStore:
             held += self.experts.held_bytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes + held)
 
-    def _fetch_experts(self, moe: FusedMoE, ids: torch.Tensor, counts: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def experts_for(self, moe: FusedMoE, ids: torch.Tensor, counts: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The streamed layer `moe`'s routed experts (its `ExpertSource`), counted in the
+        store's bytes moved and peak."""
         assert self.experts is not None
         before = self.experts.bytes_moved
-        out = self.experts.fetch(moe, ids, counts)
+        out = self.experts.experts_for(moe, ids, counts)
         self.bytes_moved += self.experts.bytes_moved - before
         self._note_peak()
         return out

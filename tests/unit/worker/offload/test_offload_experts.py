@@ -43,7 +43,7 @@ def test_streamed_experts_match_resident_bit_for_bit(tokens: int) -> None:
     x = torch.randn(tokens, 24, generator=torch.Generator().manual_seed(tokens))
     want = ref(x)
     streamer = ExpertStreamer([layer], num_sets=2, device=torch.device("cpu"))
-    layer.expert_stream = streamer.fetch
+    layer.stream_experts_from(streamer)
     assert layer.w13.numel() == 0 and layer.w2.numel() == 0  # the bytes left the layer
     per_expert = (2 * 16 * 24 + 24 * 16) * 4
     for step in range(2):  # both expert sets, the second call reusing the first's slots
@@ -66,7 +66,7 @@ def test_streamed_experts_on_the_triton_path() -> None:
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     want = ref(x)
     streamer = ExpertStreamer([layer], num_sets=1, device=torch.device("cpu"))
-    layer.expert_stream = streamer.fetch
+    layer.stream_experts_from(streamer)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     assert 0 < streamer.bytes_moved < EXPERTS * (3 * 16 * 24) * 4
 

@@ -1,56 +1,47 @@
-"""The Arrow/pandas ⇄ request layer shared by the Ray Data and Spark connectors.
+"""Row → request: the one place a connector turns an input row into an engine request.
 
-A connector sees rows; the engine sees `(prompt_token_ids, SamplingParams)`. This module is the
-one place that turns a row into a request (or into a clear error message, so that a bad row
-never crashes a job) and a finished request back into output columns. It knows nothing about
-Ray or Spark and imports neither.
+A connector sees rows; the engine sees `(prompt_token_ids, SamplingParams)`. `RequestBuilder`
+turns a row into a `RowRequest`, or into a `RowError` naming the problem, so that a bad row
+never crashes a job; `rows.GenerationRows` submits it and turns the result into output
+columns. It knows nothing about Ray or Spark and imports neither.
 
     builder = RequestBuilder.from_engine(engine, default_params={"max_tokens": 32})
-    for row in batch_rows(table):
-        try:
-            req = builder.build(row)          # RowRequest(prompt_token_ids, params, prompt)
-        except RowError as e:
-            out = error_row(str(e))           # empty outputs, `error` set
-        ...
-        out = result_row(request_output)      # generated_text, ..., error=None
-    table_out = attach_outputs(table, row_indices, out_rows)   # input columns kept
+    req = builder.build(row)          # RowRequest(prompt_token_ids, params, prompt, lora)
 
 Input columns, first non-null wins: `prompt_token_ids` (list of ints, never templated),
 `messages` (OpenAI chat list), `prompt` (str). Optional `sampling_params`: a dict/struct (or JSON
-string) of per-row overrides. With `apply_chat_template=True` (the default) `messages` go through
-the tokenizer's chat template, and so does a plain `prompt`, as one user turn, when the
-tokenizer has a template: an instruct model given a bare prompt often ends its answer at once.
-Such a row gives the same tokens as `LLM.chat`; with `apply_chat_template=False` a prompt is sent
-raw, as `LLM.generate` sends it, and `messages` is an ordinary column.
+string) of per-row overrides; the other per-row columns a request reads are `ROW_COLUMNS`
+(structured output, chat-template options: row_extras.py; a LoRA adapter). With
+`apply_chat_template=True` (the default) `messages` go through the tokenizer's chat template,
+and so does a plain `prompt`, as one user turn, when the tokenizer has a template: an instruct
+model given a bare prompt often ends its answer at once. Such a row gives the same tokens as
+`LLM.chat`; with `apply_chat_template=False` a prompt is sent raw, as `LLM.generate` sends it,
+and `messages` is an ordinary column.
 """
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import pyarrow as pa
-
-from batchgen_data.inputs.chat import check_template_kwargs, has_chat_template, prompt_as_chat, render_chat
 from batchgen_data.connectors import row_extras
+from batchgen_data.connectors.cells import to_python
+from batchgen_data.connectors.handler import RowError
+from batchgen_data.inputs.chat import (
+    check_template_kwargs, has_chat_template, prompt_as_chat, render_chat)
+from batchgen_data.inputs.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.lora_request import (
     LORA_COLUMN, MODEL_COLUMN, AdapterNames, LoRARequest, no_adapters)
-from batchgen_data.inputs.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.structured import json_text
 
 INPUT_COLUMNS = ("prompt_token_ids", "messages", "prompt")
 PARAMS_COLUMN = "sampling_params"
 LORA_FIELDS = (LORA_COLUMN, MODEL_COLUMN)  # a row's adapter (lora_request.AdapterNames)
-OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens",
-                  "num_generated_tokens", "finish_reason", "error",
-                  *(f.name for f in row_extras.output_fields()))
-
-
-class RowError(ValueError):
-    """A row the engine cannot take; its message becomes the row's `error` value."""
+# the columns of a row a request reads besides its prompt (a connector that passes a prompt
+# column alone copies these along)
+ROW_COLUMNS = (PARAMS_COLUMN, *row_extras.ROW_FIELDS, *LORA_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,89 +52,6 @@ class RowRequest:
     params: SamplingParams
     prompt: str | None
     lora: LoRARequest | None = None  # the adapter the row names (lora_request.AdapterNames)
-
-
-def output_schema() -> pa.Schema:
-    """Arrow schema of the columns both connectors append to every input row."""
-    return pa.schema([
-        pa.field("generated_text", pa.string()),
-        pa.field("generated_token_ids", pa.list_(pa.int32())),
-        pa.field("num_prompt_tokens", pa.int32()),
-        pa.field("num_generated_tokens", pa.int32()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("error", pa.string()),
-        *row_extras.output_fields(),  # logprobs, top_logprobs, samples (n > 1)
-    ])
-
-
-def result_row(out: Any) -> dict[str, Any]:
-    """Output columns for a finished `RequestOutput` (its first completion)."""
-    c = out.outputs[0]
-    return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
-            "num_prompt_tokens": len(out.prompt_token_ids), "num_generated_tokens": len(c.token_ids),
-            "finish_reason": c.finish_reason, "error": None, **row_extras.result_columns(out)}
-
-
-def error_row(message: str) -> dict[str, Any]:
-    """Output columns for a row that produced nothing: empty outputs, `error` = message."""
-    return {"generated_text": "", "generated_token_ids": [], "num_prompt_tokens": 0,
-            "num_generated_tokens": 0, "finish_reason": None, "error": message,
-            **row_extras.empty_columns()}
-
-
-def to_python(value: Any) -> Any:
-    """Plain Python for one cell: numpy arrays/scalars → lists/scalars, NaN/NA → None.
-
-    pandas and numpy batches hold lists as numpy object arrays and missing strings as NaN;
-    validation and chat templates want plain lists, dicts and None.
-    """
-    if value is None:
-        return None
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if type(value).__name__ in ("NAType", "NaTType"):
-        return None
-    if isinstance(value, dict):
-        return {k: to_python(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_python(v) for v in value]
-    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # numpy array or scalar
-        return to_python(value.tolist())
-    return value
-
-
-def to_arrow(batch: Any) -> pa.Table:
-    """Any batch Ray or Spark hands over (Arrow table/record batch, pandas, dict of columns)."""
-    if isinstance(batch, pa.Table):
-        return batch
-    if isinstance(batch, pa.RecordBatch):
-        return pa.Table.from_batches([batch])
-    if isinstance(batch, Mapping):
-        return pa.table({k: pa.array(to_python(list(v))) for k, v in batch.items()})
-    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas, imported lazily
-        return pa.table({c: pa.array([to_python(v) for v in batch[c].tolist()])
-                         for c in batch.columns})
-    raise TypeError(f"unsupported batch type {type(batch).__name__}")
-
-
-def batch_rows(batch: Any) -> list[dict[str, Any]]:
-    """The rows of a batch as plain dicts (see `to_python`)."""
-    return to_arrow(batch).to_pylist()
-
-
-def attach_outputs(table: pa.Table, indices: Sequence[int],
-                   rows: Sequence[Mapping[str, Any]]) -> pa.Table:
-    """Input rows `indices` of `table`, all columns kept, with the output columns appended.
-
-    An input column that already has an output column's name is replaced by the new value.
-    """
-    assert len(indices) == len(rows), (len(indices), len(rows))
-    kept = table.take(pa.array(indices, type=pa.int64()))
-    kept = kept.drop_columns([c for c in OUTPUT_COLUMNS if c in kept.column_names])
-    outputs = pa.Table.from_pylist(list(rows), schema=output_schema())
-    for field, column in zip(outputs.schema, outputs.columns):
-        kept = kept.append_column(field, column)
-    return kept
 
 
 def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
@@ -274,7 +182,7 @@ class RequestBuilder:
                 params = replace(params, structured_outputs=None)
         except (TypeError, ValueError) as e:
             raise RowError(f"bad sampling_params: {e}") from None
-        return row_extras.with_row_structured(params, row) if row else params
+        return with_row_structured(params, row) if row else params
 
     def _chat_options(self, row: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -290,6 +198,17 @@ class RequestBuilder:
             return self.build(row)
         except RowError as e:
             return str(e)
+
+
+def with_row_structured(params: SamplingParams, row: Mapping[str, Any]) -> SamplingParams:
+    """`params` with the row's own `structured_outputs` / `response_format` column, if any;
+    RowError naming the column otherwise."""
+    try:
+        given, spec = row_extras.structured_override(
+            {k: to_python(row.get(k)) for k in row_extras.ROW_FIELDS[:2]})
+        return replace(params, structured_outputs=spec) if given else params
+    except (TypeError, ValueError) as e:
+        raise RowError(f"bad structured output: {e}") from None
 
 
 def lora_kwargs(lora: LoRARequest | None) -> dict[str, Any]:

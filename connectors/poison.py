@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen_data.core.errors import EngineDeadError, StepError
 
 DEATHS = 2  # suspect at this many deaths, alone at one: blamed
 
@@ -75,3 +78,12 @@ class PoisonBook:
 def poison_message(deaths: int) -> str:
     return (f"poison row: an engine died {deaths} times with this row in the step that failed "
             "(the last time alone in it), so it is not run again (docs/row-errors.md)")
+
+
+def death_suspects(exc: BaseException | None, driver: Any) -> tuple[str, ...]:
+    """The requests an engine death names: its `EngineDeadError`'s, else those of the error
+    that ended the driver's loop (a `StepError`), else none."""
+    for err in (exc, driver.dead):
+        if isinstance(err, (EngineDeadError, StepError)) and err.suspects:
+            return tuple(err.suspects)
+    return ()

@@ -1,8 +1,6 @@
-"""Rows of a pooling task (embed / classify / score) in a connector: row → request → columns.
-
-The pooling counterpart of `rows.RowLifecycle`, with the same methods the connectors call
-(`submit`, `outcome`, `abandon`, `attach`) and the same rule for what a row error is
-(docs/row-errors.md): a bad row becomes an error row, only a dead engine fails the task.
+"""Pooling rows (embed / classify / score): a row → one pooling request → the task's columns
+(a `handler.RowLifecycle`: the same rule for what a row error is as every kind,
+docs/row-errors.md).
 
 Input columns: `prompt` (or `text`, or `prompt_token_ids`) for embed and classify; `text_1` and
 `text_2` for score; an optional per-row `pooling_params` dict (`dimensions`, `normalize`,
@@ -13,16 +11,15 @@ model's hidden size]),
 """
 from __future__ import annotations
 
-import itertools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.connectors.common import RowError, to_python
-from batchgen_data.connectors.rows import check_on_error, error_message, failed_future
+from batchgen_data.connectors.cells import to_python, with_outputs
+from batchgen_data.connectors.handler import RowError, RowLifecycle
 from batchgen_data.pooling_params import TASKS, PoolingParams
 
 OUTPUT_OF = {"embed": "embedding", "classify": "probs", "score": "score"}
@@ -48,28 +45,22 @@ def _text(row: Mapping[str, Any], *names: str) -> Any:
     raise RowError(f"row has no {' / '.join(names)} value")
 
 
-class PoolingRows:
-    """Rows of one pooling engine in, Futures out; finished Futures become column values."""
-
-    programs = None  # the connectors' program path never applies to a pooling task
+class PoolingRows(RowLifecycle):
+    """Rows of one pooling engine in, one request each; finished Futures become the task's
+    column (`embedding`, `probs` or `score`)."""
 
     def __init__(self, driver: Any, task: str, pooling_params: Any = None,
                  on_error: str = "row", request_prefix: str = "row",
-                 on_engine_dead: Any = None) -> None:
-        from batchgen_data.engine.driver import EngineDeadError  # executor side only
-
-        self.driver = driver
+                 on_engine_dead: Callable[[BaseException], None] | None = None,
+                 fixed_size: bool = True) -> None:
+        """`fixed_size`: `embedding` of the engine's size (False: a variable-size list, for a
+        connector that declared its columns before the engine existed)."""
+        super().__init__(driver, on_error, request_prefix, on_engine_dead)
         self.engine = driver.engine
+        self.fixed_size = fixed_size
         self.task = check_task(task)
         self.default_params = default_pooling_params(pooling_params)
-        self.on_error = check_on_error(on_error)
-        self.on_engine_dead = on_engine_dead
-        self._dead = EngineDeadError
-        self._prefix = request_prefix
-        self._ids = itertools.count()
         self._lock = threading.Lock()  # HF fast tokenizers are not shareable across threads
-        self._request_ids: dict[Future, str] = {}
-        self._lengths: dict[Future, int] = {}
 
     def _build(self, row: Mapping[str, Any]) -> tuple[Any, PoolingParams, str]:
         from batchgen_data.engine import pooling_api  # the engine side: imports torch
@@ -102,67 +93,45 @@ class PoolingRows:
         except (TypeError, ValueError) as e:
             raise RowError(str(e)) from None
 
-    def submit(self, row: Mapping[str, Any], key: Any = None) -> Future:
-        try:
-            (ids, types, text), params, task = self._build(row)
-            ids, types = self.engine.prepare(ids, params, task, types)
-            rid = f"{self._prefix}-{next(self._ids)}"
-            fut: Future = Future()
+    def _start(self, row: Mapping[str, Any], key: Any, alone: bool) -> tuple[Future, str]:
+        """The request goes in through `driver.call` (a pooling engine's own `submit`); `key`
+        and `alone` do not apply: pooling draws nothing and runs one pass per request."""
+        (ids, types, text), params, task = self._build(row)
+        ids, types = self.engine.prepare(ids, params, task, types)
+        rid = self.next_request_id()
+        fut: Future = Future()
 
-            def add(engine: Any) -> None:
-                try:
-                    engine.submit(ids, params, task, request_id=rid, prompt=text,
-                                  token_type_ids=types)
-                except Exception as e:  # noqa: BLE001 - fails this row only
-                    fut.set_exception(e)
-                    return
-                self.driver.adopt(rid, fut)
+        def add(engine: Any) -> None:
+            try:
+                engine.submit(ids, params, task, request_id=rid, prompt=text,
+                              token_type_ids=types)
+            except Exception as e:  # noqa: BLE001 - fails this row only
+                fut.set_exception(e)
+                return
+            self.driver.adopt(rid, fut)
 
-            self.driver.call(add)
-        except Exception as e:  # noqa: BLE001 - sorted by the rule above
-            if isinstance(e, self._dead):
-                if self.on_engine_dead is not None:
-                    self.on_engine_dead(e)
-                raise
-            if self.on_error == "raise":
-                raise RowError(error_message(e)) from e
-            return failed_future(RowError(error_message(e)))
-        self._request_ids[fut] = rid
-        return fut
+        self.driver.call(add)
+        return fut, rid
 
-    def outcome(self, fut: Future) -> dict[str, Any]:
-        self._request_ids.pop(fut, None)
-        exc = fut.exception()
-        if exc is None:
-            out = fut.result()
-            value = out.outputs
-            row = {"embedding": None, "probs": None, "score": None,
-                   "num_prompt_tokens": len(out.prompt_token_ids), "error": None}
-            row[OUTPUT_OF[self.task]] = (value.embedding if self.task == "embed" else
-                                         value.probs if self.task == "classify" else value.score)
-            return row
-        if isinstance(exc, self._dead):
-            if self.on_engine_dead is not None:
-                self.on_engine_dead(exc)
-            raise exc
-        if self.on_error == "raise":
-            raise exc if isinstance(exc, RowError) else RowError(error_message(exc))
+    def _columns(self, result: Any) -> dict[str, Any]:
+        value = result.outputs
+        row = self._error_columns("")
+        row.update(error=None, num_prompt_tokens=len(result.prompt_token_ids))
+        row[OUTPUT_OF[self.task]] = (value.embedding if self.task == "embed" else
+                                     value.probs if self.task == "classify" else value.score)
+        return row
+
+    def _error_columns(self, message: str) -> dict[str, Any]:
         return {"embedding": None, "probs": None, "score": None, "num_prompt_tokens": 0,
-                "error": error_message(exc)}
+                "error": message}
 
-    def abandon(self, futures: Iterable[Future]) -> None:
-        rids = [self._request_ids.pop(f) for f in list(futures) if f in self._request_ids]
-        if not rids or getattr(self.driver, "dead", None) is not None:
-            return
-
-        def abort_all(engine: Any) -> None:
-            for rid in rids:
-                engine.abort(rid)
-
-        self.driver.call(abort_all)
+    def output_schema(self) -> pa.Schema:
+        return pooling_schema(self.task, self.embedding_size)
 
     @property
-    def embedding_size(self) -> int:
+    def embedding_size(self) -> int | None:
+        if not self.fixed_size:
+            return None
         return self.default_params.dimensions or self.engine.hidden_size
 
     def attach(self, table: pa.Table, indices: Sequence[int],
@@ -192,12 +161,6 @@ def attach_pooling_outputs(table: pa.Table, indices: Sequence[int],
                            rows: Sequence[Mapping[str, Any]], task: str,
                            embedding_size: int | None = None) -> pa.Table:
     """Input rows `indices` of `table`, all columns kept, the task's output columns appended."""
-    assert len(indices) == len(rows), (len(indices), len(rows))
     schema = pooling_schema(task, embedding_size)
-    kept = table.take(pa.array(indices, type=pa.int64()))
-    kept = kept.drop_columns([c for c in schema.names if c in kept.column_names])
-    outputs = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in rows],
-                                   schema=schema)
-    for fld, column in zip(outputs.schema, outputs.columns):
-        kept = kept.append_column(fld, column)
-    return kept
+    return with_outputs(table, indices, pa.Table.from_pylist(
+        [{k: r[k] for k in schema.names} for r in rows], schema=schema))

@@ -1,20 +1,24 @@
-"""Connector side of per-row programs: the row → program and output dict → columns layer.
+"""Program rows: a row → its program → the program's columns (a `handler.RowLifecycle`).
 
-With `program=` a connector hands each whole input row to the program (`batchgen_data.programs`)
-instead of building one request from it; the program's returned dict becomes the output
-columns, plus `error` (null when fine). A declared schema (`@program(schema=...)`) fixes those
+With `program=` a connector hands each whole input row to the program (`batchgen_data.programs`,
+run over the engine's driver by `programs.driven.DrivenPrograms`) instead of building one
+request from it; the program's returned dict becomes the output columns, plus `error` (null
+when fine). A declared schema (`@program(schema=...)`) fixes those
 columns and their types: Spark needs it up front, and on Ray it keeps blocks with only error
 rows the same shape as the others. An output that does not fit the schema is that row's error.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
 
-from batchgen_data.connectors.common import derive_seed, to_python
+from batchgen_data.connectors.cells import to_python, with_outputs
+from batchgen_data.connectors.common import RequestBuilder, derive_seed
+from batchgen_data.connectors.handler import RowLifecycle
 
 ERROR_FIELD = pa.field("error", pa.string())
 
@@ -71,17 +75,50 @@ def attach_program_outputs(table: pa.Table, indices: Sequence[int],
                            ) -> pa.Table:
     """Input rows `indices` of `table`, all columns kept, with the program's columns appended
     (an input column named like an output column is replaced)."""
-    assert len(indices) == len(rows), (len(indices), len(rows))
-    if schema is None:
-        names = list(dict.fromkeys(k for r in rows for k in r if k != "error")) + ["error"]
-        outputs = pa.Table.from_pylist([{n: r.get(n) for n in names} for r in rows])
-        if outputs.schema.field("error").type == pa.null():
-            outputs = outputs.set_column(len(names) - 1, ERROR_FIELD,
-                                         pa.nulls(len(rows), pa.string()))
-    else:
-        outputs = pa.Table.from_pylist(list(rows), schema=schema)
-    kept = table.take(pa.array(indices, type=pa.int64()))
-    kept = kept.drop_columns([c for c in outputs.column_names if c in kept.column_names])
-    for fld, column in zip(outputs.schema, outputs.columns):
-        kept = kept.append_column(fld, column)
-    return kept
+    if schema is not None:
+        return with_outputs(table, indices, pa.Table.from_pylist(list(rows), schema=schema))
+    names = list(dict.fromkeys(k for r in rows for k in r if k != "error")) + ["error"]
+    outputs = pa.Table.from_pylist([{n: r.get(n) for n in names} for r in rows])
+    if outputs.schema.field("error").type == pa.null():
+        outputs = outputs.set_column(len(names) - 1, ERROR_FIELD, pa.nulls(len(rows), pa.string()))
+    return with_outputs(table, indices, outputs)
+
+
+class ProgramRows(RowLifecycle):
+    """Rows of one engine in, one program run each; finished Futures become its columns."""
+
+    def __init__(self, driver: Any, builder: RequestBuilder, base_seed: int, program: Any,
+                 on_error: str = "row", request_prefix: str = "row",
+                 on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
+        from batchgen_data.programs.driven import DrivenPrograms  # imports the engine side
+
+        super().__init__(driver, on_error, request_prefix, on_engine_dead)
+        self.schema = program_output_schema(program)
+        self.programs = DrivenPrograms(
+            driver, program, builder.default_params, seed_for=lambda key, step, slot:
+            step_seed(base_seed, key, step, slot), prefix=f"{request_prefix}-program",
+            is_engine_dead=self.is_engine_dead, lora_for=builder.lora_for)
+
+    def _start(self, row: Mapping[str, Any], key: Any, alone: bool) -> tuple[Future, None]:
+        """The whole row goes to the program (`alone` does not apply: a program's steps are
+        its own requests); its failures arrive through the Future."""
+        return self.programs.submit(dict(row), program_row_key(row) if key is None else key), None
+
+    def _columns(self, result: Any) -> dict[str, Any]:
+        return program_result_row(result, self.schema)
+
+    def _error_columns(self, message: str) -> dict[str, Any]:
+        return program_error_row(message)
+
+    def output_schema(self) -> pa.Schema | None:
+        return self.schema
+
+    def attach(self, table: pa.Table, indices: Sequence[int],
+               rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+        return attach_program_outputs(table, indices, rows, self.schema)
+
+    def _abort(self, futures: list[Future], request_ids: list[str]) -> None:
+        self.programs.abandon(futures)
+
+    def close(self) -> None:
+        self.programs.shutdown()

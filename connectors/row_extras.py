@@ -144,14 +144,3 @@ def default_params(value: SamplingParams | Mapping[str, Any] | None) -> Sampling
         return SamplingParams.from_dict(value)
     return SamplingParams.from_dict(value)
 
-
-def with_row_structured(params: SamplingParams, row: Mapping[str, Any]) -> SamplingParams:
-    """`params` with the row's own `structured_outputs` / `response_format` column, if any
-    (RowError-compatible ValueError naming the column otherwise)."""
-    from batchgen_data.connectors.common import RowError, to_python
-
-    try:
-        given, spec = structured_override({k: to_python(row.get(k)) for k in ROW_FIELDS[:2]})
-        return replace(params, structured_outputs=spec) if given else params
-    except (TypeError, ValueError) as e:
-        raise RowError(f"bad structured output: {e}") from None

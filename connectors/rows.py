@@ -1,179 +1,105 @@
-"""One row's life in a connector: build → seed → submit → outcome → abandon.
+"""Generation rows: a row → one request → the generation columns (a `handler.RowLifecycle`).
 
-Ray's `BatchGenPredictor` and Spark's `TaskSession` both hand their rows to a `RowLifecycle`, so
-the two connectors cannot disagree about what a row error is. The rule (docs/row-errors.md):
-
-* an **engine failure** is the engine loop dying (`EngineDeadError`). No row is at fault and the
-  engine never recovers, so the task fails (after `on_engine_dead` lets the connector drop its
-  engine) and the data engine retries it on a fresh one;
-* anything else that goes wrong with one row, while it is validated, tokenized, submitted or
-  generated, is **that row's error**: its `error` column says what happened and the other rows
-  go on. With `on_error="raise"` the first row error fails the task instead.
-
-The lifecycle is thread-safe: a Ray actor serves several input batches at once through one.
+The row becomes a request through `common.RequestBuilder` (validated, chat-templated, seeded
+from the row), runs on the engine, and its `RequestOutput` becomes the output columns both
+connectors append to every input row: `generated_text`, `generated_token_ids`,
+`num_prompt_tokens`, `num_generated_tokens`, `finish_reason`, `error` (null when fine), and the
+logprobs and n > 1 columns of row_extras.py.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from batchgen_data.connectors.common import (
-    RequestBuilder, RowError, error_row, lora_kwargs, result_row, seeded)
-from batchgen_data.connectors.programs import (
-    program_error_row, program_output_schema, program_result_row, program_row_key, step_seed)
+import pyarrow as pa
+
+from batchgen_data.connectors import row_extras
+from batchgen_data.connectors.cells import with_outputs
+from batchgen_data.connectors.common import RequestBuilder, lora_kwargs, seeded
+from batchgen_data.connectors.handler import RowLifecycle
 
 log = logging.getLogger(__name__)
-ON_ERROR = ("row", "raise")
 
 
-def check_on_error(on_error: str) -> str:
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: use one of {ON_ERROR}")
-    return on_error
+def output_schema() -> pa.Schema:
+    """Arrow schema of the columns both connectors append to every input row."""
+    return pa.schema([
+        pa.field("generated_text", pa.string()),
+        pa.field("generated_token_ids", pa.list_(pa.int32())),
+        pa.field("num_prompt_tokens", pa.int32()),
+        pa.field("num_generated_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("error", pa.string()),
+        *row_extras.output_fields(),  # logprobs, top_logprobs, samples (n > 1)
+    ])
 
 
-def failed_future(exc: BaseException) -> Future:
-    """A finished Future holding `exc`: the stand-in for a row the engine never sees."""
-    fut: Future = Future()
-    fut.set_exception(exc)
-    return fut
+OUTPUT_COLUMNS = tuple(output_schema().names)
 
 
-def error_message(exc: BaseException) -> str:
-    """A row's `error` value: a validation message as is, anything unexpected with its type."""
-    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+def result_row(out: Any) -> dict[str, Any]:
+    """Output columns for a finished `RequestOutput` (its first completion)."""
+    c = out.outputs[0]
+    return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
+            "num_prompt_tokens": len(out.prompt_token_ids), "num_generated_tokens": len(c.token_ids),
+            "finish_reason": c.finish_reason, "error": None, **row_extras.result_columns(out)}
 
 
-def _engine_dead_error() -> type[BaseException]:
-    from batchgen_data.engine.driver import EngineDeadError  # imports torch: executor side only
+def error_row(message: str) -> dict[str, Any]:
+    """Output columns for a row that produced nothing: empty outputs, `error` = message."""
+    return {"generated_text": "", "generated_token_ids": [], "num_prompt_tokens": 0,
+            "num_generated_tokens": 0, "finish_reason": None, "error": message,
+            **row_extras.empty_columns()}
 
-    return EngineDeadError
+
+def attach_outputs(table: pa.Table, indices: Sequence[int],
+                   rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Input rows `indices` of `table`, all columns kept, with the output columns appended."""
+    return with_outputs(table, indices, pa.Table.from_pylist(list(rows), schema=output_schema()))
 
 
-class RowLifecycle:
-    """Rows of one engine in, Futures out; finished Futures become output column values."""
+class GenerationRows(RowLifecycle):
+    """Rows of one engine in, one request each; finished Futures become generation columns."""
 
     def __init__(self, driver: Any, builder: RequestBuilder, base_seed: int,
                  on_error: str = "row", request_prefix: str = "row",
-                 on_engine_dead: Callable[[BaseException], None] | None = None,
-                 program: Any = None) -> None:
-        self.driver = driver
+                 on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__(driver, on_error, request_prefix, on_engine_dead)
         self.builder = builder
         self.base_seed = base_seed
-        self.on_error = check_on_error(on_error)
-        self.on_engine_dead = on_engine_dead
-        self._dead = _engine_dead_error()
-        self._prefix = request_prefix
-        self._ids = itertools.count()  # next() is atomic: calls come from several threads
         # HF fast tokenizers fail with "Already borrowed" when threads share one
         self._build_lock = threading.Lock()
-        self._request_ids: dict[Future, str] = {}  # in flight, for `abandon`
         self._watch = EmptyAnswerWatch.of(driver.engine)
-        # with a per-row program each row runs it instead of one request (connectors/programs.py)
-        self.programs = self._start_programs(program) if program is not None else None
-        self.program_schema = program_output_schema(program)
 
-    def _start_programs(self, program: Any) -> Any:
-        from batchgen_data.programs.driven import DrivenPrograms  # imports the engine side
+    def _start(self, row: Mapping[str, Any], key: Any, alone: bool) -> tuple[Future, str]:
+        """build → seed → submit; `key` seeds unseeded sampling (default: the prompt's ids)."""
+        with self._build_lock:
+            req = self.builder.build(row)
+        params = seeded(req.params, self.base_seed, req.prompt_token_ids if key is None else key)
+        rid = self.next_request_id()
+        extra = {"alone": True} if alone else {}
+        fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid, prompt=req.prompt,
+                                 **lora_kwargs(req.lora), **extra)
+        return fut, rid
 
-        return DrivenPrograms(
-            self.driver, program, self.builder.default_params, self._build_lock,
-            seed_for=lambda key, step, slot: step_seed(self.base_seed, key, step, slot),
-            prefix=f"{self._prefix}-program", is_engine_dead=lambda e: isinstance(e, self._dead),
-            lora_for=self.builder.lora_for)
+    def _columns(self, result: Any) -> dict[str, Any]:
+        row = result_row(result)
+        self._watch.saw(row, self.builder.prompts_as_chat)
+        return row
 
-    def submit(self, row: Mapping[str, Any], key: Any = None, alone: bool = False) -> Future:
-        """build → seed → submit. A row error comes back as a finished Future holding it
-        (raised at once with on_error="raise"); `key` seeds unseeded sampling (default: the
-        prompt's token ids), so a retried task or a moved row samples the same tokens.
-        `alone`: the engine runs it in steps of its own (a row the poison-row record suspects:
-        connectors/poison.py; a program row ignores it)."""
-        if self.programs is not None:
-            # the whole row goes to the program; its failures arrive through the Future
-            return self.programs.submit(dict(row), program_row_key(row) if key is None else key)
-        try:
-            with self._build_lock:
-                req = self.builder.build(row)
-            seed_key = req.prompt_token_ids if key is None else key
-            params = seeded(req.params, self.base_seed, seed_key)
-            rid = f"{self._prefix}-{next(self._ids)}"
-            extra = {"alone": True} if alone else {}
-            fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid,
-                                     prompt=req.prompt, **lora_kwargs(req.lora), **extra)
-        except Exception as e:  # noqa: BLE001 - sorted by the rule above
-            if isinstance(e, self._dead):
-                self._engine_failed(e)
-                raise
-            if self.on_error == "raise":
-                raise RowError(error_message(e)) from e
-            return failed_future(RowError(error_message(e)))
-        self._request_ids[fut] = rid
-        return fut
+    def _error_columns(self, message: str) -> dict[str, Any]:
+        return error_row(message)
 
-    def is_engine_dead(self, exc: BaseException | None) -> bool:
-        """Whether `exc` is the engine's failure (`EngineDeadError`), not a row's."""
-        return isinstance(exc, self._dead)
+    def output_schema(self) -> pa.Schema:
+        return output_schema()
 
-    def request_id(self, fut: Future) -> str | None:
-        """The engine's request id of a row in flight (None for a row error or a program)."""
-        return self._request_ids.get(fut)
-
-    def reject(self, message: str) -> Future:
-        """A row refused before it is built (e.g. a duplicate id): a row error like any other."""
-        if self.on_error == "raise":
-            raise RowError(message)
-        return failed_future(RowError(message))
-
-    def outcome(self, fut: Future) -> dict[str, Any]:
-        """Output column values of a finished row; raises for an engine failure (and for a
-        row error with on_error="raise")."""
-        self._request_ids.pop(fut, None)
-        exc = fut.exception()
-        if exc is None and self.programs is not None:
-            row = program_result_row(fut.result(), self.program_schema)
-            if row["error"] is not None and self.on_error == "raise":
-                raise RowError(row["error"])
-            return row
-        if exc is None:
-            row = result_row(fut.result())
-            self._watch.saw(row, self.builder.prompts_as_chat)
-            return row
-        if isinstance(exc, self._dead):
-            self._engine_failed(exc)
-            raise exc
-        if self.on_error == "raise":
-            if isinstance(exc, RowError):
-                raise exc
-            raise RowError(error_message(exc)) from exc
-        if self.programs is not None:
-            return program_error_row(error_message(exc))
-        return error_row(error_message(exc))
-
-    def abandon(self, futures: Iterable[Future]) -> None:
-        """Stop generating rows nobody will read (the task failed, was cancelled, or its
-        consumer stopped early); a row that finished meanwhile is left alone."""
-        if self.programs is not None:
-            self.programs.abandon(futures)
-            return
-        rids = [self._request_ids.pop(f) for f in list(futures) if f in self._request_ids]
-        if not rids or getattr(self.driver, "dead", None) is not None:
-            return
-
-        def abort_all(engine: Any) -> None:
-            for rid in rids:
-                engine.abort(rid)  # False when it finished meanwhile
-
-        self.driver.call(abort_all)
-
-    def _engine_failed(self, exc: BaseException) -> None:
-        log.error("batchgen: the engine died (%r); failing the task so it is retried", exc)
-        if self.on_engine_dead is not None:
-            self.on_engine_dead(exc)
+    def attach(self, table: pa.Table, indices: Sequence[int],
+               rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+        return attach_outputs(table, indices, rows)
 
 
 class EmptyAnswerWatch:

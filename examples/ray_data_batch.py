@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import ray
 
-from batchgen_data.connectors.common import to_python
+from batchgen_data.connectors.cells import to_python
 from batchgen_data.connectors.ray_data import BatchGenPredictor
 from batchgen_data.report import summarize
 

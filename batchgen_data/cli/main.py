@@ -24,7 +24,7 @@ from batchgen_data.cli.outputs import (ENGINE_FAILED, RETRY_KEY, BatchOutput, Li
                                        TableOutput, side_file)
 from batchgen_data.cli.progress import Progress
 from batchgen_data.cli.safe_files import OutputLock, refuse_input_as_output, write_text_nofollow
-from batchgen_data.connectors.common import OUTPUT_COLUMNS
+from batchgen_data.connectors.rows import OUTPUT_COLUMNS
 from batchgen_data.openai.batch_output import error_line, success_line
 from batchgen_data.report.record import RunRecord
 

@@ -19,7 +19,8 @@ from typing import Any
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, Outcome
 from batchgen_data.cli.outputs import ENGINE_FAILED
-from batchgen_data.connectors.common import RequestBuilder, RowError, encode_prompt, seeded
+from batchgen_data.connectors.common import RequestBuilder, encode_prompt, seeded
+from batchgen_data.connectors.handler import RowError
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.openai.batch_output import Choice
 from batchgen_data.report.record import EngineSampler, RunRecord

@@ -256,7 +256,11 @@ class CallRecord:
 
 
 class _NoRecord:
-    """Completion order with nothing recorded (`BatchGenPredictor.record_emitted = False`)."""
+    """Completion order with nothing recorded (no Ray job: no task is retried): both the
+    client and each call's record."""
+
+    def call(self, rows: list[dict[str, Any]]) -> "_NoRecord":
+        return self
 
     def replay(self) -> list[Replay]:
         return []

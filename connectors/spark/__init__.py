@@ -10,25 +10,28 @@ Compared with `pyspark.ml.functions.predict_batch_udf`, which runs one Arrow bat
   * with no seed given, each row's seed is derived from the row (its prompt, or its id column in
     `generate_df`), so a retried or speculative task returns the same text.
 With `program=` (a `@batchgen_data.program` with a declared schema) each row runs that program
-and its output columns replace the generation columns (docs/programs.md).
+and its output columns replace the generation columns (docs/programs.md); with `task="embed"`,
+`"classify"` or `"score"` each row is a pooling request, with `embedding` (array<float>),
+`probs` (array<float>) or `score` (double) columns, `num_prompt_tokens` and `error`; score
+reads `text_1` and `text_2` (a `struct<text_1, text_2>` column for the UDF). Every kind goes
+through the same task (`task.TaskSession` over the kind's `handler.RowHandler`).
 pyspark and pandas are imported only when these functions are called.
 """
 from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
-from batchgen_data.connectors import common, row_extras
-
-from batchgen_data.connectors.spark import task as spark_task
-from batchgen_data.connectors.programs import attach_program_outputs, require_schema
+from batchgen_data.connectors.cells import to_python
+from batchgen_data.connectors.common import UniqueIds
 from batchgen_data.connectors.resume import skip_written
-from batchgen_data.connectors.spark.task import TaskSettings
+from batchgen_data.connectors.row_kinds import value_row
+from batchgen_data.connectors.spark import task as spark_task
 from batchgen_data.connectors.spark.streaming import in_completion_order, in_input_order
+from batchgen_data.connectors.spark.task import TaskSettings
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -62,7 +65,8 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
                  task: str = "generate", pooling_params: Any = None,
                  **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
-    `task` "embed" / "classify" / "score": a pooling task instead (connectors/spark/pooling.py).
+    `task` "embed" / "classify" / "score": a pooling task instead (its input column holds
+    prompts, or `struct<text_1, text_2>` pairs for score).
 
     The input column may hold prompt strings, chat messages (`array<struct<role, content>>`) or
     token ids. With `apply_chat_template=True` (the default) messages, and prompt strings as one
@@ -71,18 +75,14 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     the engine's `max_num_seqs`). `debug_stats=True` adds `engine_max_batch_seqs`: the largest
     engine batch seen by the task so far. Register for SQL with `spark.udf.register(name, udf)`.
     """
-    if task != "generate":
-        from batchgen_data.connectors.spark.pooling import pooling_udf
-        return pooling_udf(model, task, pooling_params, on_error, max_in_flight,
-                           **engine_kwargs)
     import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs, apply_chat_template, program,
-                                   chat_template, chat_template_kwargs)
+                                   chat_template, chat_template_kwargs, task, pooling_params)
     _check_worker_reuse()
-    return_type = _spark_type(_task_schema(settings))
+    return_type = _spark_type(settings.output_schema())
 
     def batchgen_generate(prompts: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
         yield from _udf_task(settings, prompts)
@@ -98,17 +98,21 @@ def _udf_task(settings: TaskSettings, prompts: Iterator["pd.Series"]) -> Iterato
     import pandas as pd
 
     session = spark_task.TaskSession(settings)
-    names = _task_schema(settings).names
+    names = settings.output_schema().names
 
     def submit(series: pd.Series) -> list[Future]:
         if isinstance(series, pd.DataFrame):  # a struct column: one row dict per struct
-            rows = [common.to_python(r) for r in series.to_dict("records")]
+            rows = [to_python(r) for r in series.to_dict("records")]
             return session.submit(rows, [None] * len(rows))
-        values = [common.to_python(v) for v in series.tolist()]
-        return session.submit([spark_task.value_row(v) for v in values], values)
+        values = [to_python(v) for v in series.tolist()]
+        return session.submit([value_row(v) for v in values], values)
 
-    for futures in in_input_order(prompts, submit, settings.max_in_flight, session.abandon):
-        yield pd.DataFrame.from_records(session.output_rows(futures), columns=names)
+    try:
+        for futures in in_input_order(prompts, submit, settings.max_in_flight,
+                                      session.abandon):
+            yield pd.DataFrame.from_records(session.output_rows(futures), columns=names)
+    finally:
+        session.finish()
 
 
 def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None = None,
@@ -131,27 +135,23 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     `chat_template_kwargs` (docs/structured-output.md).
     `resume_from`: an output location (Parquet) whose `id_col` values are skipped, i.e. rows
     a crashed run already wrote (`spark_resume.write_generated` writes in resumable parts).
-    `task` "embed" / "classify" / "score": a pooling task (connectors/spark/pooling.py).
+    `task` "embed" / "classify" / "score": a pooling task (score reads `text_1` and `text_2`).
     """
-    if task != "generate":
-        from batchgen_data.connectors.spark.pooling import pooling_df
-        return pooling_df(df, task, prompt_col, model, pooling_params, on_error, max_in_flight,
-                          **engine_kwargs)
-    for col in (prompt_col if program is None else None, id_col):
+    settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
+                                   debug_stats, engine_kwargs, apply_chat_template, program,
+                                   chat_template, chat_template_kwargs, task, pooling_params,
+                                   stats)
+    for col in (*settings.rows.input_columns(prompt_col), id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")
     if resume_from is not None:
         if id_col is None:
             raise ValueError("resume_from needs id_col: the ids tell written rows apart")
         df = skip_written(df, resume_from, id_col)
-    settings = replace(TaskSettings.create(model, sampling_params, on_error, max_in_flight,
-                                           debug_stats, engine_kwargs, apply_chat_template,
-                                           program, chat_template, chat_template_kwargs),
-                       stats=stats)
     _check_worker_reuse()
     from pyspark.sql.types import StructType
 
-    out_fields = _spark_type(_task_schema(settings)).fields
+    out_fields = _spark_type(settings.output_schema()).fields
     # like common.attach_outputs: an input column named like an output column is replaced
     kept = [f for f in df.schema.fields if f.name not in {o.name for o in out_fields}]
     schema = StructType(kept + out_fields)
@@ -166,61 +166,30 @@ def _map_task(settings: TaskSettings, prompt_col: str, id_col: str | None,
               batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """One task of `generate_df`: input columns plus results, as rows finish."""
     session = spark_task.TaskSession(settings)
-    ids = common.UniqueIds(id_col) if id_col is not None else None
+    ids = UniqueIds(id_col) if id_col is not None else None
 
     def submit(batch: pa.RecordBatch) -> list[Future]:
-        if settings.program is not None:  # the whole row goes to the program
-            keys = batch.column(id_col).to_pylist() if id_col is not None else None
-            rows = batch.to_pylist()
-            return session.submit(rows, keys if keys is not None else [None] * len(rows))
-        values = batch.column(prompt_col).to_pylist()
-        rows = [spark_task.value_row(v, prompt_col) for v in values]
-        for name in (common.PARAMS_COLUMN, *row_extras.ROW_FIELDS, *common.LORA_FIELDS):
-            if name in batch.schema.names:
-                for row, value in zip(rows, batch.column(name).to_pylist()):
-                    row[name] = value
+        pairs = [settings.rows.row_of(r, prompt_col) for r in batch.to_pylist()]
+        rows = [row for row, _ in pairs]
         if ids is None:
-            return session.submit(rows, values)
+            return session.submit(rows, [key for _, key in pairs])
         keys = batch.column(id_col).to_pylist()
         problems = [ids.problem(k) for k in keys]
         return [session.reject(p) if p else session.submit([row], [k])[0]
                 for row, k, p in zip(rows, keys, problems)]
 
     try:
-        yield from _finished_batches(settings, session, submit, batches)
+        for done in in_completion_order(batches, submit, settings.max_in_flight,
+                                        session.abandon):
+            # finished rows grouped by the input batch they came from, so columns are taken once
+            groups: dict[int, tuple[pa.RecordBatch, list[int], list[Future]]] = {}
+            for batch, i, fut in done:
+                _, indices, futures = groups.setdefault(id(batch), (batch, [], []))
+                indices.append(i)
+                futures.append(fut)
+            for batch, indices, futures in groups.values():
+                table = session.attach(pa.Table.from_batches([batch]), indices,
+                                       session.output_rows(futures))
+                yield from table.to_batches()
     finally:
         session.finish()
-
-
-def _finished_batches(settings: TaskSettings, session: spark_task.TaskSession, submit: Any,
-                      batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    for done in in_completion_order(batches, submit, settings.max_in_flight, session.abandon):
-        # finished rows grouped by the input batch they came from, so columns are taken once
-        groups: dict[int, tuple[pa.RecordBatch, list[int], list[Future]]] = {}
-        for batch, i, fut in done:
-            _, indices, futures = groups.setdefault(id(batch), (batch, [], []))
-            indices.append(i)
-            futures.append(fut)
-        for batch, indices, futures in groups.values():
-            rows = session.output_rows(futures)
-            table = _attach(settings, pa.Table.from_batches([batch]), indices, rows)
-            if settings.debug_stats:
-                peaks = [r[spark_task.DEBUG_FIELD] for r in rows]
-                table = table.append_column(spark_task.DEBUG_FIELD, pa.array(peaks, pa.int32()))
-            yield from table.to_batches()
-
-
-def _task_schema(settings: TaskSettings) -> pa.Schema:
-    """Columns a task appends: the program's declared ones, else the generation columns."""
-    if settings.program is None:
-        return spark_task.output_schema(settings.debug_stats)
-    schema = require_schema(settings.program, "Spark")
-    return schema.append(pa.field(DEBUG_FIELD, pa.int32())) if settings.debug_stats else schema
-
-
-def _attach(settings: TaskSettings, table: pa.Table, indices: list[int],
-            rows: list[dict[str, Any]]) -> pa.Table:
-    if settings.program is None:
-        return common.attach_outputs(table, indices, rows)
-    return attach_program_outputs(table, indices, rows,
-                                  require_schema(settings.program, "Spark"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from batchgen_data.config import make_engine_config
+from batchgen_data.connectors.row_kinds import GENERATE, build_engine
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,9 @@ class DriverLike(Protocol):
     """What connectors need from `EngineDriver` (see docs/ENGINE_API.md)."""
 
     engine: Any
+
+    @property
+    def dead(self) -> BaseException | None: ...
 
     def submit(self, prompt_token_ids: list[int], params: Any, request_id: str | None = None,
                prompt: str | None = None) -> Any: ...
@@ -32,16 +36,19 @@ class DriverLike(Protocol):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Picklable recipe for an engine: what crosses from the Spark driver to executors."""
+    """Picklable recipe for an engine: what crosses from the Spark driver to executors.
+    `task`: the rows it runs (a pooling task's engine is a pooling one, row_kinds.py)."""
 
     model: str | None = None
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
+    task: str = GENERATE
 
     @classmethod
-    def create(cls, model: str | None, engine_kwargs: dict[str, Any]) -> "EngineSpec":
+    def create(cls, model: str | None, engine_kwargs: dict[str, Any],
+               task: str = GENERATE) -> "EngineSpec":
         """Validate kwargs now (driver side) so a typo fails before any task starts."""
         make_engine_config(model, **engine_kwargs)
-        return cls(model, tuple(sorted(engine_kwargs.items())))
+        return cls(model, tuple(sorted(engine_kwargs.items())), task)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -65,19 +72,18 @@ class EngineSpec:
                 kw["rank_devices"] = tuple(rank_devices)
         if kw["device"] == "cpu" and num_threads and "num_threads" not in kw:
             kw["num_threads"] = num_threads
-        return EngineSpec(self.model, tuple(sorted(kw.items())))
+        return EngineSpec(self.model, tuple(sorted(kw.items())), self.task)
 
     def key(self) -> str:
         # repr, not hash(): kwargs values may be lists, and the key must be stable in one process
-        return repr((self.model, self.engine_kwargs))
+        return repr((self.model, self.engine_kwargs, self.task))
 
 
 def build_driver(spec: EngineSpec) -> DriverLike:
     """Load the real engine and start its stepping thread (imports torch: executor side only)."""
     from batchgen_data.engine.driver import EngineDriver
-    from batchgen_data.engine.engine import Engine
 
-    return EngineDriver(Engine.from_kwargs(model=spec.model, **spec.kwargs))
+    return EngineDriver(build_engine(spec.task, spec.model, **spec.kwargs))
 
 
 class EngineCache:

@@ -10,8 +10,8 @@ by the record not at all (a row error). A death with no suspects, or the `max_de
 fails the task as before: nothing here tells a row from the device then.
 
 `RetryingRows` hands out one Future per row (a "proxy") that stays pending across engines and
-resolves with the finished Future of the engine that ran the row, and the `RowLifecycle` that
-made it, for `RowLifecycle.outcome`.
+resolves with the finished Future of the engine that ran the row, and the `RowHandler` that
+made it, for `RowHandler.outcome`.
 """
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
-from batchgen_data.connectors.poison import PoisonBook, Verdict
-from batchgen_data.connectors.rows import RowLifecycle, failed_future
+from batchgen_data.connectors.handler import RowHandler, failed_future
+from batchgen_data.connectors.poison import PoisonBook, Verdict, death_suspects
 
 log = logging.getLogger(__name__)
 
 
 class RetryingRows:
-    def __init__(self, make: Callable[[], RowLifecycle], discard: Callable[[Any], None],
+    def __init__(self, make: Callable[[], RowHandler], discard: Callable[[Any], None],
                  max_deaths: int = 3) -> None:
-        """`make` builds a lifecycle over this worker's engine (a new one once `discard` has
+        """`make` opens the rows' handler over this worker's engine (a new one once `discard`
         dropped a dead driver); `max_deaths`: engine deaths one task lives through."""
         self._make, self._discard, self.max_deaths = make, discard, max_deaths
         self.rows = make()
@@ -52,7 +52,7 @@ class RetryingRows:
         self._send(proxy, self.rows)
         return proxy
 
-    def resolved(self, rows: RowLifecycle, fut: Future) -> Future:
+    def resolved(self, rows: RowHandler, fut: Future) -> Future:
         """A proxy already holding `fut` (a row error made before the engine saw the row)."""
         proxy: Future = Future()
         proxy.set_result((fut, rows))
@@ -65,7 +65,7 @@ class RetryingRows:
             self._waiting = [p for p in self._waiting if p not in gone]
         self.rows.abandon(mine)
 
-    def _send(self, proxy: Future, rows: RowLifecycle) -> None:
+    def _send(self, proxy: Future, rows: RowHandler) -> None:
         serial, row, key = self._args[proxy]
         if serial in self.verdict.blamed:  # it killed engines before: a row error, not run
             proxy.set_result((rows.reject(self.verdict.blamed[serial]), rows))
@@ -83,10 +83,10 @@ class RetryingRows:
                 self._of_rid[rid] = serial
         fut.add_done_callback(lambda f: self._landed(proxy, f, rows))
 
-    def _landed(self, proxy: Future, fut: Future, rows: RowLifecycle) -> None:
+    def _landed(self, proxy: Future, fut: Future, rows: RowHandler) -> None:
         exc = fut.exception()
         dead = rows.is_engine_dead(exc)
-        suspects = _suspects(exc, rows.driver) if dead else ()
+        suspects = death_suspects(exc, rows.driver) if dead else ()
         if not suspects or self.deaths >= self.max_deaths:
             proxy.set_result((fut, rows))  # an outcome: a row, a row error, or the task fails
             return
@@ -98,7 +98,7 @@ class RetryingRows:
         threading.Thread(target=self._revive, args=(rows, set(suspects)), daemon=True,
                          name="batchgen-spark-revive").start()
 
-    def _revive(self, dead: RowLifecycle, suspects: set[str]) -> None:
+    def _revive(self, dead: RowHandler, suspects: set[str]) -> None:
         """Every row of the dead engine has landed: note the death, build a new engine, send
         the rows it left again."""
         with self._lock:
@@ -128,9 +128,3 @@ class RetryingRows:
         for proxy in todo:
             self._send(proxy, self.rows)
 
-
-def _suspects(exc: BaseException | None, driver: Any) -> tuple[str, ...]:
-    """The requests a death names (its `EngineDeadError`'s, else the driver's dead loop's)."""
-    found = getattr(exc, "suspects", None) or getattr(getattr(driver, "dead", None),
-                                                       "suspects", None)
-    return tuple(found or ())

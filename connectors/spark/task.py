@@ -1,15 +1,16 @@
 """Executor side of the Spark connector: what one Spark task does with its rows.
 
-A task finds (or builds) its worker's engine and hands each row to the `rows.RowLifecycle`
-shared with the Ray connector (a bad row becomes an error row; a dead engine fails the task so
-Spark retries it on a rebuilt engine: docs/row-errors.md); results come back as Futures that
-the windows in `spark_streaming` hand back to Spark. pyspark is imported only in
+A task finds (or builds) its worker's engine and hands each row to the `handler.RowHandler` its
+`RowKind` opens, as the Ray connector does (a bad row becomes an error row; a dead engine fails
+the task so Spark retries it on a rebuilt engine: docs/row-errors.md); results come back as
+Futures that the windows in `spark_streaming` hand back to Spark. pyspark is imported only in
 `task_resources`, so everything else is testable without a JVM.
 """
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,9 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen_data import env
-from batchgen_data.inputs.chat import check_template_kwargs
-from batchgen_data.connectors import common, row_extras
+from batchgen_data.connectors.handler import RowHandler, check_on_error
+from batchgen_data.connectors.row_kinds import GENERATE, RowKind
 from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, metrics as spark_metrics
-from batchgen_data.connectors.rows import RowLifecycle, check_on_error
 from batchgen_data.connectors.spark.engine_cache import EngineSpec
 from batchgen_data.connectors.spark.retry import RetryingRows
 from batchgen_data.connectors.spark.streaming import BatchSizeProbe
@@ -35,15 +35,11 @@ class TaskSettings:
     """Everything a task needs, pickled once with the UDF: configuration only, no engine."""
 
     spec: EngineSpec
-    params: dict[str, Any]
+    rows: RowKind
     on_error: str = "row"
     max_in_flight: int = 512
     debug_stats: bool = False
-    apply_chat_template: bool = True
     stats: Any = None  # a spark_metrics.stats_accumulator: engine samples, added per task
-    program: Any = None  # a @batchgen_data.program run on every row (connectors/programs.py)
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
@@ -55,14 +51,22 @@ class TaskSettings:
                max_in_flight: int | None, debug_stats: bool,
                engine_kwargs: dict[str, Any], apply_chat_template: bool = True,
                program: Any = None, chat_template: str | None = None,
-               chat_template_kwargs: dict[str, Any] | None = None) -> "TaskSettings":
-        spec = EngineSpec.create(model, engine_kwargs)
-        # response_format allowed in the defaults; the dict form pickles with the UDF
-        params = row_extras.default_params(sampling_params).to_dict()
+               chat_template_kwargs: dict[str, Any] | None = None, task: str = GENERATE,
+               pooling_params: Any = None, stats: Any = None) -> "TaskSettings":
+        rows = RowKind.create(task, sampling_params, program, pooling_params,
+                              apply_chat_template, chat_template, chat_template_kwargs)
+        spec = EngineSpec.create(model, engine_kwargs, task)
         # Two engine batches' worth: the engine stays full while the oldest rows drain.
         window = max_in_flight if max_in_flight is not None else 2 * spec.max_num_seqs
-        return cls(spec, params, on_error, window, debug_stats, apply_chat_template, None,
-                   program, chat_template, check_template_kwargs(chat_template_kwargs))
+        # a pooling engine keeps no load or batch statistics: both are generation's
+        if rows.pooling:
+            debug_stats, stats = False, None
+        return cls(spec, rows, on_error, window, debug_stats, stats)
+
+    def output_schema(self) -> pa.Schema:
+        """The columns a task appends (the debug column last, when asked for)."""
+        schema = self.rows.declared_schema()
+        return schema.append(pa.field(DEBUG_FIELD, pa.int32())) if self.debug_stats else schema
 
 
 def task_resources() -> tuple[list[str], int | None]:
@@ -106,24 +110,6 @@ def rank_gpus(kwargs: dict[str, Any], device: str, requested: str,
     return cuda_indices(gpus[:tp], env.cuda_visible_devices())
 
 
-def value_row(value: Any, column: str | None = None) -> dict[str, Any]:
-    """A UDF cell as a `common` row: chat messages, token ids, or (anything else) a prompt.
-
-    A `column` named like an input column says what the cell is (an empty list has no type).
-    """
-    value = common.to_python(value)
-    if column in common.INPUT_COLUMNS:
-        return {column: value}
-    if isinstance(value, list) and value:
-        return {"messages" if isinstance(value[0], dict) else "prompt_token_ids": value}
-    return {"prompt": value}
-
-
-def output_schema(debug_stats: bool = False) -> pa.Schema:
-    schema = common.output_schema()
-    return schema.append(pa.field(DEBUG_FIELD, pa.int32())) if debug_stats else schema
-
-
 class TaskSession:
     """One Spark task's view of its worker's engine: rows in as Futures, results out as rows."""
 
@@ -135,22 +121,18 @@ class TaskSession:
     def _rows(self) -> RetryingRows:
         # on first use, so an empty partition never loads a model
         if self._retry is None:
-            self._retry = RetryingRows(self._lifecycle, spark_engine_cache.ENGINES.discard)
+            self._retry = RetryingRows(self._open, spark_engine_cache.ENGINES.discard)
         return self._retry
 
-    def _lifecycle(self) -> RowLifecycle:
-        """A lifecycle over this worker's engine (after a death: a new engine's)."""
+    def _open(self) -> RowHandler:
+        """The rows' handler over this worker's engine (a new one after an engine death)."""
         driver = task_driver(self.settings)
-        s = self.settings
-        builder = common.RequestBuilder.from_engine(driver.engine, s.params,
-                                                    s.apply_chat_template, s.chat_template,
-                                                    s.chat_template_kwargs)
-        rows = RowLifecycle(
-            driver, builder, self.settings.spec.base_seed, self.settings.on_error,
+        rows = self.settings.rows.open(
+            driver, self.settings.spec.base_seed, self.settings.on_error,
             request_prefix=f"spark-{uuid.uuid4().hex[:12]}",
             # not the rows' fault: the next engine of this worker is a new one
             on_engine_dead=lambda _: spark_engine_cache.ENGINES.discard(driver),
-            program=self.settings.program)
+            fixed_size=False)  # Spark declared its columns before the engine existed
         if self.settings.debug_stats and self._probe is None:
             self._probe = BatchSizeProbe(driver.engine)
         if self.settings.stats is not None:
@@ -158,9 +140,13 @@ class TaskSession:
         return rows
 
     def finish(self) -> None:
-        """The task's end: its engine's samples go to the job's accumulator, if it keeps one."""
-        if self.settings.stats is not None and self._retry is not None:
+        """The task's end: its engine's samples go to the job's accumulator, if it keeps one;
+        threads its rows started end."""
+        if self._retry is None:
+            return
+        if self.settings.stats is not None:
             self.settings.stats.add(spark_metrics.drain(self._retry.rows.driver))
+        self._retry.rows.close()
 
     def submit(self, rows: list[dict[str, Any]], keys: list[Any]) -> list[Future]:
         """One Future per row (a row error is a finished Future holding it); `keys` seed
@@ -170,18 +156,27 @@ class TaskSession:
         return [retry.submit(row, key) for row, key in zip(rows, keys)]
 
     def reject(self, message: str) -> Future:
-        """A row error for a row that never reaches the engine (see `RowLifecycle.reject`)."""
+        """A row error for a row that never reaches the engine (see `RowHandler.reject`)."""
         retry = self._rows()
         return retry.resolved(retry.rows, retry.rows.reject(message))
 
     def output_rows(self, futures: list[Future]) -> list[dict[str, Any]]:
         """Finished Futures -> output column values, one dict per row, same order."""
-        rows = [lifecycle.outcome(f) for f, lifecycle in (p.result() for p in futures)]
+        rows = [handler.outcome(f) for f, handler in (p.result() for p in futures)]
         if self.settings.debug_stats:
             peak = self._probe.max_batch_seqs() if self._probe is not None else 0
             for row in rows:
                 row[DEBUG_FIELD] = peak
         return rows
+
+    def attach(self, table: pa.Table, indices: Sequence[int],
+               rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+        """Input rows `indices` of `table` with their output columns (`output_rows`)."""
+        out = self._rows().rows.attach(table, indices, rows)
+        if self.settings.debug_stats:
+            peaks = [r[DEBUG_FIELD] for r in rows]
+            out = out.append_column(DEBUG_FIELD, pa.array(peaks, pa.int32()))
+        return out
 
     def abandon(self, futures: list[Future]) -> None:
         """Abort rows nobody will read (Spark stopped early, e.g. `show()` or `limit`)."""

@@ -15,8 +15,9 @@ import pytest
 
 from bad_input_catalogue import CATALOGUE, DOC, FINE, Bad, doc_table, render_table
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.connectors.common import RequestBuilder, RowError
-from batchgen_data.connectors.rows import RowLifecycle
+from batchgen_data.connectors.common import RequestBuilder
+from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.rows import GenerationRows
 from batchgen_data.engine.driver import EngineDriver
 from batchgen_data.engine.engine import Engine
 
@@ -76,9 +77,9 @@ def test_offline_api_raises_the_same_message(llm: LLM, bad: Bad) -> None:
     assert llm.engine.stats.num_steps == steps and not llm.engine.has_unfinished()
 
 
-def lifecycle(driver: Any, on_error: str) -> RowLifecycle:
+def lifecycle(driver: Any, on_error: str) -> GenerationRows:
     builder = RequestBuilder.from_engine(driver.engine, DEFAULTS)
-    return RowLifecycle(driver, builder, driver.engine.config.seed, on_error)
+    return GenerationRows(driver, builder, driver.engine.config.seed, on_error)
 
 
 def test_each_bad_row_is_its_own_error_next_to_good_rows(driver: Any, llm: LLM) -> None:

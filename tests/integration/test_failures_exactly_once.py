@@ -8,10 +8,12 @@ the actor and retries its tasks; every input row must come back exactly once wit
 an offline run. Each kill point runs in completion order (stream=True, the default) and in input
 order (stream="ordered"); whole batches (stream=False) once.
 
-The restarted actor submits each batch's rows in reverse order, so a retried batch's rows finish
-in another order than the first attempt's: completion order then stays exactly once only
-through the emitted-rows record (connectors/ray/emitted.py). With the record switched off
-(`record_emitted = False`) these tests lose and repeat rows in completion order.
+The restarted actor's engine queues each row ahead of the waiting ones, so it takes a retried
+batch's rows in reverse order and they finish in another order than the first attempt's:
+completion order then stays exactly once only through the emitted-rows record
+(connectors/ray/emitted.py). With a record that keeps nothing (`start_record` giving the
+record used outside Ray, `emitted.NO_RECORD`) these tests lose and repeat rows in completion
+order.
 """
 from __future__ import annotations
 
@@ -28,12 +30,54 @@ ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import us
 
 from batchgen_data import LLM, SamplingParams  # noqa: E402
+from batchgen_data.connectors.ray import emitted  # noqa: E402
+from batchgen_data.connectors.ray.predictor import default_device_kwargs  # noqa: E402
 from batchgen_data.connectors.ray_data import BatchGenPredictor  # noqa: E402
+from batchgen_data.engine.driver import EngineDriver  # noqa: E402
+from batchgen_data.engine.engine import Engine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 ENGINE = {"max_model_len": 96, "max_num_seqs": 8}
 ROWS = 48
+
+
+class FrontFirst(EngineDriver):
+    """Queues every request ahead of the waiting ones: the engine takes a batch's rows last
+    first, another engine state than the first attempt's."""
+
+    def submit(self, *args: Any, **kw: Any) -> Any:
+        return super().submit(*args, **{**kw, "front": True})
+
+
+class CountsPlaceholders:
+    """The job's emitted-rows record, noting in a file each yield a retry replays as
+    placeholders (one line per yield, its number of rows)."""
+
+    def __init__(self, client: Any, path: str) -> None:
+        self.client, self.path = client, path
+
+    def call(self, rows: list[dict[str, Any]]) -> Any:
+        record = self.client.call(rows)
+        path = self.path
+
+        class Counted:
+            def replay(self) -> list[emitted.Replay]:
+                plan = record.replay()
+                with open(path, "a") as f:
+                    f.writelines(f"{len(r.rows)}\n" for r in plan if r.placeholder)
+                return plan
+
+            def add(self, rows: list[int], row_bytes: int) -> None:
+                record.add(rows, row_bytes)
+
+            def finish(self) -> None:
+                record.finish()
+
+        return Counted()
+
+    def stop(self) -> None:
+        self.client.stop()
 
 
 class KillsOnce(BatchGenPredictor):
@@ -42,17 +86,19 @@ class KillsOnce(BatchGenPredictor):
 
     def __init__(self, flag: str, after: int, settle_s: float = 1.0, **kw: Any) -> None:
         self.restarted = os.path.exists(flag)  # this actor is the one Ray brought back
-        self.emitted_settle_s = settle_s
+        self.flag, self.settle_s = flag, settle_s
         super().__init__(**kw)
-        self.flag, self.after, self.sent = flag, after, 0
+        self.after, self.sent = after, 0
 
-    def _submit_rows(self, rows: list[dict[str, Any]], skip: set[int],
-                     pending: dict[Any, int]) -> None:
+    def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
         if not self.restarted:
-            return super()._submit_rows(rows, skip, pending)
-        for i in reversed(range(len(rows))):  # another engine state than the first attempt's
-            if i not in skip:
-                pending[self.rows.submit(rows[i])] = i
+            return super().start_driver(model, engine_kwargs)
+        return FrontFirst(Engine.from_kwargs(model, **default_device_kwargs(engine_kwargs)))
+
+    def start_record(self, fingerprint: str, job_id: str | None) -> Any:
+        client = emitted.start_emitted(fingerprint, job_id, settle_s=self.settle_s)
+        return None if client is None else CountsPlaceholders(client,
+                                                              self.flag + ".placeholders")
 
     def __call__(self, batch: Any) -> Iterator[Any]:
         for table in super().__call__(batch):
@@ -60,11 +106,6 @@ class KillsOnce(BatchGenPredictor):
                 self._die_once()
             self.sent += table.num_rows
             yield table
-
-    def _placeholders(self, table: Any, indices: list[int]) -> Any:
-        with open(self.flag + ".placeholders", "a") as f:  # one line per placeholder yield
-            f.write(f"{len(indices)}\n")
-        return super()._placeholders(table, indices)
 
     def _die_once(self) -> None:
         try:

@@ -14,7 +14,7 @@ import torch
 
 from batchgen_data import LLM, SamplingParams
 from batchgen_data.connectors.common import RequestBuilder
-from batchgen_data.connectors.rows import RowLifecycle
+from batchgen_data.connectors.rows import GenerationRows
 from batchgen_data.engine.driver import EngineDriver
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,7 +79,7 @@ def test_no_prompt_text_or_secret_in_logs(tiny_model_dir: Callable[..., Path],
     llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
     driver = EngineDriver(llm.engine)
     try:
-        rows = RowLifecycle(driver, RequestBuilder.from_engine(llm.engine, {"max_tokens": 4}),
+        rows = GenerationRows(driver, RequestBuilder.from_engine(llm.engine, {"max_tokens": 4}),
                             0, "row")
         bad = [{"prompt": prompt, "sampling_params": {"temperature": -1}},
                {"prompt": f"   {SECRET}" * 40}, {"messages": [{"role": SECRET, "content": "x"}]}]

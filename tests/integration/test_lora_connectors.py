@@ -69,7 +69,7 @@ def check(outs: dict[int, dict], want: dict) -> None:
 
 def test_shared_row_layer(setup) -> None:  # type: ignore[no-untyped-def]
     from batchgen_data.connectors.common import RequestBuilder
-    from batchgen_data.connectors.rows import RowLifecycle
+    from batchgen_data.connectors.rows import GenerationRows
     from batchgen_data.engine.driver import EngineDriver
     from batchgen_data.engine.engine import Engine
 
@@ -77,7 +77,7 @@ def test_shared_row_layer(setup) -> None:  # type: ignore[no-untyped-def]
     driver = EngineDriver(Engine.from_kwargs(str(base), **kw))
     try:
         builder = RequestBuilder.from_engine(driver.engine, apply_chat_template=False)
-        rows = RowLifecycle(driver, builder, base_seed=0)
+        rows = GenerationRows(driver, builder, base_seed=0)
         futs = [rows.submit(r) for r in rows_for(base)]
         check({i: rows.outcome(f) for i, f in enumerate(futs)}, want)
     finally:

@@ -23,8 +23,9 @@ import pytest
 import poison_engine
 from batchgen_data import LLM, SamplingParams
 from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
-from batchgen_data.connectors.common import RequestBuilder, RowError
-from batchgen_data.connectors.rows import RowLifecycle
+from batchgen_data.connectors.common import RequestBuilder
+from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.rows import GenerationRows
 from batchgen_data.connectors.spark.engine_cache import EngineCache
 from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.engine.driver import EngineDriver
@@ -67,7 +68,7 @@ def check(rows: list[dict[str, Any]], want: list[list[int]], error: str) -> None
 def test_row_lifecycle(model: str, want: list[list[int]], on_error: str) -> None:
     driver = EngineDriver(poisoned_engine(model, device="cpu", **ENGINE))
     try:
-        rows = RowLifecycle(driver, RequestBuilder.from_engine(driver.engine, PARAMS), 0,
+        rows = GenerationRows(driver, RequestBuilder.from_engine(driver.engine, PARAMS), 0,
                             on_error)
         futures = [rows.submit({"prompt_token_ids": p}) for p in IDS]
         if on_error == "raise":

@@ -165,9 +165,9 @@ def test_example_scripts_run(model: str, name: str, monkeypatch: pytest.MonkeyPa
 
 
 def test_connector_rows_run_programs_through_the_driver(model: str, llm: LLM) -> None:
-    """The path Ray and Spark share (RowLifecycle → DrivenPrograms → EngineDriver), no cluster."""
+    """The path Ray and Spark share (ProgramRows → DrivenPrograms → EngineDriver), no cluster."""
     from batchgen_data.connectors.common import RequestBuilder
-    from batchgen_data.connectors.rows import RowLifecycle
+    from batchgen_data.connectors.programs import ProgramRows
     from batchgen_data.engine.driver import EngineDriver
     from batchgen_data.engine.engine import Engine
 
@@ -176,8 +176,8 @@ def test_connector_rows_run_programs_through_the_driver(model: str, llm: LLM) ->
     rows = rows_for(name)
     driver = EngineDriver(Engine.from_kwargs(model, **ENGINE))
     try:
-        lifecycle = RowLifecycle(driver, RequestBuilder.from_engine(
-            driver.engine, {"max_tokens": MAX_TOKENS}), 0, program=prog)
+        lifecycle = ProgramRows(driver, RequestBuilder.from_engine(
+            driver.engine, {"max_tokens": MAX_TOKENS}), 0, prog)
         futures = [lifecycle.submit(r) for r in rows + [{"question": "q"}]]
         got = [lifecycle.outcome(f) for f in futures]
         want = EXAMPLES[name][1](llm, rows, MAX_TOKENS)

@@ -6,7 +6,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from batchgen_data.connectors.common import error_row, output_schema
+from batchgen_data.connectors.rows import error_row, output_schema
 from batchgen_data.report import summarize
 from batchgen_data.report.summary import JobReport, error_kind
 

@@ -119,7 +119,8 @@ def test_unsupported_vllm_fields_get_a_clear_error() -> None:
 
 def test_connector_rows_carry_the_new_fields() -> None:
     pytest.importorskip("pyarrow")
-    from batchgen_data.connectors.common import RequestBuilder, RowError
+    from batchgen_data.connectors.common import RequestBuilder
+    from batchgen_data.connectors.handler import RowError
 
     builder = RequestBuilder(tokenizer=None, default_params={"max_tokens": 4})
     row = builder.params_for('{"logit_bias": {"5": 2.5}, "allowed_token_ids": [5, 6], '
@@ -134,7 +135,8 @@ def test_connector_rows_carry_the_new_fields() -> None:
 
 def test_arrow_sampling_params_columns_carry_logit_bias() -> None:
     pa = pytest.importorskip("pyarrow")
-    from batchgen_data.connectors.common import RequestBuilder, batch_rows
+    from batchgen_data.connectors.cells import batch_rows
+    from batchgen_data.connectors.common import RequestBuilder
 
     structs = pa.table({"sampling_params": [{"logit_bias": {"5": 2.0}},
                                            {"logit_bias": {"7": -1.0}}]})

@@ -1,5 +1,6 @@
-"""connectors/common.py: row validation, batch conversion and output columns, with a fake
-tokenizer (one token per character) so no model is needed."""
+"""connectors/common.py, cells.py and the generation columns of rows.py: row validation, batch
+conversion and output columns, with a fake tokenizer (one token per character) so no model is
+needed."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,9 +8,11 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from batchgen_data.connectors.common import (
-    OUTPUT_COLUMNS, RequestBuilder, RowError, attach_outputs, batch_rows, error_row,
-    output_schema, result_row, to_arrow)
+from batchgen_data.connectors.cells import batch_rows, to_arrow
+from batchgen_data.connectors.common import RequestBuilder
+from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.rows import (
+    OUTPUT_COLUMNS, attach_outputs, error_row, output_schema, result_row)
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
 

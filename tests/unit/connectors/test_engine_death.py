@@ -63,10 +63,13 @@ def test_ray_predictor_task_fails_and_the_actor_exits(model: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     exits: list[int] = []
     monkeypatch.setattr(ray_predictor.os, "_exit", exits.append)
-    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda self, m, kw: break_after(
-        EngineDriver(Engine.from_kwargs(m, **kw)), good_steps=1))
-    pred = BatchGenPredictor(model=model, sampling_params={"max_tokens": 40, "ignore_eos": True},
-                             migration=False, apply_chat_template=False, **ENGINE)
+
+    class Breaks(BatchGenPredictor):
+        def start_driver(self, m: str | None, kw: dict[str, Any]) -> EngineDriver:
+            return break_after(EngineDriver(Engine.from_kwargs(m, **kw)), good_steps=1)
+
+    pred = Breaks(model=model, sampling_params={"max_tokens": 40, "ignore_eos": True},
+                  migration=False, apply_chat_template=False, **ENGINE)
     with pytest.raises(EngineDeadError):
         list(pred(pa.table({"id": [0, 1, 2], "prompt": ["a b", "c d", "e f"]})))
     assert exits == [1]  # the actor asked to exit, so Ray restarts it and retries the task

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pytest
 
 from batchgen_data import StructuredOutputsParams
-from batchgen_data.connectors.common import (
-    RequestBuilder, RowError, attach_outputs, error_row, output_schema, result_row)
+from batchgen_data.connectors.common import RequestBuilder
+from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.rows import attach_outputs, error_row, output_schema, result_row
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

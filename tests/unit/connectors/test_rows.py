@@ -1,5 +1,6 @@
-"""connectors/rows.py: one row lifecycle and one row-vs-engine-failure rule, checked through both
-connectors (Ray's `BatchGenPredictor`, Spark's `TaskSession`) over the same fake engine.
+"""connectors/handler.py and rows.py: one row lifecycle and one row-vs-engine-failure rule,
+checked through both connectors (Ray's `BatchGenPredictor`, Spark's `TaskSession`) over the same
+fake engine.
 
 The fake engine decides by prompt text: "boom" fails at submit with a non-ValueError, "lost"
 fails its Future with one, "die" finds the engine dead at submit, "dies later" kills the engine
@@ -17,14 +18,13 @@ from typing import Any, Callable
 import pyarrow as pa
 import pytest
 
+from batchgen_data.connectors import handler
+from batchgen_data.connectors.common import RequestBuilder
+from batchgen_data.connectors.handler import RowError
 from batchgen_data.connectors.ray import predictor as ray_predictor
-
-from batchgen_data.connectors import rows
-
-from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
-from batchgen_data.connectors.common import RequestBuilder, RowError
 from batchgen_data.connectors.ray.predictor import BatchGenPredictor
-from batchgen_data.connectors.rows import EmptyAnswerWatch, RowLifecycle
+from batchgen_data.connectors.rows import EmptyAnswerWatch, GenerationRows
+from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
 from batchgen_data.connectors.spark.engine_cache import EngineCache
 from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.engine.driver import EngineDeadError
@@ -97,9 +97,14 @@ class Connector:
         self.builds: list[Any] = []
         if kind == "ray":
             monkeypatch.setattr(ray_predictor.os, "_exit", self.exits.append)
-            monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: self.driver)
-            self.predictor = BatchGenPredictor(sampling_params={"max_tokens": 4},
-                                               on_error=on_error, migration=False)
+            driver = self.driver
+
+            class OnFake(BatchGenPredictor):
+                def start_driver(self, model: Any, engine_kwargs: Any) -> FakeDriver:
+                    return driver
+
+            self.predictor = OnFake(sampling_params={"max_tokens": 4}, on_error=on_error,
+                                    migration=False)
         else:
             monkeypatch.setattr(spark_engine_cache, "ENGINES", EngineCache(self._build))
             monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
@@ -165,9 +170,9 @@ def test_on_error_raise_fails_on_the_first_row_error(kind: str,
     assert not c.lost_engine()
 
 
-def lifecycle(driver: FakeDriver, on_error: str = "row") -> RowLifecycle:
+def lifecycle(driver: FakeDriver, on_error: str = "row") -> GenerationRows:
     builder = RequestBuilder(driver.tokenizer, {"max_tokens": 4}, driver.check_request)
-    return RowLifecycle(driver, builder, base_seed=0, on_error=on_error, request_prefix="t")
+    return GenerationRows(driver, builder, base_seed=0, on_error=on_error, request_prefix="t")
 
 
 def test_abandon_aborts_only_rows_still_in_flight() -> None:
@@ -186,7 +191,7 @@ def test_abandon_aborts_only_rows_still_in_flight() -> None:
 def test_on_error_is_checked() -> None:
     with pytest.raises(ValueError, match="on_error='skip'"):
         lifecycle(FakeDriver(), on_error="skip")
-    assert rows.ON_ERROR == ("row", "raise")
+    assert handler.ON_ERROR == ("row", "raise")
     assert not hasattr(spark_task, "ON_ERROR") and not hasattr(ray_predictor, "ON_ERROR")
 
 

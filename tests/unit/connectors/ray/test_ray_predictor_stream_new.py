@@ -34,6 +34,7 @@ class ReversedDriver:
         self.dead = None
         self.expected = rows
         self.subs: list[tuple[Future, RequestOutput]] = []
+        self.aborted: list[str] = []
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         pass
@@ -57,33 +58,46 @@ class ReversedDriver:
         fn(self)
 
     def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
         return False
 
     def shutdown(self, timeout: float = 1.0) -> None:
         pass
 
 
-def outputs(stream: Any, monkeypatch: pytest.MonkeyPatch, n: int = 5) -> list[list[str]]:
-    driver = ReversedDriver(n)
-    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: driver)
-    pred = BatchGenPredictor(stream=stream, migration=False, apply_chat_template=False)
+class OnFake(BatchGenPredictor):
+    """The predictor over a fake driver and stats export, given at its `start_*` seams."""
+
+    def __init__(self, driver: ReversedDriver, stats: Any = None, **kw: Any) -> None:
+        self.fake_driver, self.fake_stats = driver, stats
+        super().__init__(**kw)
+
+    def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
+        return self.fake_driver
+
+    def start_stats(self, migration: Any, job_id: str | None) -> Any:
+        return self.fake_stats
+
+
+def outputs(stream: Any, n: int = 5) -> list[list[str]]:
+    pred = OnFake(ReversedDriver(n), stream=stream, migration=False, apply_chat_template=False)
     table = pa.table({"prompt": [f"p{i}" for i in range(n)]})
     return [t.column("prompt").to_pylist() for t in pred(table)]
 
 
-def test_ordered_yields_one_row_at_a_time_in_input_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert outputs("ordered", monkeypatch) == [[f"p{i}"] for i in range(5)]
+def test_ordered_yields_one_row_at_a_time_in_input_order() -> None:
+    assert outputs("ordered") == [[f"p{i}"] for i in range(5)]
 
 
-def test_completion_order_differs_so_the_test_can_tell(monkeypatch: pytest.MonkeyPatch) -> None:
-    got = outputs(True, monkeypatch)
+def test_completion_order_differs_so_the_test_can_tell() -> None:
+    got = outputs(True)
     assert sum(got, []) != [f"p{i}" for i in range(5)]  # the last row finished first
     assert sorted(sum(got, [])) == [f"p{i}" for i in range(5)]
 
 
-def test_unknown_stream_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_stream_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="stream='sorted'"):
-        outputs("sorted", monkeypatch)
+        outputs("sorted")
 
 
 class RecordingStats:
@@ -101,27 +115,23 @@ class RecordingStats:
 
 
 @pytest.mark.parametrize("stream", [True, "ordered", False])
-def test_run_report_samples_are_shipped_before_each_yield(stream: Any,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_report_samples_are_shipped_before_each_yield(stream: Any) -> None:
     """The driver reads the job's collector once it holds every row: each yield must come after
-    a waited flush, else a short job's report has no timeline (a CI run failed that way)."""
-    driver = ReversedDriver(4)
-    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: driver)
-    pred = BatchGenPredictor(stream=stream, migration=False, apply_chat_template=False)
+    a waited flush, else a short job's report has no timeline."""
     seen: list[list[str]] = []
-    pred.stats_export = stats = RecordingStats(seen)
+    stats = RecordingStats(seen)
+    pred = OnFake(ReversedDriver(4), stats, stream=stream, migration=False,
+                  apply_chat_template=False)
     for t in pred(pa.table({"prompt": [f"p{i}" for i in range(4)]})):
         seen.append(t.column("prompt").to_pylist())
     assert stats.flushes == [(k, True) for k in range(len(seen))]
 
 
-def test_closing_the_call_stops_its_rows_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_closing_the_call_stops_its_rows_at_once() -> None:
     driver = ReversedDriver(3)
-    monkeypatch.setattr(BatchGenPredictor, "start_driver", lambda *_: driver)
-    pred = BatchGenPredictor(stream="ordered", migration=False, apply_chat_template=False)
-    abandoned: list[int] = []
-    monkeypatch.setattr(pred.rows, "abandon", lambda pending: abandoned.append(len(pending)))
+    pred = OnFake(driver, stream="ordered", migration=False, apply_chat_template=False)
     call = pred(pa.table({"prompt": ["a", "b", "c"]}))
     next(call)
     call.close()  # Ray cancels the task: the rows still pending are abandoned now
-    assert abandoned == [2]
+    sent = [out.request_id for _, out in driver.subs]
+    assert driver.aborted == sent[1:]  # every row but the one yielded

@@ -10,7 +10,8 @@ import pytest
 from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, task as spark_task
 from batchgen_data.connectors.common import derive_seed, seeded
 from batchgen_data.connectors.spark.engine_cache import EngineCache, EngineSpec
-from batchgen_data.connectors.spark.task import TaskSession, TaskSettings, value_row
+from batchgen_data.connectors.row_kinds import value_row
+from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.worker.devices import pick_device
 from batchgen_data.outputs import CompletionOutput, RequestOutput
 from batchgen_data.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ def test_settings_validate_on_the_driver() -> None:
     with pytest.raises(TypeError, match="temprature"):
         TaskSettings.create(None, {"temprature": 0}, "row", None, False, {})
     s = TaskSettings.create("m", {"max_tokens": 3}, "row", None, False, {"max_num_seqs": 8})
-    assert s.max_in_flight == 16 and s.params["max_tokens"] == 3
+    assert s.max_in_flight == 16 and s.rows.sampling_params["max_tokens"] == 3
 
 
 def test_spec_resolution_keeps_user_choices() -> None:
@@ -73,6 +74,7 @@ class FakeDriver:
         self.engine = self
 
     tokenizer = None
+    dead = None
     stats = type("Stats", (), {"batch_seqs_hist": {}})()
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from batchgen_data.connectors.rows import failed_future
+from batchgen_data.connectors.handler import failed_future
 from batchgen_data.connectors.spark.streaming import (
     BatchSizeProbe, in_completion_order, in_input_order)
 

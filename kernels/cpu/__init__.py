@@ -11,6 +11,7 @@ Launchers validate shapes and dtypes:
     linear.py     matmuls on the oneDNN, panel and plain weight layouts
     moe.py        an MoE layer's routed experts in one call (few tokens, AVX2)
     lora.py       the LoRA deltas of one linear layer for many adapters in one call (AVX2)
-`csrc/decode_stack.c` (a whole decode step in one call) is driven by the runner's fast path
-`batchgen_data.worker.fast_paths.cpu_decode_stack`. Nothing here knows about models.
+Nothing here knows about models: a whole-model C step (the runner's decode stack,
+`batchgen_data/worker/fast_paths/csrc/`) lives with its fast path and is built over these kernels
+by `build.extension`.
 """

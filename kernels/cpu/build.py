@@ -1,5 +1,5 @@
 """Builds and loads the C kernels for the CPU (`csrc/*.c` next to this file, with the shared
-`*.h`).
+`*.h`), and the callers' own C sources over them (`extension`: the runner's C decode stack).
 
 The kernels are plain C (no torch headers) and build in about a second with the system C
 compiler (``$CC``, else ``cc``) into one shared library under ``<cache_dir>/cpu_kernels/``. The
@@ -50,13 +50,14 @@ def _cpu_signature() -> str:
     return " ".join(sorted(flags)) if flags else platform.processor()
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, out: Path, sources: tuple[Path, ...] = SOURCES,
+           link: tuple[str, ...] = ()) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_flags(), *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *_flags(), *map(str, sources), "-o", tmp, *link, "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -88,16 +89,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bg_rotate_f32.restype = None
     lib.bg_silu_mul_f32.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.bg_silu_mul_f32.restype = None
-    lib.bg_decode_stack_layer_slots.argtypes = []
-    lib.bg_decode_stack_layer_slots.restype = i64
-    lib.bg_decode_stack_workspace.argtypes = [i64] * 6
-    lib.bg_decode_stack_workspace.restype = i64
-    lib.bg_decode_stack_f32.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr,
-                                        i64, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_float, c_int, ptr, c_int]
-    lib.bg_decode_stack_f32.restype = c_int
-    lib.bg_decode_stack_lora_slots.argtypes = []
-    lib.bg_decode_stack_lora_slots.restype = i64
     lib.bg_rows_gemm_supported.argtypes = []
     lib.bg_rows_gemm_supported.restype = c_int
     lib.bg_rows_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
@@ -146,3 +137,31 @@ def library() -> ctypes.CDLL | None:
         log.warning("CPU kernels unavailable (%s); using the torch paths", detail)
         return None
     return lib
+
+
+def extension(sources: tuple[Path, ...]) -> ctypes.CDLL | None:
+    """A library of a caller's own C sources over the kernels (a fast path's, kept beside it):
+    compiled with the kernels' flags, linked against the kernel library whose ``bg_*``
+    functions it calls, and cached beside that library, keyed by its sources and by it. None
+    without the kernel library or when the build fails: the caller keeps its torch path. The
+    caller declares its functions' argument types."""
+    lib = library()
+    if lib is None:
+        return None
+    return _extension(tuple(sources), lib._name)
+
+
+@functools.lru_cache(maxsize=None)
+def _extension(sources: tuple[Path, ...], base: str) -> ctypes.CDLL | None:
+    compiler = env.c_compiler() or "cc"
+    parts = [p.read_text() for p in sources]
+    key = hashlib.sha256("\0".join([*parts, base, compiler, *_flags()]).encode()).hexdigest()[:16]
+    path = Path(base).with_name(f"batchgen_ext-{key}.so")
+    try:
+        if not path.exists():  # the library's full path becomes the extension's dependency
+            _build(compiler, path, sources, (base,))
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("C extension %s unavailable (%s)", [p.name for p in sources], detail)
+        return None

@@ -100,6 +100,8 @@ def test_the_wheel_imports_every_module_and_public_name(installed: Path, tmp_pat
         from batchgen_data.cli import main
         from batchgen_data.kernels.cpu import build
         assert all(p.exists() for p in build.SOURCES) and build.SOURCES
+        from batchgen_data.worker.fast_paths import cpu_decode_stack
+        assert all(p.exists() for p in cpu_decode_stack.SOURCES)
         print(json.dumps({"modules": len(names), "skipped": skipped, "public": public}))
     """, tmp_path)
     report = json.loads(out.strip().splitlines()[-1])

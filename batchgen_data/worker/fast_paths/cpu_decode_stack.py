@@ -2,11 +2,10 @@
 
 Driven layer by layer from Python, a decode step over a few sequences spends much of its time on
 module calls, views and small allocations around the C kernels. `CpuDecodeStack` hands the whole
-layer stack to `kernels/cpu/csrc/decode_stack.c`, which calls the same kernels (panel matmuls,
-RMSNorm, rotation, SiLU, paged decode attention) in the same order, so its hidden states and KV
-writes are bit for bit those of the per-layer path. At 1-5 sequences of SmolLM2-135M shape this
-took a decode step's forward from 28-46 ms to 17-27 ms here (`lab/scripts/step_trace.py` shows the
-engine's step times).
+layer stack to `csrc/decode_stack.c` beside this file (built over the kernel library by
+`kernels/cpu/build.extension`), which calls the same kernels (panel matmuls, RMSNorm, rotation,
+SiLU, paged decode attention) in the same order, so its hidden states and KV writes are bit for
+bit those of the per-layer path (`lab/scripts/step_trace.py` shows the engine's step times).
 
 It serves steps where every scheduled sequence decodes one token and there are at most
 `PANEL_MAX_ROWS` of them, with the linear layers in the panel layout or all quantized
@@ -19,7 +18,9 @@ cannot take (a backend without the C kernels or the panel layout, a model class 
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SOURCES = (Path(__file__).with_name("csrc") / "decode_stack.c",)
+
+
+def library() -> ctypes.CDLL | None:
+    """The decode stack's C library over the kernels, declared; None where it cannot be built."""
+    lib = cpu_kernels.extension(SOURCES)
+    if lib is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.bg_decode_stack_layer_slots.argtypes = []
+    lib.bg_decode_stack_layer_slots.restype = i64
+    lib.bg_decode_stack_workspace.argtypes = [i64] * 6
+    lib.bg_decode_stack_workspace.restype = i64
+    lib.bg_decode_stack_f32.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr,
+                                        i64, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ctypes.c_float, c_int, ptr, c_int]
+    lib.bg_decode_stack_f32.restype = c_int
+    lib.bg_decode_stack_lora_slots.argtypes = []
+    lib.bg_decode_stack_lora_slots.restype = i64
+    return lib
+
 
 def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
@@ -43,7 +65,7 @@ def _addr(t: torch.Tensor | None) -> int:
 class CpuDecodeStack:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_rows: int = PANEL_MAX_ROWS) -> None:
-        lib = cpu_kernels.library()
+        lib = library()
         assert lib is not None
         self.lib = lib
         self.model = model
@@ -109,6 +131,8 @@ class CpuDecodeStack:
             return None
         k0 = kv_caches[0][0] if kv_caches else None
         if k0 is None or k0.dtype != torch.float32 or k0.device.type != "cpu":
+            return None
+        if library() is None:
             return None
         if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return None

@@ -1,10 +1,10 @@
 /* A whole decode step of a Llama-family decoder stack in one call, for the CPU (fp32).
  *
  * In a decode step each layer does a few milliseconds of memory-bound work (its weights and its
- * KV), but driven from Python it also pays for ~40 torch ops and module calls: a 4-sequence
- * decode forward of SmolLM2-135M took 46 ms layer by layer and 27 ms through this function here. This function runs every layer of a pure-decode step
- * (one new token per sequence) with the same C kernels the per-layer path calls, in the same
- * order and on the same rows, so its results are bit for bit that path's (a test checks it).
+ * KV), but driven from Python it also pays for dozens of torch ops and module calls. This
+ * function runs every layer of a pure-decode step (one new token per sequence) with the same C
+ * kernels the per-layer path calls, in the same order and on the same rows, so its results are
+ * bit for bit that path's (a test checks it).
  *
  * Per layer: h = RMSNorm(x + res); qkv = h Wqkv^T (+ b); optional per-head q/k RMSNorm (Qwen3);
  * rotate q and k ("rotate half"); write k, v into the paged cache; o = attention(q, cache);
@@ -12,11 +12,14 @@
  * After the last layer x = RMSNorm(x + res) with the final norm.
  *
  * The matmuls are the small-row kernel (small_gemm.c) or, when `use_panels`, the panel kernel
- * (panel_gemm.c) on the panel copies, or the quantized-weight kernel (quant_gemm.c); attention is paged_decode.c; norms, the rotation and SiLU
- * are norm_rope.c. Layer weights come as a table of addresses, LAYER_SLOTS per layer (see enum).
+ * (panel_gemm.c) on the panel copies, or the quantized-weight kernel (quant_gemm.c); attention
+ * is paged_decode.c; norms, the rotation and SiLU are norm_rope.c. Layer weights come as a table
+ * of addresses, LAYER_SLOTS per layer (see enum).
  * With `lora` (a step whose rows run under LoRA adapters), each linear's output then gets its
  * adapters' deltas from lora.c, as `Linear.forward` adds them after the base product.
- * Built and loaded by kernels/cpu/build.py; driven by batchgen_data/worker/fast_paths/cpu_decode_stack.py.
+ * Those kernels live in the kernel library (kernels/cpu/csrc/); this file is built by the same
+ * build (kernels/cpu/build.py, `extension`), linked against that library, and driven by
+ * cpu_decode_stack.py beside it.
  */
 #include <math.h>
 #include <stdint.h>

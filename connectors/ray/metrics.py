@@ -116,7 +116,7 @@ class StatsExport:
             for stat, value in experts.items():
                 if isinstance(value, (int, float)):
                     self.experts.set(value, tags={**tags, "stat": str(stat)})
-        counts = getattr(self.migration, "counts", None) or {}
+        counts = self.migration.counts if self.migration is not None else {}
         for direction in ("exported", "imported"):
             before = self._last.get(direction, 0)
             if self._add(self.moves, direction, counts.get(direction, 0),

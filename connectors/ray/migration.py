@@ -1,25 +1,26 @@
 """Engine side of cross-actor migration: report load, export on order, import, deliver back.
 
 A `MigrationClient` lives next to each `BatchGenPredictor`'s `EngineDriver` and runs one thread
-that calls the job's coordinator (`ray_coordinator`) every `interval_s`. Ownership never moves:
+that calls the job's coordinator (`ray/coordinator.py`) every `interval_s`. Ownership never
+moves:
 
 * the **owner** (the engine whose Ray task received the row) keeps the row's Future. On an
   export order it takes the request out of its engine (`Engine.export`: waiting rows as they
   are, running ones through hold + export), keeps the exported state, and mails it to the
   receiver;
-* the **importer** continues the request (`Engine.import_`; KV recomputed unless the policy
-  chose to ship it) and mails the finished `RequestOutput` back. A state that carries KV does
-  not travel through the coordinator: the owner `ray.put`s it and mails only the `ObjectRef`,
-  which the importer resolves from the object store (point to point, timed and counted);
+* the **importer** (`ray/guests.py`) continues the request (`Engine.import_`; KV recomputed
+  unless the policy chose to ship it) and mails the finished `RequestOutput` back. A state that
+  carries KV does not travel through the coordinator: the owner `ray.put`s it and mails only
+  the `ObjectRef`, which the importer resolves from the object store (point to point, timed and
+  counted);
 * the owner resolves the Future with it, so the owner's task yields the row, exactly once.
 
 If the importer stops reporting (dead), the coordinator reports the row lost (no live engine
 holds it as a guest and no mail carries it) for `lost_after_s`, or the result does not come
 back within `timeout_s`, the owner imports its kept state into its own engine; a late result is
-then dropped. If the
-coordinator fails, every engine logs once, takes its rows back, drops its guests, and runs
-without migration. Exported state is greedy/seeded-exact, so a row's tokens never depend on
-where it ran.
+then dropped. If the coordinator fails, every engine logs once, takes its rows back, drops its
+guests, and runs without migration. Exported state is greedy/seeded-exact, so a row's tokens
+never depend on where it ran.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen_data.connectors.migration_options import (  # noqa: F401 - re-exported
     DEFAULT_PLACEMENT, SPEED_RULES, MigrationOptions)
-from batchgen_data.connectors.ray.coordinator import Message, Reply, Report, kv_nbytes
+from batchgen_data.connectors.ray.coordinator import Message, Reply, Report
+from batchgen_data.connectors.ray.guests import Guests, pack
 
 if TYPE_CHECKING:
     from batchgen_data.engine.driver import EngineDriver
@@ -79,7 +81,6 @@ class MigrationClient:
         self.engine_id = engine_id
         self.options = options
         self.away: dict[str, _Away] = {}  # owned rows running elsewhere; only this thread
-        self.guests: dict[str, str] = {}  # imported rid -> owner; only the engine thread
         self.outbox: list[tuple[str, Message]] = []
         # kv_shipped: exported sequences that carried their KV; kv_imported_tokens: tokens of
         # KV an import kept (the receiver computes only the rest)
@@ -100,6 +101,8 @@ class MigrationClient:
         self._linger_stretch = 0
         self.active_calls = 0  # the predictor's __call__s now running
         self._guests_done = threading.Condition()
+        self.guests = Guests(driver, self._post, self.counts, self._guests_done,
+                             options.rpc_timeout_s, lambda: self.disabled)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # outbox: engine-thread callbacks append, we drain
         self._thread = threading.Thread(target=self._run, name="batchgen-migration", daemon=True)
@@ -133,7 +136,7 @@ class MigrationClient:
                     self.lingering, self.others_busy = True, True
                 self._guests_done.wait_for(
                     lambda: self.disabled or self._stop.is_set() or (
-                        not self.guests and not (linger and self.others_busy)),
+                        not self.guests.owners and not (linger and self.others_busy)),
                     timeout=self.options.timeout_s)
                 self.lingering = False
             self.active_calls -= 1
@@ -186,18 +189,18 @@ class MigrationClient:
         """Engine thread: load report plus the owned requests that may move (guests never move
         on)."""
         opts = self.options
-        movable = [r for r in engine.movable(exclude=self.guests)
+        guests = self.guests.owners
+        movable = [r for r in engine.movable(exclude=guests)
                    if (opts.move_queued if r.kind == "waiting" else opts.move_started)]
         return Report(engine.load(self.engine_id), tuple(movable),
-                      owned=engine.num_unfinished(exclude=self.guests),
-                      guests=tuple(self.guests))
+                      owned=engine.num_unfinished(exclude=guests), guests=tuple(guests))
 
     # ---- owner side ---------------------------------------------------------------------
     def _export(self, dst: str, rids: tuple[str, ...], ship_kv: bool) -> None:
         def take(engine: Engine) -> list[tuple[str, dict[str, Any], Future]]:
             out = []
             for rid in rids:
-                if not engine.is_live(rid) or rid in self.guests:
+                if not engine.is_live(rid) or rid in self.guests.owners:
                     continue  # finished (or moved) since the report
                 fut = self.driver.release(rid)
                 if fut is None or fut.done():
@@ -207,26 +210,11 @@ class MigrationClient:
 
         now = time.monotonic()
         for rid, state, fut in self.driver.call(take).result():
-            parcel = self._parcel(state)
+            parcel = pack(state, self.counts)
             self.away[rid] = _Away(state, fut, dst, now, parcel)
             self._post(dst, ("import", self.engine_id, parcel, rid))
             self.counts["exported"] += 1
             self.counts["kv_shipped"] += sum(s.get("kv") is not None for s in state["seqs"])
-
-    def _parcel(self, state: dict[str, Any]) -> Any:
-        """What the import message carries: a queued row's state as it is (token ids and
-        params, small), a state with KV as an `ObjectRef`, so the coordinator relays a handle
-        and the bytes go from the owner's object store to the importer's."""
-        nbytes = kv_nbytes(state)
-        if nbytes == 0:
-            return state
-        import ray
-
-        t0 = time.perf_counter()
-        ref = ray.put(state)
-        self.counts["kv_put_s"] += time.perf_counter() - t0
-        self.counts["kv_bytes_sent"] += nbytes
-        return ref
 
     def _reclaim_lost(self, live: set[str], reported_lost: tuple[str, ...] = ()) -> None:
         """Run at home the away rows whose receiver is gone, that are out too long, or that
@@ -265,18 +253,12 @@ class MigrationClient:
                     "on", err)
         for rid in list(self.away):
             self._reclaim(rid)
+        self.guests.drop_all()  # their owners reclaim them too
 
-        def drop_guests(engine: Engine) -> None:
-            for rid in list(self.guests):
-                engine.abort(rid)  # their owners reclaim them too
-
-        self.driver.call(drop_guests)
-
-    # ---- importer side ------------------------------------------------------------------
     def _receive(self, msg: Message) -> None:
         kind = msg[0]
         if kind == "import":
-            self._import(msg[1], msg[2], msg[3])
+            self.guests.add(msg[1], msg[2], msg[3])
         elif kind in ("deliver", "failed"):
             away = self.away.pop(msg[1], None)
             if away is None:
@@ -287,50 +269,6 @@ class MigrationClient:
             elif not away.future.done():
                 away.future.set_result(msg[2])
                 self.counts["delivered"] += 1
-
-    def _unpack(self, parcel: Any) -> dict[str, Any]:
-        """The exported state of an import message, fetched from the object store if need be."""
-        if isinstance(parcel, dict):
-            return parcel
-        import ray
-
-        t0 = time.perf_counter()
-        state = ray.get(parcel, timeout=self.options.rpc_timeout_s)
-        self.counts["kv_get_s"] += time.perf_counter() - t0
-        self.counts["kv_bytes_received"] += kv_nbytes(state)
-        return state
-
-    def _import(self, owner: str, parcel: Any, rid: str) -> None:
-        try:
-            state = self._unpack(parcel)
-        except Exception as e:  # noqa: BLE001 - object lost or owner gone: it runs at home
-            log.warning("batchgen migration: cannot fetch row %s from %s (%r)", rid, owner, e)
-            self._post(owner, ("failed", rid))
-            return
-        fut: Future = Future()
-
-        def add(engine: Engine) -> None:
-            try:
-                engine.import_(state)
-            except Exception:  # noqa: BLE001 - the owner runs it instead
-                self._post(owner, ("failed", rid))
-                raise
-            self.guests[rid] = owner
-            self.driver.adopt(rid, fut)
-            self.counts["kv_imported_tokens"] += sum(
-                r.num_computed_tokens for r in engine.movable() if r.request_id == rid)
-
-        def done(f: Future) -> None:
-            with self._guests_done:
-                self.guests.pop(rid, None)
-                self._guests_done.notify_all()
-            out = None if f.exception() else f.result()
-            if out is not None and not self.disabled and out.outputs[0].finish_reason != "abort":
-                self._post(owner, ("deliver", rid, out))
-
-        fut.add_done_callback(done)
-        self.driver.call(add)
-        self.counts["imported"] += 1
 
     def _post(self, dst: str, msg: Message) -> None:
         with self._lock:

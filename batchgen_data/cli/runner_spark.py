@@ -5,9 +5,8 @@ local one with `--actors` cores, one engine per Python worker. `generate_df` rea
 column, and a Spark column has one type, so prompts, chat messages and token ids run as up to
 three DataFrames, one after the other; rows of each stream back through `toLocalIterator` as
 Spark finishes its partitions; each task adds its engine's samples to an accumulator, the
-report's timelines (`connectors/spark/metrics.py`). As on Ray, a `/v1/completions` prompt is tokenized here,
-and `n > 1` samples and logprobs come back in the connectors' list columns (`n > 1` together with
-`top_logprobs` needs `--runner local`).
+report's timelines (`connectors/spark/metrics.py`). Work items become rows as on Ray
+(`dataset_rows.py`), and `n > 1` samples and logprobs come back in the connectors' list columns.
 """
 from __future__ import annotations
 
@@ -16,31 +15,31 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from batchgen_data.cli.dataset_rows import KEY, dataset_row, load_tokenizer, top_count
 from batchgen_data.cli.inputs import WorkItem
 from batchgen_data.cli.outcome import Emit, outcome_from_row
-from batchgen_data.cli.runner_ray import KEY, RayRunner, top_count
 from batchgen_data.report.record import RunRecord
 
 _TYPES = {"prompt": "string", "messages": "array<struct<role:string,content:string>>",
           "prompt_token_ids": "array<int>"}
 
 
-class SparkRunner(RayRunner):
-    """Shares the Ray runner's row building (`_row`); runs the rows on Spark instead."""
+class SparkRunner:
+    """Runs the work items' rows with `generate_df`, one DataFrame per input column kind."""
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                  default_params: dict[str, Any], record: RunRecord | None = None,
                  actors: int = 1) -> None:
-        from batchgen_data.models.loader import load_tokenizer, resolve_model_path
-
         self.record = record if record is not None else RunRecord()
         self.model = model
         self.engine_kwargs = engine_kwargs
         self.default_params = default_params
         self.actors = actors
-        self.tokenizer = load_tokenizer(resolve_model_path(engine_kwargs.get("tokenizer", model)),
-                                        bool(engine_kwargs.get("trust_remote_code", False)))
+        self.tokenizer = load_tokenizer(model, engine_kwargs)
         self.submitted = 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _session(self) -> Any:
         from pyspark.sql import SparkSession
@@ -60,7 +59,7 @@ class SparkRunner(RayRunner):
         by_key: dict[str, WorkItem] = {}
         groups: dict[str, list[tuple[Any, ...]]] = {}
         for item in items:
-            row = self._row(item, emit)
+            row = dataset_row(item, self.tokenizer, emit, "spark")
             if row is None:
                 continue
             by_key[item.key] = item

@@ -112,10 +112,6 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         model = loader.build_model(hf_config, dtype,
                                    torch.device("cpu") if offload else device, backend, plan)
     loader.load_weights(model, path, plan)  # each weight lands in its kernels' layout, once
-    if config.attention_micro_batch_seqs is not None:
-        if not hasattr(model, "attention_micro_batch_seqs"):
-            raise ValueError("attention_micro_batch_seqs applies to MoE models only")
-        model.attention_micro_batch_seqs = config.attention_micro_batch_seqs
     sc = config.scheduler
     store = None
     if offload:
@@ -166,13 +162,14 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
     host = HeldKVStore(cc.held_kv_bytes, per_token * full_heads // s.num_kv_heads)
     tier = None
     if host_blocks:
-        from batchgen_data.worker.offload.kv_engine import HostKVTier
+        from batchgen_data.worker.kv_tier.tier import HostKVTier
         tier = HostKVTier(model, num_blocks, host_blocks, cc.block_size, max_len, backend)
     if ranks is not None:  # no fast path: the whole-step ones have no collectives
         runner: ModelRunner = tp_runner.TPRunner(model, num_blocks, cc.block_size, backend,
-                                                 ranks)
+                                                 ranks, config.attention_micro_batch_seqs)
     else:
-        runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier)
+        runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier,
+                             config.attention_micro_batch_seqs)
     if store is None and ranks is None:  # the fast paths bake weight addresses in
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager,
                                 max_num_batched_tokens=sc.max_num_batched_tokens)

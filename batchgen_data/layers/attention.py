@@ -12,13 +12,20 @@ codes with this layer's `kv_scales` and read dequantized by every path: the Trit
 the C decode kernel widen the codes in registers, the torch path dequantizes what it gathers,
 and a prefill chunk without a cached prefix attends over its own K/V rounded through e4m3 too,
 so every path attends over the values the cache holds.
+
+A step may also be attended in micro-batches (`AttentionMetadata.micro_batches`, laid out by the
+runner): runs of its sequences attended one after another, each with its own metadata and, where
+its KV is not in the step's cache (the KV host tier), its own caches, one per layer. The layer
+picks its micro-batch's cache by its index (`layer_idx`); the model above it sees one metadata
+per step and never learns where a micro-batch's KV is.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,9 @@ from torch import nn
 
 from batchgen_data.layers import kv_quant
 from batchgen_data.layers.backend import current
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
 
 
 @dataclass
@@ -44,6 +54,32 @@ class AttentionMetadata:
     # torch path only, built once per step and shared by every layer:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nblk] cache blocks, row-major
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nblk * block_size] True = attend
+    # the step attended as micro-batches, one after another in row order (None: as one batch);
+    # the fields above then belong to no batch and are not read (`in_micro_batches`)
+    micro_batches: list[AttentionPart] | None = None
+
+    @classmethod
+    def in_micro_batches(cls, parts: Sequence[AttentionPart]) -> AttentionMetadata:
+        """A step attended as `parts`, whose token rows follow one another from row 0. Its own
+        batch fields describe an empty batch: every attention goes by the parts."""
+        device = parts[0].meta.slot_mapping.device
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return cls(slot_mapping=empty.long(), num_decodes=0, block_tables=empty.view(0, 0),
+                   seq_lens=empty, cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=device),
+                   seq_lens_host=[], query_lens_host=[], max_decode_len=0, max_prefill_len=0,
+                   micro_batches=list(parts))
+
+
+class AttentionPart(NamedTuple):
+    """One micro-batch of a step: its token rows, its attention metadata, and the KV caches its
+    sequences' KV is in, one per layer (None: the step's own caches). `Attention` reads
+    ``caches[layer_idx]`` just before it attends this micro-batch, after the micro-batch before
+    it has attended (a host-tier cache is staged then); a cache on another device than the
+    step's tensors is attended on that device."""
+
+    rows: slice
+    meta: AttentionMetadata
+    caches: Sequence[KVCache] | None = None
 
 
 # (layer, q, k, v, kv_cache, meta) -> [T, H, D]: what an Attention call becomes inside
@@ -67,14 +103,17 @@ def split_at_attention(hook: SplitHook) -> Iterator[None]:
 
 class Attention(nn.Module):
     """Writes the new tokens' K/V into the paged cache and attends over it, where the cache is:
-    a cache on another device than q (KV held in host memory, `worker/offload/kv_tier.py`) is written
-    and attended on its own device by the torch path, with `meta` on that device, and the
-    output comes back to q's device."""
+    a cache on another device than q (a micro-batch's KV held in host memory) is written and
+    attended on its own device by the torch path, with its metadata on that device, and the
+    output comes back to q's device. `layer_idx` is the layer's index in the model's stack: the
+    one a micro-batch's caches are read at."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.layer_idx = layer_idx
         # an FP8 cache's scales (the checkpoint's, else 1.0; models/loader.py sets them)
         self.kv_scales = kv_quant.KVScales()
         b = current()
@@ -94,7 +133,21 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                ) -> torch.Tensor:
-        """`forward` itself, whatever the split: writes the K/V and attends."""
+        """`forward` itself, whatever the split: writes the K/V and attends, per micro-batch
+        when the step has them."""
+        parts = meta.micro_batches
+        if parts is None:
+            return self._attend_batch(q, k, v, kv_cache, meta)
+        # each micro-batch's cache is asked for only when it attends (staged then, after the
+        # micro-batch before it: the order the KV host tier's double buffer relies on)
+        return torch.cat([self._attend_batch(q[p.rows], k[p.rows], v[p.rows],
+                                             kv_cache if p.caches is None
+                                             else p.caches[self.layer_idx], p.meta)
+                          for p in parts])
+
+    def _attend_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                      ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         if k_cache.device != q.device:
             there = k_cache.device

@@ -1,34 +1,16 @@
-"""Attention in micro-batches: one step's `AttentionMetadata` cut into groups of sequences.
+"""A step's attention cut into micro-batches of sequences (`AttentionMetadata.micro_batches`).
 
-MoE models run attention per micro-batch and each MoE layer once over the whole step
-(`models/moe.py`), so the expert batch is not bounded by what one attention batch may hold (the
-torch decode path gathers every sequence's KV blocks at once). A micro-batch is a run of
-consecutive sequences of the flattened step: decodes first, then prefill chunks, as
-`ModelRunner.prepare` lays them out, so its tokens are one contiguous row range.
+The runner attends an MoE model's step in micro-batches when `attention_micro_batch_seqs` is set,
+while each MoE layer still runs once over the whole step, so the expert batch is not bounded by
+what one attention batch may hold (the torch decode path gathers every sequence's KV blocks at
+once). A micro-batch is a run of consecutive sequences of the flattened step: decodes first, then
+prefill chunks, as `ModelRunner.prepare` lays them out, so its tokens are one contiguous row range.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from itertools import accumulate
-from typing import NamedTuple
 
-import torch
-
-from batchgen_data.layers.attention import AttentionMetadata
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
-
-
-class AttentionPart(NamedTuple):
-    """One micro-batch of a step: its token rows, its attention metadata, and the KV caches its
-    sequences' KV is in, one per layer (None: the step's own caches). The model reads
-    ``caches[layer]`` when that layer attends this micro-batch and attends there (a cache on
-    another device than the step's tensors is attended on that device: `Attention`); what is
-    behind the sequence (the device cache, host blocks staged on demand) is not its business."""
-
-    rows: slice
-    meta: AttentionMetadata
-    caches: Sequence[KVCache] | None = None
+from batchgen_data.layers.attention import AttentionMetadata, AttentionPart
 
 
 def split_by_sequences(meta: AttentionMetadata, max_seqs: int) -> list[AttentionPart]:

@@ -82,7 +82,8 @@ class KvUpProjection(nn.Module):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, s: MlaShape, rotary: RotaryEmbedding, scale: float) -> None:
+    def __init__(self, s: MlaShape, rotary: RotaryEmbedding, scale: float, layer_idx: int
+                 ) -> None:
         super().__init__()
         self.s = s
         h, qk = s.num_heads, s.qk_head_dim
@@ -97,7 +98,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = KvUpProjection(s.kv_lora_rank, h * (s.nope + s.v_head_dim))
         self.o_proj = Linear(h * s.v_head_dim, s.hidden, bias=s.bias)
         self.rotary_emb = rotary
-        self.attn = Attention(h, 1, s.cache_head_dim, scale)
+        self.attn = Attention(h, 1, s.cache_head_dim, scale, layer_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

@@ -9,8 +9,8 @@ the routed experts' output without a gate. Attention is `MultiHeadLatentAttentio
 model's `shape` therefore reports one KV head of width kv_lora_rank + qk_rope_head_dim, and
 the engine sizes its paged cache from that.
 
-The decoder loop, the micro-batched attention and the one-pass MoE per step are
-`MoeForCausalLM`'s (see `models/moe.py` for where expert-level batching happens). The multi-token
+The decoder loop and the one-pass MoE per step are `MoeForCausalLM`'s (see `models/moe.py` for
+where expert-level batching happens). The multi-token
 prediction layers of the released checkpoints (`model.layers.{num_hidden_layers}...`) are for
 speculative decoding, which the engine does not do: their weights are skipped, as HF does.
 """
@@ -55,13 +55,13 @@ class DeepseekV3Shape(DecoderShape):
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
-    """`LlamaDecoderLayer`'s residual flow (`attend`, `forward`) around MLA attention."""
+    """`LlamaDecoderLayer`'s residual flow (`forward`) around MLA attention."""
 
     def __init__(self, shape: DeepseekV3Shape, rotary: RotaryEmbedding, scale: float,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, layer_idx: int) -> None:
         nn.Module.__init__(self)  # the base would build a Llama attention, replaced here
         self.input_layernorm = RMSNorm(shape.hidden, shape.eps)
-        self.self_attn = MultiHeadLatentAttention(shape.mla, rotary, scale)
+        self.self_attn = MultiHeadLatentAttention(shape.mla, rotary, scale, layer_idx)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.eps)
         self.mlp = mlp
 
@@ -80,12 +80,11 @@ class DeepseekV3ForCausalLM(MoeForCausalLM):
         self.rotary = RotaryEmbedding(rope_config, s.mla.rope, s.max_positions)
         self.embed_tokens = VocabEmbedding(s.vocab, s.hidden, tied_head=self.tie_word_embeddings)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(s, self.rotary, scale, self.make_mlp(config, s, i))
+            DeepseekV3DecoderLayer(s, self.rotary, scale, self.make_mlp(config, s, i), i)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden, s.eps)
         self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, s.vocab)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
-        self.attention_micro_batch_seqs: int | None = None
 
     @staticmethod
     def grouped_routing(config: Any) -> GroupedRouting:

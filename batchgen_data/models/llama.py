@@ -8,7 +8,6 @@ positions that are sampled. Which kernels the layers run is decided when they ar
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,15 +17,9 @@ from batchgen_data.layers.activation import SiluAndMul
 from batchgen_data.layers.attention import Attention, AttentionMetadata
 from batchgen_data.layers.embedding import VocabEmbedding
 from batchgen_data.layers.linear import Linear, MergedLinear, QKVLinear
-from batchgen_data.layers.micro_batch import AttentionPart, KVCache
 from batchgen_data.layers.norm import RMSNorm
 from batchgen_data.layers import parallel
 from batchgen_data.layers.rotary import RotaryEmbedding
-
-# one micro-batch as one layer sees it: token rows, metadata, and the caches its KV is in
-# (one per layer) with this layer's index in them; None: the layer's own cache
-LayerPart = tuple[slice, AttentionMetadata, Sequence[KVCache] | None, int]
-
 
 class DecoderShape:
     """The numbers the engine needs from an HF config."""
@@ -59,7 +52,7 @@ class DecoderShape:
 
 class LlamaAttention(nn.Module):
     def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool) -> None:
+                 o_bias: bool, qk_norm: bool, layer_idx: int) -> None:
         super().__init__()
         s = shape
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
@@ -69,7 +62,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(s.head_dim, s.eps) if qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.eps) if qk_norm else None
         self.rotary_emb = rotary
-        self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5,
+                              layer_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -105,40 +99,24 @@ class LlamaDecoderLayer(nn.Module):
     """Attention then `mlp`: a dense MLP (`LlamaMLP`) or a mixture of experts (`FusedMoE`)."""
 
     def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
+                 o_bias: bool, qk_norm: bool, mlp: nn.Module, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.eps)
-        self.self_attn = LlamaAttention(shape, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(shape, rotary, qkv_bias, o_bias, qk_norm, layer_idx)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.eps)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                parts: list[LayerPart] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # attention per micro-batch of `parts` (when given), the MLP once over all of them
-        x, residual = self.attend(x, residual, positions, kv_cache, meta, parts)
-        return self.mlp(x), residual
-
-    def attend(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-               kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-               parts: list[LayerPart] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer up to its MLP's input: norm, attention (per micro-batch of `parts`: token
-        rows, metadata and this layer's cache of the micro-batch, when given) and the
-        post-attention norm."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        if parts is None:
-            x = self.self_attn(x, positions, kv_cache, meta)
-        else:
-            # each micro-batch's cache is read just before it attends: a host-tier one is
-            # staged then (worker/offload/kv_tier.py), after the micro-batch before it has attended
-            x = torch.cat([self.self_attn(x[rows], positions[rows],
-                                          kv_cache if caches is None else caches[i], sub)
-                           for rows, sub, caches, i in parts])
-        return self.post_attention_layernorm(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -162,23 +140,21 @@ class DecoderForCausalLM(nn.Module):
                              else parallel.VocabParallelEmbedding(s.vocab, s.hidden, tp, tied))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(s, self.rotary, qkv_bias, o_bias, self.qk_norm,
-                              self.make_mlp(config, s, i))
+                              self.make_mlp(config, s, i), i)
             for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden, s.eps)
         head_rows = parallel.padded_vocab(s.vocab, tp.size) // tp.size
         self.lm_head = None if self.tie_word_embeddings else Linear(s.hidden, head_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                parts: list[AttentionPart] | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden]. With `parts` (the micro-batches, in row order) each layer
-        attends per micro-batch, each in the caches its KV is in (`AttentionPart.caches`: the
-        host tier's, `worker/offload/module_batch.py`), and runs its MLP once over the whole step."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's new tokens, each layer attending over its
+        cache of `kv_caches` as `attn_metadata` lays the step out."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            here = None if parts is None else [(p.rows, p.meta, p.caches, i) for p in parts]
-            x, residual = layer(x, residual, positions, kv_cache, meta, here)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, attn_metadata)
         x, _ = self.norm(x, residual)
         return x
 

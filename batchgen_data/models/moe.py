@@ -5,9 +5,10 @@ model call, and `ModelRunner.prepare` flattens all the sequences scheduled in a 
 prompt chunks alike) into one token batch. The forward (`DecoderForCausalLM.forward`) runs that
 batch layer by layer, so at each MoE layer the tokens of *every* sequence suspended at that point
 of the step reach `FusedMoE.forward` together, and each expert multiplies all of its tokens in
-one matmul. With `attention_micro_batch_seqs` set, `MoeForCausalLM.forward` runs each layer's
-attention in micro-batches of sequences and still the MoE once over the whole step. The scheduler's
-per-expert budget (`SchedulerConfig.max_tokens_per_expert`, docs/moe.md) sizes that batch.
+one matmul. With `attention_micro_batch_seqs` set, the runner lays the step's attention out in
+micro-batches of sequences (the attention layers attend them one after another) and the MoE still
+runs once over the whole step. The scheduler's per-expert budget
+(`SchedulerConfig.max_tokens_per_expert`, docs/moe.md) sizes that batch.
 
 The architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) differ only in their config names, in which
 layers are sparse and in Qwen2-MoE's shared expert; each is a small subclass at the end.
@@ -21,8 +22,6 @@ import torch
 from torch import nn
 
 from batchgen_data.layers import parallel
-from batchgen_data.layers.attention import AttentionMetadata
-from batchgen_data.layers.micro_batch import AttentionPart, split_by_sequences
 from batchgen_data.layers.moe import FusedMoE
 from batchgen_data.models.llama import DecoderForCausalLM, DecoderShape, LlamaMLP
 
@@ -49,20 +48,6 @@ class MoeForCausalLM(DecoderForCausalLM):
         self.moe = self.moe_shape(config)  # read by make_mlp during the base constructor
         super().__init__(config)
         self.moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
-        # sequences per attention micro-batch (None: the whole step at once); set by the engine
-        # from `attention_micro_batch_seqs`
-        self.attention_micro_batch_seqs: int | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                parts: list[AttentionPart] | None = None) -> torch.Tensor:
-        limit = self.attention_micro_batch_seqs
-        # (captured CUDA-graph steps leave the host lists empty: they run as one batch)
-        if parts is None and limit is not None and len(meta.query_lens_host) > limit:
-            parts = split_by_sequences(meta, limit)
-        # attention runs per micro-batch; the MLP (the experts) once over every sequence of
-        # the step: the expert batch is the whole step's tokens
-        return super().forward(input_ids, positions, kv_caches, meta, parts)
 
     @staticmethod
     def moe_shape(config: Any) -> MoeShape:

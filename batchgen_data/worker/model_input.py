@@ -18,15 +18,13 @@ from batchgen_data.sample import prompt_logprobs
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # micro-batches too, where the step attends in them
     sample_index: torch.Tensor  # [S] rows of the hidden states to sample from
     sample_seqs: list[Sequence]
     order: list[int]  # scheduled index of each flattened sequence
     # prompt_logprobs: rows whose logits are wanted (None: no sequence asks), and the result
     prompt_rows: prompt_logprobs.PromptRows | None = None
     prompt_logprobs: list[tuple[Sequence, prompt_logprobs.Entries]] | None = None
-    # micro-batches (token rows, metadata) of a step with host-tier KV; None: one batch
-    parts: list[tuple[slice, AttentionMetadata]] | None = None
     # the rows that run under LoRA adapters, by device slot (None: the base model for all)
     lora: LoRABatch | None = None
     # the step's sequences in row order with, once the step is done, their computed tokens and

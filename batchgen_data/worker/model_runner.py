@@ -3,10 +3,12 @@
 Holds the model weights and the per-layer KV caches, flattens the scheduled sequences into one
 batch (decodes first, then prefill/extend chunks), and returns hidden states at the positions
 whose next token must be sampled: through the first whole-model fast path that serves the step
-(`fast_paths/`: CUDA graphs, the C decode stack), else through the model's own forward. With a
-KV host tier (`worker/offload/kv_engine.py`), a step with host-tier sequences is laid out as micro-batches
-by tier and runs through `module_batch.forward`. It also moves KV between the cache and host
-memory for hold/resume and export/import.
+(`fast_paths/`: CUDA graphs, the C decode stack), else through the model's own forward. Where
+the step's KV is and whether it attends in micro-batches is decided here and written in its
+`AttentionMetadata` (the model never learns it): with a KV host tier (`worker/kv_tier/`) a step
+with host-tier sequences is laid out in micro-batches by tier, and an MoE model's step attends
+in micro-batches of `micro_batch_seqs` sequences when set. It also moves KV between the cache and
+host memory for hold/resume and export/import.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from batchgen_data.core.kv.held_kv import KVCopy
 from batchgen_data.core.kv.planes import check_one_plane_scales, kv_planes, layer_caches
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.backend import LayerBackend
-from batchgen_data.worker.offload import module_batch
-from batchgen_data.worker.offload.kv_engine import HostKVTier
+from batchgen_data.layers.micro_batch import split_by_sequences
+from batchgen_data.worker.kv_tier.tier import HostKVTier
 from batchgen_data.worker.offload.store import WeightStore
 
 if TYPE_CHECKING:
@@ -49,13 +51,19 @@ _NO_EXPERTS = torch.zeros(0, 0, dtype=torch.long)  # a dense model's (read-only)
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  backend: LayerBackend, weight_store: WeightStore | None = None,
-                 kv_tier: HostKVTier | None = None) -> None:
+                 kv_tier: HostKVTier | None = None, micro_batch_seqs: int | None = None
+                 ) -> None:
+        """`micro_batch_seqs`: an MoE model's steps attend in micro-batches of at most that many
+        sequences (`attention_micro_batch_seqs`), its experts still once over the whole step."""
         self.model = model
         # looked up once: a missing attribute of a torch Module costs an exception each time
         self._take_expert_tokens = getattr(model, "take_expert_tokens", None)
         self._device_mark = getattr(model, "device_mark", None)
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
+        if micro_batch_seqs is not None and self._take_expert_tokens is None:
+            raise ValueError("attention_micro_batch_seqs applies to MoE models only")
+        self.micro_batch_seqs = micro_batch_seqs
         self.backend = backend  # the one the model's layers were built for
         self.device = device = backend.device
         self.dtype = dtype = backend.dtype
@@ -183,15 +191,13 @@ class ModelRunner:
         sample_rows = cu[1:][sampled] - 1  # [S]
         sample_seqs = seqs if sampled.all() else [seqs[i] for i in
                                                          np.flatnonzero(sampled).tolist()]
-        parts = None
-        if groups is not None:
+        if groups is not None:  # each group a micro-batch over the caches its KV is in
             assert self.kv_tier is not None
             sizes = [len(g) for g in groups]
             firsts = _cumsum([0] + sizes)
             rows = [list(range(a, a + n)) for a, n in zip(firsts, sizes)]
-            parts = self.kv_tier.parts(rows, [s.block_ids for s in seqs], seq_lens.tolist(),
-                                       q.tolist())
-            meta = parts[0].meta  # fast paths never take a micro-batched step
+            meta = self.kv_tier.attention(rows, [s.block_ids for s in seqs], seq_lens.tolist(),
+                                          q.tolist())
         else:
             table_rows = self.block_tables.rows(seqs)  # [N]
             tables = self.block_tables.gather(table_rows)  # [N, max blocks] int32
@@ -210,7 +216,6 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             order=order.tolist(),
             prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
-            parts=parts,
             lora=None if token_slots is None else self.lora.batch(token_slots),
             flat=(seqs, seq_lens, num_tokens + sampled),
         )
@@ -267,14 +272,26 @@ class ModelRunner:
                 self.lora.ctx.batch = None
         return self._forward(inp)
 
+    def model_forward(self, inp: ModelInput) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step through the model's own forward. An MoE
+        model's step of more than `micro_batch_seqs` sequences attends in micro-batches of that
+        many (a step laid out by tier already has its own); a tiered step's last swapped rows
+        go back to the host tier after it."""
+        meta = inp.meta
+        limit = self.micro_batch_seqs
+        if limit is not None and meta.micro_batches is None and len(meta.query_lens_host) > limit:
+            meta = AttentionMetadata.in_micro_batches(split_by_sequences(meta, limit))
+        try:
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+        finally:
+            if self.kv_tier is not None and inp.meta.micro_batches is not None:
+                self.kv_tier.end_step()
+
     def _forward(self, inp: ModelInput) -> torch.Tensor:
-        if inp.parts is not None:  # micro-batches by KV tier: no fast path takes them
-            hidden = module_batch.forward(self.model, inp.input_ids, inp.positions,
-                                          self.kv_caches, inp.parts, self.kv_tier.caches)
-        elif (path := next((p for p in self.fast_paths if p.applies(inp)), None)) is not None:
-            hidden = path.run(inp)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        # a step laid out by tier runs the model's own forward: no fast path takes micro-batches
+        path = None if inp.meta.micro_batches is not None else next(
+            (p for p in self.fast_paths if p.applies(inp)), None)
+        hidden = path.run(inp) if path is not None else self.model_forward(inp)
         if inp.prompt_rows is not None:
             inp.prompt_logprobs = prompt_logprobs.compute(hidden, self.model.compute_logits,
                                                           inp.prompt_rows)
@@ -302,10 +319,8 @@ class ModelRunner:
     def _cache_of(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
         """The cache [layers, planes, blocks, block_size, Hkv, D] these blocks (all of one tier)
         live in, and their rows there."""
-        tier = self.kv_tier
-        if tier is not None and tier.on_host(block_ids):
-            return tier.kv, tier.local(block_ids)
-        return self.kv, block_ids
+        held = None if self.kv_tier is None else self.kv_tier.holding(block_ids)
+        return (self.kv, block_ids) if held is None else held
 
     def read_kv(self, block_ids: list[int], num_tokens: int) -> KVCopy:
         """Copy the first `num_tokens` tokens' KV of these blocks to host memory."""

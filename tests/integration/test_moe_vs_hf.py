@@ -213,7 +213,7 @@ def test_per_expert_budget_bounds_the_step(moe_model) -> None:  # type: ignore[n
 def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.MonkeyPatch,
                                              cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
     from batchgen_data.layers import micro_batch
-    from batchgen_data.models import moe
+    from batchgen_data.worker import model_runner
 
     path, hf = moe_model("qwen3_moe")
     groups: list[list[int]] = []
@@ -224,7 +224,7 @@ def test_attention_micro_batches_keep_tokens(moe_model, monkeypatch: pytest.Monk
         groups.append([len(p.meta.query_lens_host) for p in parts])
         return parts
 
-    monkeypatch.setattr(moe, "split_by_sequences", spy)
+    monkeypatch.setattr(model_runner, "split_by_sequences", spy)  # the runner lays them out
     # small chunks: steps mix decodes and prefill chunks, cut into groups of two sequences
     llm = LLM(str(path), attention_micro_batch_seqs=2, max_num_batched_tokens=9, block_size=4,
               cpu_kernels=cpu_kernels)

@@ -100,13 +100,12 @@ def test_the_rule_rejects_an_outward_import() -> None:
 
 
 def test_layers_take_no_kv_routing_callback() -> None:
-    # where a micro-batch's KV lives is the KV cache's business (worker/offload/kv_tier.py gives the
+    # where a micro-batch's KV lives is the KV cache's business (worker/kv_tier/ gives the
     # caches): the attention metadata and the micro-batch parts hold tensors and plain data
     import dataclasses
     import typing
 
-    from batchgen_data.layers.attention import AttentionMetadata
-    from batchgen_data.layers.micro_batch import AttentionPart
+    from batchgen_data.layers.attention import AttentionMetadata, AttentionPart
 
     fields = {f.name: str(f.type) for f in dataclasses.fields(AttentionMetadata)}
     fields |= {n: str(t) for n, t in typing.get_type_hints(AttentionPart).items()}

@@ -5,10 +5,10 @@ chained from its parent block's hash, so identical prefixes (a shared system pro
 rows) map to the same physical blocks. A block whose last user frees it keeps its hash and sits in
 an LRU free queue: it is reused for a cache hit if one comes before it is recycled for new tokens.
 
-With `num_host_blocks` > 0 the pool also owns a host range of ids, `num_blocks` and up: the KV host
-tier of module-based batching (docs/offload.md). A sequence's blocks all sit in one tier (the
-runner attends per micro-batch over one cache), so a prefix match never crosses tiers.
-`num_blocks`, `num_free` and `usage` keep describing the device tier alone.
+With `num_host_blocks` > 0 the pool also counts a second tier of ids, `num_blocks` and up (the
+KV host tier, whose caches and attention are `worker/kv_tier/`'s): it allocates and frees them
+like the others. A sequence's blocks all sit in one tier, so a prefix match never crosses
+tiers. `num_blocks`, `num_free` and `usage` keep describing the device tier alone.
 """
 from __future__ import annotations
 

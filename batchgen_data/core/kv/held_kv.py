@@ -4,7 +4,7 @@ A held (or preempted) sequence does not run: it either keeps a copy of its KV he
 copy back, no recompute) or drops it (resume = recompute through the prefix cache, which often
 still holds most of its blocks). The store has a byte budget; when it is full, holds fall back
 to recompute rather than failing. Not to be confused with the KV host tier
-(`host_kv_tier_bytes`, `worker/offload/kv_engine.py`): host blocks of the block pool where *running*
+(`host_kv_tier_bytes`, `worker/kv_tier/`): host blocks of the block pool where *running*
 sequences keep their KV.
 """
 from __future__ import annotations

@@ -42,8 +42,10 @@ def _dead_error(msg: str) -> Exception:
 
 class TPRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 backend: LayerBackend, ranks: RankGroup) -> None:
-        super().__init__(model, num_blocks, block_size, backend)
+                 backend: LayerBackend, ranks: RankGroup, micro_batch_seqs: int | None = None
+                 ) -> None:
+        super().__init__(model, num_blocks, block_size, backend,
+                         micro_batch_seqs=micro_batch_seqs)
         self.ranks = ranks
         self._dead: str | None = None
         self._lora_fills: list[tuple[int, Any]] = []  # rank 0: slots to fill on the others
@@ -184,7 +186,7 @@ class TPRunner(ModelRunner):
             if d.lora_slots.numel():  # the adapted layers read the step's rows from the context
                 self.lora.ctx.batch = self.lora.batch(d.lora_slots.tolist())
             try:
-                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+                hidden = self.model_forward(inp)
             finally:
                 if self.lora is not None:
                     self.lora.ctx.batch = None

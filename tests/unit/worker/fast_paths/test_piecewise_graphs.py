@@ -110,6 +110,6 @@ def test_capture_cuts_every_attention_call(tiny_model_dir) -> None:  # type: ign
               dtype="float32", max_num_batched_tokens=8, cpu_kernels=False)
     runner = llm.engine.runner
     model = runner.model
-    model.extra = Attention(4, 2, 16, 0.25)  # counted among the layers, never called
+    model.extra = Attention(4, 2, 16, 0.25, 0)  # counted among the layers, never called
     with pytest.raises(RuntimeError, match="cut 2 attention calls of 3"):
         MixedGraphs(model, runner.kv_caches, 8, runner.device, RecordingPieces())

@@ -1,28 +1,33 @@
-"""The KV host tier inside the engine (issue 16): the runner's side of module-based batching.
+"""The KV host tier of one engine: what the runner asks of it.
 
 The block pool's ids from `num_device_blocks` up name blocks of the host caches kept here
-(pinned on CUDA, plain memory on the CPU "device"). A step whose sequences sit partly in the host
-tier is laid out as micro-batches, each a run of the step's tokens: the device-tier sequences
-first, then the host-tier ones in groups whose blocks fit the device staging cache. Each host
-micro-batch attends one of two ways, `choose_mode` deciding from rates measured once when the
-engine starts (`kv_tier.py`), and the runner calls `module_batch.forward`, so each (streamed)
-weight module runs once over the whole step's tokens however few of them the device KV holds.
+(pinned on CUDA, plain memory on the CPU "device"); the pool only counts them. Module-based
+batching runs each (streamed) weight module once over a step larger than the device KV cache
+holds: a step whose sequences sit partly in the host tier is laid out as micro-batches
+(`groups`): the device-tier sequences first, then the host-tier ones in groups whose blocks fit
+the device staging cache. `attention` turns that layout into the step's `AttentionMetadata`,
+whose micro-batches each name the caches their KV is in (the step's own, or the tier's,
+`caches.py`), each host micro-batch attending the way `cost.choose_mode` picks from the rates
+measured once when the engine starts. `end_step` sends the last swapped rows home after the
+forward; `holding` says where hold/resume and export/import find a sequence's blocks.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from batchgen_data.core.kv.planes import kv_planes, layer_caches
+from batchgen_data.layers.attention import AttentionMetadata, AttentionPart
 from batchgen_data.layers.backend import LayerBackend
-from batchgen_data.layers.micro_batch import AttentionPart
+from batchgen_data.worker.kv_tier.batch import MicroBatch, metadata
+from batchgen_data.worker.kv_tier.caches import HostKVCaches, staging_blocks_for
+from batchgen_data.worker.kv_tier.cost import (KVRates, Mode, choose_mode, measure_kv_rates,
+                                               swap_exposed_s)
 from batchgen_data.worker.offload.copy import host_buffer
-from batchgen_data.worker.offload.kv_tier import (HostKVCaches, KVRates, MicroBatch, choose_mode,
-                                           measure_kv_rates, staging_blocks_for, swap_exposed_s)
-from batchgen_data.worker.offload.module_batch import Placed, tier_parts
 from batchgen_data.worker.offload.plan import micro_batch_seqs
 
 # the device staging cache holds one layer's KV of this many sequences at max_model_len: a
@@ -114,10 +119,10 @@ class HostKVTier:
             return n, False
         return micro_batch_seqs(n, swap_exposed_s(batch, *args), self.rates.call_s), True
 
-    def parts(self, groups: list[list[int]], tables: Seq[list[int]], seq_lens: Seq[int],
-              query_lens: Seq[int]) -> list[AttentionPart]:
-        """(token rows, metadata) of each micro-batch of `groups`, the step's tokens being the
-        groups' tokens one after another; each host group's mode is chosen here."""
+    def attention(self, groups: list[list[int]], tables: Seq[list[int]], seq_lens: Seq[int],
+                  query_lens: Seq[int]) -> AttentionMetadata:
+        """The step's attention as the micro-batches of `groups` (the step's tokens being the
+        groups' tokens one after another); each host group's mode is chosen here."""
         s = self.shape
         placed = []
         for g in groups:
@@ -132,4 +137,43 @@ class HostKVTier:
                     mode = "host"  # a group sized for host attention cannot be staged
                 self.modes[mode] += 1
             placed.append(Placed(batch, mode))
-        return tier_parts(placed, self.caches, self.block_size, self.device, self.torch_decode)
+        return AttentionMetadata.in_micro_batches(micro_batches(
+            placed, self.caches, self.block_size, self.device, self.torch_decode))
+
+    def end_step(self) -> None:
+        """After a step's forward: the last swapped micro-batch's new rows go to the host."""
+        self.caches.flush()
+
+    def holding(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The host cache [layers, planes, blocks, block_size, Hkv, D] these blocks (all of one
+        tier) live in and their rows there, or None for device blocks."""
+        if not self.on_host(block_ids):
+            return None
+        return self.kv, self.local(block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A micro-batch and where its KV is: `mode` None (device cache, device block ids), or
+    "swap" / "host" (host tier, host block ids)."""
+
+    batch: MicroBatch
+    mode: Mode | None = None
+
+
+def micro_batches(placed: Seq[Placed], tier: HostKVCaches, block_size: int,
+                  device: torch.device, torch_decode: bool) -> list[AttentionPart]:
+    """The step's micro-batches, in order (the step's tokens are their tokens one after
+    another, each decodes first, then prefill chunks): device ones attend in the step's
+    caches, host ones in the tier's (`HostKVCaches.caches_for`) with the tier's metadata."""
+    out, start = [], 0
+    tier.plan([p.batch for p in placed if p.mode == "swap"])
+    for p in placed:
+        rows = slice(start, start + sum(p.batch.query_lens))
+        if p.mode is None:
+            out.append(AttentionPart(rows, metadata(p.batch, block_size, device, torch_decode)))
+        else:
+            out.append(AttentionPart(rows, tier.metadata_for(p.batch, p.mode),
+                                     tier.caches_for(p.batch, p.mode)))
+        start = rows.stop
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen_data.worker.offload.kv_staging import KVStaging
+from batchgen_data.worker.kv_tier.staging import KVStaging
 from copy_order import OrderChecker
 
 LAYERS, HOST_BLOCKS, BLOCK, HKV, D = 3, 24, 4, 2, 8

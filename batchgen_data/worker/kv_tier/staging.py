@@ -1,4 +1,4 @@
-"""Double-buffered device staging for swapped KV micro-batches (issue 16).
+"""Double-buffered device staging for swapped KV micro-batches of the KV host tier.
 
 A swapped micro-batch's KV blocks (one layer's) are gathered from the host tier and copied into
 a device staging cache before its attention runs. `KVStaging` keeps two such caches and knows

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.worker.offload.kv_engine import HostKVTier
-from batchgen_data.worker.offload.kv_tier import KVRates
+from batchgen_data.worker.kv_tier.tier import HostKVTier
+from batchgen_data.worker.kv_tier.cost import KVRates
 
 NUM_SEQS = 32
 BLOCKS_PER_SEQ = 2

@@ -15,8 +15,10 @@ import torch
 
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
-from batchgen_data.worker.offload.kv_tier import HostKVCaches, MicroBatch, metadata
-from batchgen_data.worker.offload.module_batch import Placed, forward, tier_parts
+from batchgen_data.layers.attention import AttentionMetadata
+from batchgen_data.worker.kv_tier.batch import MicroBatch, metadata
+from batchgen_data.worker.kv_tier.caches import HostKVCaches
+from batchgen_data.worker.kv_tier.tier import Placed, micro_batches
 
 BLOCK = 4
 PROMPT_LENS = [5, 9, 6, 11, 3]
@@ -98,13 +100,17 @@ def _run(model: torch.nn.Module, backend: LayerBackend, tiered: bool
             for i in seqs:
                 ids += tokens[i][done[i]:]
                 pos += range(done[i], len(tokens[i]))
-        parts = tier_parts(placed, tier, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
+        parts = micro_batches(placed, tier, BLOCK, torch.device("cpu"),
+                              backend.torch_decode_attention)
         if not tiered:  # the same step as one batch through the model's own forward
             whole = MicroBatch(dev_tables, [len(t) for t in tokens],
                                [len(t) - d for t, d in zip(tokens, done)])
             meta = metadata(whole, BLOCK, torch.device("cpu"), backend.torch_decode_attention)
             refs.append(model(torch.tensor(ids), torch.tensor(pos), _copy(dev), meta))
-        x = forward(model, torch.tensor(ids), torch.tensor(pos), dev, parts, tier)
+        # the model sees one metadata; the tier's last swapped rows go home after the forward
+        x = model(torch.tensor(ids), torch.tensor(pos), dev,
+                  AttentionMetadata.in_micro_batches(parts))
+        tier.flush()
         outs.append(x)
         for i, t in enumerate(tokens):
             done[i] = len(t)
@@ -127,5 +133,5 @@ def test_host_tier_micro_batches_match_the_resident_schedule(
     assert len(tiered) == STEPS
     for step, (want, got, one_batch) in enumerate(zip(resident, tiered, whole)):
         assert torch.equal(got, want), f"step {step}: max diff {(got - want).abs().max()}"
-        # micro-batched projections may round differently from one batch: close, not equal
+        # attention per micro-batch may round differently from one batch: close, not equal
         torch.testing.assert_close(got, one_batch, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 from batchgen_data import LLM, SamplingParams
 from batchgen_data.worker.model_runner import ModelRunner
 from batchgen_data.worker.offload import GIB, weight_bytes
-from batchgen_data.worker.offload.kv_tier import KVRates
+from batchgen_data.worker.kv_tier.cost import KVRates
 
 BLOCK = 4
 DEVICE_BLOCKS = 12  # about two sequences of up to 20 tokens, with the watermark

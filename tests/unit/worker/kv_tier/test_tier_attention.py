@@ -8,8 +8,9 @@ import torch
 
 from batchgen_data.layers.attention import Attention
 from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.worker.offload.kv_tier import (HostKVCaches, KVRates, MicroBatch, choose_mode,
-                                           costs, measure_kv_rates, metadata)
+from batchgen_data.worker.kv_tier.batch import MicroBatch, metadata
+from batchgen_data.worker.kv_tier.caches import HostKVCaches
+from batchgen_data.worker.kv_tier.cost import KVRates, choose_mode, costs, measure_kv_rates
 
 BLOCK = 4
 # (query heads, KV heads, head dim): a tiny Llama's attention and a Qwen3-MoE-like one (more
@@ -47,7 +48,7 @@ def _setup(shape: tuple[int, int, int], cpu_kernels: bool):  # type: ignore[no-u
     v = torch.randn(tokens, kv_heads, dim, generator=g)
     backend = LayerBackend.choose(torch.device("cpu"), torch.float32, cpu_kernels, dim)
     with building(backend):
-        attn = Attention(heads, kv_heads, dim, dim ** -0.5)
+        attn = Attention(heads, kv_heads, dim, dim ** -0.5, layer_idx=0)
     resident = MicroBatch(tables, SEQ_LENS, QUERY_LENS)
     host = MicroBatch([[perm[b] for b in t] for t in tables], SEQ_LENS, QUERY_LENS)
     return attn, backend, (dev_k, dev_v), (host_k, host_v), resident, host, (q, k, v)

@@ -80,12 +80,20 @@ class FakeEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens")
 
+    def lora_names(self) -> None:  # no enable_lora
+        return None
+
+    def check_lora(self, lora: Any) -> None:
+        pass
+
     def abort(self, request_id: str) -> bool:
         return False
 
 
 class FakeDriver:
     """`EngineDriver`'s surface: each request finishes `max_tokens * seconds_per_token` later."""
+
+    dead = None  # it never dies
 
     def __init__(self, seconds_per_token: float) -> None:
         self.engine = FakeEngine()

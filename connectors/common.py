@@ -135,11 +135,10 @@ class RequestBuilder:
     def from_engine(cls, engine: Any, default_params: Any = None,
                     apply_chat_template: bool = True, chat_template: str | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> "RequestBuilder":
+        """The builder for a generation engine's rows (`engine.protocol.GenerationEngine`:
+        its tokenizer, entry checks and the adapters rows may name)."""
         return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template,
-                   chat_template, chat_template_kwargs,
-                   # engines without adapters (pooling, fakes in tests) have no such questions
-                   getattr(engine, "lora_names", lambda: None)(),
-                   getattr(engine, "check_lora", None))
+                   chat_template, chat_template_kwargs, engine.lora_names(), engine.check_lora)
 
     def build(self, row: Mapping[str, Any]) -> RowRequest:
         """The RowRequest for one row; RowError with a message naming the problem otherwise."""

@@ -41,6 +41,12 @@ class FakeEngineDriver:
     def check_request(self, ids: list[int], params: Any) -> None:
         pass
 
+    def lora_names(self) -> None:  # an engine without enable_lora
+        return None
+
+    def check_lora(self, lora: Any) -> None:
+        pass
+
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         return Future()
 

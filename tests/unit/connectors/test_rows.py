@@ -54,6 +54,12 @@ class FakeDriver:
         if len(ids) > 30:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is 30")
 
+    def lora_names(self) -> None:  # an engine without enable_lora
+        return None
+
+    def check_lora(self, lora: Any) -> None:
+        pass
+
     def submit(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
                prompt: str | None = None) -> Future:
         if prompt == "boom":

@@ -39,6 +39,12 @@ class ReversedDriver:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         pass
 
+    def lora_names(self) -> None:  # an engine without enable_lora
+        return None
+
+    def check_lora(self, lora: Any) -> None:
+        pass
+
     def submit(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
                prompt: str | None = None) -> Future:
         fut: Future = Future()

@@ -81,6 +81,12 @@ class FakeDriver:
         if len(ids) > 4:
             raise ValueError("prompt has too many tokens; max_model_len is 5")
 
+    def lora_names(self) -> None:  # an engine without enable_lora
+        return None
+
+    def check_lora(self, lora: Any) -> None:
+        pass
+
     def submit(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
                prompt: str | None = None) -> Future:
         self.check_request(ids, params)

@@ -25,10 +25,9 @@ ERROR_FIELD = pa.field("error", pa.string())
 
 def program_output_schema(program: Any) -> pa.Schema | None:
     """The program's declared columns plus `error`; None when it declared none."""
-    schema = getattr(program, "schema", None)
-    if schema is None:
+    if program.schema is None:
         return None
-    return pa.schema([f for f in schema if f.name != "error"] + [ERROR_FIELD])
+    return pa.schema([f for f in program.schema if f.name != "error"] + [ERROR_FIELD])
 
 
 def require_schema(program: Any, where: str) -> pa.Schema:
@@ -93,11 +92,11 @@ class ProgramRows(RowLifecycle):
         from batchgen_data.programs.driven import DrivenPrograms  # imports the engine side
 
         super().__init__(driver, on_error, request_prefix, on_engine_dead)
-        self.schema = program_output_schema(program)
         self.programs = DrivenPrograms(
             driver, program, builder.default_params, seed_for=lambda key, step, slot:
             step_seed(base_seed, key, step, slot), prefix=f"{request_prefix}-program",
             is_engine_dead=self.is_engine_dead, lora_for=builder.lora_for)
+        self.schema = program_output_schema(program)
 
     def _start(self, row: Mapping[str, Any], key: Any, alone: bool) -> tuple[Future, None]:
         """The whole row goes to the program (`alone` does not apply: a program's steps are

@@ -25,6 +25,7 @@ from batchgen_data.connectors.pooling_rows import (
 from batchgen_data.connectors.programs import ProgramRows, require_schema
 from batchgen_data.connectors.rows import GenerationRows, output_schema
 from batchgen_data.inputs.chat import check_template_kwargs
+from batchgen_data.programs.api import Program
 
 GENERATE = "generate"
 
@@ -74,6 +75,9 @@ class RowKind:
         """Checked where the job is written, so a typo fails before any engine loads; the
         generation defaults become a plain dict (`response_format` lifted), which pickles
         anywhere. A pooling task runs no program and no sampling: those are not read."""
+        if program is not None and not isinstance(program, Program):
+            raise TypeError(f"program must be a @batchgen_data.program, got "
+                            f"{type(program).__name__}")
         if task != GENERATE:
             check_task(task)
             default_pooling_params(pooling_params)

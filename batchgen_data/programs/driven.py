@@ -76,7 +76,7 @@ class DrivenPrograms:
     def abandon(self, futures: Iterable[Future]) -> None:
         """Stop programs nobody will read: their in-flight steps aborted, their pins released."""
         gone = [self._live.pop(f) for f in list(futures) if f in self._live]
-        if gone and getattr(self.driver, "dead", None) is None:
+        if gone and self.driver.dead is None:
             self.driver.call(lambda engine: [self._drop(engine, live) for live in gone])
         if gone:
             self._later(self._left, gone)
@@ -89,7 +89,7 @@ class DrivenPrograms:
         try:
             if live.row_future in self._live:
                 fn(*args)
-            elif fn == self._on_step and getattr(self.driver, "dead", None) is None:
+            elif fn == self._on_step and self.driver.dead is None:
                 # abandoned while this step was being submitted: its pin went in after the
                 # release, so release again (both calls are no-ops when nothing is left)
                 self.driver.call(lambda engine: self._drop(engine, live))
@@ -184,7 +184,7 @@ class DrivenPrograms:
         if self._live.pop(live.row_future, None) is None:
             return  # abandoned, or already finished by an earlier failure
         self.admission.end(live.pid, completed=exc is None)
-        if getattr(self.driver, "dead", None) is None:
+        if self.driver.dead is None:
             self.driver.call(lambda engine: self._drop(engine, live))
         if exc is not None:
             live.row_future.set_exception(exc)

@@ -19,6 +19,7 @@ from batchgen_data.connectors import row_extras
 from batchgen_data.connectors.migration_options import MigrationOptions
 from batchgen_data.connectors.ray.llm_compat import check_ray_fields, first_set, stage
 from batchgen_data.connectors.resume import checkpoint_config
+from batchgen_data.connectors.row_kinds import RowKind
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -193,14 +194,9 @@ class BatchGenProcessorConfig:
         check_ray_fields(self)
         make_engine_config(self.model_source, **self.all_engine_kwargs)  # TypeError on typos
         _ = self.placement  # ValueError on a group that cannot hold the ranks
-        if self.task_type != "generate":
-            from batchgen_data.connectors.pooling_rows import check_task, default_pooling_params
-            check_task(self.task_type)
-            default_pooling_params(self.pooling_params)
+        # the rows' kind: task, pooling defaults and program checked as the actors will
+        RowKind.create(self.task_type, None, self.program, self.pooling_params)
         MigrationOptions(**dict(self.migration_options or {}))
-        if self.program is not None and not hasattr(self.program, "max_steps"):
-            raise TypeError(f"program must be a @batchgen_data.program, got "
-                            f"{type(self.program).__name__}")
         row_extras.default_params(self.sampling_params)  # response_format allowed here
         check_template_kwargs(self.template_options[1])
         if self.resume_from is not None:

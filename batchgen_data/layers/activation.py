@@ -1,8 +1,8 @@
 """SwiGLU's activation on a fused gate|up output: silu(x[..., :I]) * x[..., I:].
 
-One pass instead of torch's three (chunk, silu, mul): the Triton kernel on CUDA, a C loop on an
-fp32 CPU (in a 2,048-token prefill step torch's silu and mul took ~2 ms each per layer), torch
-elsewhere; chosen when the layer is built.
+One pass instead of torch's three (chunk, silu, mul), which each read and write the whole
+[T, 2I] activation in a long prefill step: the Triton kernel on CUDA, a C loop on an fp32 CPU,
+torch elsewhere; chosen when the layer is built.
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # 
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     # q [Q, H, D], k/v [S, Hkv, D] with the Q new tokens at the end of the S
     # 4-D inputs (a batch of one): on the CPU only those reach torch's fused flash kernel; 3-D
-    # ones take the unfused math path, which was 2-6x slower at 144-1024 tokens.
+    # ones take the slower unfused math path.
     qlen, slen = q.shape[0], k.shape[0]
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if qlen == slen:
@@ -242,8 +242,8 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         keys = kv_quant.dequantize(keys, kvs.k, q.dtype)
         vals = kv_quant.dequantize(vals, kvs.v, q.dtype)
     # The query heads that share a KV head attend to the same keys under the same mask, so they
-    # go in as that KV head's "query rows": plain attention, no GQA expansion of K/V
-    # (~35% faster than enable_gqa at 32 sequences on the CPU).
+    # go in as that KV head's "query rows": plain attention, no GQA expansion of K/V (which
+    # enable_gqa would do on the CPU).
     group = q.shape[1] // num_kv
     o = F.scaled_dot_product_attention(q.view(nd, num_kv, group, head_dim), keys.transpose(1, 2),
                                        vals.transpose(1, 2), attn_mask=meta.decode_mask,

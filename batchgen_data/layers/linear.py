@@ -27,8 +27,8 @@ from batchgen_data.layers import quant
 from batchgen_data.layers.backend import current
 
 # rows up to which a "widen" layer multiplies in its half dtype: on an AVX2 box ATen's
-# reference bf16 GEMM and widening a 1536 x 576 weight to fp32 for MKL tie at about 8 rows;
-# beyond, widening wins (256 rows: 25.7 against 3.3 ms, one thread, ONEDNN_MAX_CPU_ISA=AVX2)
+# reference bf16 GEMM and widening the weight to fp32 for MKL tie at about this many rows;
+# beyond, widening wins by more the more rows there are (docs/cpu.md, "CPU kinds")
 WIDEN_MIN_ROWS = 8
 
 

@@ -164,7 +164,7 @@ class LoRADelta(nn.Module):
             y2.addmm_(h, self.bt[slot])
             return
         # one add of the shards' products side by side: an addmm_ into each column slice of y
-        # was slower than the padded bmm path at 4 rows
+        # pays a strided write per shard
         y2.add_(torch.cat([h[:, i * r:(i + 1) * r] @ self.bt[slot, :, out0:out1]
                            for i, (out0, out1) in enumerate(self.shard_bounds)], -1))
 

@@ -248,8 +248,8 @@ class ModelRunner:
 
     def _decode_gather_index(self, meta: AttentionMetadata, tables: torch.Tensor,
                              lens: np.ndarray) -> None:
-        # whole blocks are gathered (one row = block_size tokens): 2.5x faster than gathering
-        # token rows, for a few padded slots that the mask hides
+        # whole blocks are gathered (one row = block_size tokens): one index per block instead
+        # of one per token, for a few padded slots that the mask hides
         bs = self.block_size
         nblk = -(-meta.max_decode_len // bs)
         width = nblk * bs

@@ -3,8 +3,7 @@
 The torch reference path gathers every decoding sequence's KV blocks into a dense copy and then
 runs SDPA over it, so each layer moves the KV three times (read, write, read). The kernel in
 `csrc/paged_decode.c` reads each key and value row once, straight out of its block, and shares it
-between the query heads of its KV group. At 5-32 sequences this made decode attention
-1.2-1.7x faster in our runs (`lab/scripts/cpu_floor.py` times both).
+between the query heads of its KV group (`lab/scripts/cpu_floor.py` times both paths).
 
 The kernel is built on first use by `build.library()` (the system C compiler, cached per CPU).
 No compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` (a test hook) or a model

@@ -15,7 +15,7 @@ on any box (docs/cpu.md, "CPU kinds"):
 * ATen's kernels: `aten()` is ``torch.backends.cpu.get_cpu_capability()`` (capped by
   ``ATEN_CPU_CAPABILITY``) and `half_matmul_fast(dtype)` is torch's own answer whether its
   bf16 / fp16 matmuls reach oneDNN's fast path; without it they run ATen's reference GEMM,
-  8-10x slower than fp32 MKL at prefill sizes (docs/cpu.md).
+  far slower than fp32 MKL at prefill sizes (docs/cpu.md).
 
 `python -m batchgen_data.kernels.cpu.capability` prints the answers (the CI's CPU-kind passes
 print them before their tests).

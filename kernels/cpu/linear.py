@@ -3,11 +3,11 @@ exactly one of these layouts and routes every call to the kernels of that layout
 
 * oneDNN's blocked layout (`pack_onednn` / `onednn_linear`, fp32 or bf16). MKL's `F.linear` on
   the plain [out, in] layout reaches a fraction of the machine's peak at decode shapes; oneDNN's
-  linear with a weight reordered once at load time was up to ~25% faster at 4-32 rows in our
-  runs (`lab/scripts/cpu_floor.py` prints both). At 1-3 rows MKL's GEMV-like path was faster.
+  linear with a weight reordered once at load time does better at a few dozen rows, MKL's
+  GEMV-like path at one to three (`lab/scripts/cpu_floor.py` times both).
 * 48-column panels (`pack_panels`, fp32, AVX-512): `csrc/panel_gemm.c` multiplies them with an
-  outer-product micro-kernel (`panel_linear`). At 4-64 rows it was 1.2-2x faster than MKL and
-  the oneDNN kernel here, and tied with the small-row kernel at 8 rows. `panel_matmul` runs
+  outer-product micro-kernel (`panel_linear`), faster than MKL and the oneDNN kernel at decode
+  row counts (`lab/scripts/cpu_floor.py`). `panel_matmul` runs
   MKL's batched matmul on the same panels (each is a [in, 48] matrix) for larger row counts.
 * the plain layout: `csrc/small_gemm.c` (`small_linear`, up to `SMALL_GEMM_MAX_ROWS` rows)
   streams the weight once (AVX-512); `csrc/rows_gemm.c` (`rows_linear`, up to

@@ -7,9 +7,9 @@ tens more, 61 + 30 times a step, i.e. ~10% of a one-sequence step. The kernels a
 `csrc/norm_rope.c`, built by `build.library()`. The rotation is bitwise equal to the torch path;
 the RMSNorm sums its mean of squares in another order, and SiLU's exp is a vector polynomial,
 so they agree to float rounding. SiLU * up is one pass instead of torch's three (chunk, silu,
-mul): in a 2,048-token prefill step here torch's silu and mul took ~2 ms each per layer. A
-first-use self-check compares all three with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off
-(a test hook, read when a model is built).
+mul), each of which reads and writes the whole activation of a prefill step. A first-use
+self-check compares all three with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off (a test
+hook, read when a model is built).
 """
 from __future__ import annotations
 

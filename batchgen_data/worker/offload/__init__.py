@@ -1,4 +1,4 @@
-"""Weights beyond device memory, streamed with overlap (issue 16).
+"""Weights beyond device memory, streamed with overlap.
 
 `offload_model` plans (`plan.py`: what stays resident, how many slots, how big a step) and
 installs a `WeightStore` (`store.py`) on a loaded model: the streamed decoder layers' weights

@@ -48,7 +48,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
     const int64_t body = K & ~(int64_t)7;
     for (int64_t c = 0; c < body; c += 8) {
         /* the next 4 rows at the same column, one line each per 16 columns: the hardware
-         * prefetcher alone left a 49k-row head 1.1-1.4x slower (AVX2 EPYC, one thread) */
+         * prefetcher alone does not follow eight row streams of a tall weight */
         if (!(c & 15))
             for (int j = 4; j < 8; j++) _mm_prefetch((const char *)(W + j * K + c), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(W + c), w1 = _mm256_loadu_ps(W + K + c);
@@ -88,8 +88,7 @@ static inline void dots(const float *const *xs, int64_t rows, const float *W, in
     for (; j + 4 <= n; j += 4)
         for (int64_t r = 0; r < rows; r += DOT_MT) {
             /* a constant row count per call, so that the inlined tile unrolls its row loop
-             * and keeps the accumulators in registers (a runtime count left it 1.3-2x slower
-             * at 4-64 rows) */
+             * and keeps the accumulators in registers (a runtime count spills them) */
             const int64_t left = rows - r;
             if (left >= 3)
                 dot_tile(xs + r, 3, W + j * K, K, y + r * ldy + j, ldy);

@@ -91,8 +91,8 @@ static void block(const float *X, int64_t ldx, float *Y, int64_t ldy, int64_t K,
     dots(xs, n, Al, W, K, h, W); /* h [n, W] */
     float *ys[EX_MT];
     /* rows outer, columns inner: each tile's y lines follow the last one's (B's lines come
-     * from L1/L2 again, 16 KiB a rank-16 tile row); columns outer left a prefill chunk's
-     * expand 1.6x slower here */
+     * from L1/L2 again, 16 KiB a rank-16 tile row), where columns outer would walk y's
+     * lines of a prefill chunk out of cache */
     for (int64_t m0 = 0; m0 < n; m0 += EX_MT) {
         const int64_t mt = n - m0 < EX_MT ? n - m0 : EX_MT;
         for (int64_t i = 0, o0 = 0; i < nshards; o0 = shard_ends[i], i++) {

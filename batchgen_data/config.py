@@ -132,10 +132,6 @@ class EngineConfig:
     weight_memory_bytes: int | None = None
     # streamed MoE layers copy in only the experts a step routes to (False: whole layers)
     stream_experts: bool = True
-    # "module:function" building the engine's parts (`EngineParts`) from this config instead
-    # of loading a model: the seam for runners outside the package, e.g. the lab's emulated
-    # runner (``batchgen_lab.emulated_runner:build_parts``, lab/). None: the model's runner.
-    parts_builder: str | None = None
     # vLLM's name: the quantization method the user expects; the checkpoint's own
     # quantization_config decides the format and this is checked against it when the model
     # loads (None: whatever the checkpoint says; docs/quantization.md)
@@ -163,8 +159,14 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
+    # the engine arguments the user gave (`make_engine_config` records them): a value the
+    # engine resolves for itself (offload's step caps, engine/setup.py) is never changed when
+    # given, whatever it is, a default's value included
+    given: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.given, frozenset):
+            object.__setattr__(self, "given", frozenset(self.given))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {_DTYPES}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -184,9 +186,6 @@ class EngineConfig:
             raise TypeError(f"stream_experts={self.stream_experts!r}: must be True or False")
         if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
             raise ValueError(f"weight_memory_bytes={self.weight_memory_bytes!r}: must be >= 1")
-        if self.parts_builder is not None and (not isinstance(self.parts_builder, str)
-                                               or self.parts_builder.count(":") != 1):
-            raise ValueError(f"parts_builder={self.parts_builder!r}: use 'module:function'")
         if self.quantization is not None and self.quantization not in _QUANTIZATION:
             raise ValueError(f"quantization={self.quantization!r}: quantized checkpoints of "
                              f"this method are not supported; supported: {_QUANTIZATION} (the "
@@ -223,7 +222,6 @@ class EngineConfig:
                                             self.weight_memory_bytes is not None),
                     "host_kv_tier_bytes": (self.cache.host_kv_tier_bytes,
                                            self.cache.host_kv_tier_bytes > 0),
-                    "parts_builder": (self.parts_builder, self.parts_builder is not None),
                     "attention_micro_batch_seqs": (self.attention_micro_batch_seqs,
                                                    self.attention_micro_batch_seqs is not None)}
         for name, (value, used) in together.items():
@@ -253,7 +251,7 @@ _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRACon
 
 
 def engine_kwarg_names() -> list[str]:
-    names = [f.name for f in fields(EngineConfig) if f.name not in _SECTIONS]
+    names = [f.name for f in fields(EngineConfig) if f.name not in (*_SECTIONS, "given")]
     for cls in _SECTIONS.values():
         names += [f.name for f in fields(cls)]
     return sorted(names)
@@ -271,8 +269,9 @@ def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; valid: {engine_kwarg_names()}, "
                         f"and vLLM's {vllm_arg_names()} (batchgen_data/engine_args.py)")
+    given = frozenset(kwargs)
     sections = {}
     for key, cls in _SECTIONS.items():
         own = {f.name for f in fields(cls)}
         sections[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
-    return EngineConfig(model=model, **kwargs, **sections)
+    return EngineConfig(model=model, **kwargs, **sections, given=given)

@@ -50,41 +50,6 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def cpu_packed_linear() -> bool:
-    """``$BATCHGEN_CPU_PACKED_LINEAR``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` keep CPU matmul weights out of oneDNN's packed layout
-    (default on). Read when a model is built."""
-    return _get_flag("BATCHGEN_CPU_PACKED_LINEAR", default=True)
-
-
-def cpu_small_gemm() -> bool:
-    """``$BATCHGEN_CPU_SMALL_GEMM``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` turn the C matmuls (small-row and panel kernels) off
-    (default on). Read when a model is built."""
-    return _get_flag("BATCHGEN_CPU_SMALL_GEMM", default=True)
-
-
-def cpu_fused_ops() -> bool:
-    """``$BATCHGEN_CPU_FUSED_OPS``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` keep residual add + RMSNorm, the rotation and SiLU * up
-    on the torch ops instead of C (default on). Read when a model is built."""
-    return _get_flag("BATCHGEN_CPU_FUSED_OPS", default=True)
-
-
-def cpu_decode_stack() -> bool:
-    """``$BATCHGEN_CPU_DECODE_STACK``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` keep pure-decode steps on the per-layer path instead of
-    one C call over all layers (default on). Read when an engine is built."""
-    return _get_flag("BATCHGEN_CPU_DECODE_STACK", default=True)
-
-
-def cpu_moe_kernel() -> bool:
-    """``$BATCHGEN_CPU_MOE_KERNEL``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` keep the MoE layers' experts on torch's grouped matmuls
-    instead of one C call per layer (default on). Read when a model is built."""
-    return _get_flag("BATCHGEN_CPU_MOE_KERNEL", default=True)
-
-
 def kernel_checks() -> bool:
     """``$BATCHGEN_KERNEL_CHECKS``: debug mode of the Triton launchers, which then check every
     argument's type, shape, dtype, layout and device before launching (default off: the checks
@@ -103,13 +68,6 @@ def _get_flag(name: str, default: bool) -> bool:
     if lowered in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"{name}={value!r}: expected 0/1, true/false, yes/no or on/off")
-
-
-def cpu_attention_kernel() -> bool:
-    """``$BATCHGEN_CPU_ATTENTION_KERNEL``: a test hook (users set the engine's ``cpu_kernels``).
-    ``0``, ``false``, ``no`` or ``off`` keep CPU decode attention on torch instead of the C
-    kernel (default on; without a compiler torch runs anyway). Read when a model is built."""
-    return _get_flag("BATCHGEN_CPU_ATTENTION_KERNEL", default=True)
 
 
 CPU_ISAS = ("native", "avx512", "avx2", "none")

@@ -10,6 +10,7 @@ from batchgen_data.inputs.chat import render_chat
 from batchgen_data.engine import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
+from batchgen_data.engine.protocol import EngineBase, GenerationEngine
 from batchgen_data.inputs.prompts import PromptType, check_priority, lora_list, params_list
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import RequestOutput
@@ -34,7 +35,6 @@ class LLM:
         if width is not None and dp in (None, 1):
             raise ValueError(f"repartition_width={width!r}: the TP width a group of engines "
                              "joins into; it needs data_parallel_size=N >= 2")
-        self.engine: Any
         if pooling_api.uses_pooling(model, runner, trust, engine_kwargs.get("hf_overrides")):
             if engine_kwargs.get("enable_lora"):
                 raise ValueError("enable_lora: LoRA adapters are for generation; this model "
@@ -42,12 +42,31 @@ class LLM:
             if dp not in (None, 1) or repartition:
                 raise ValueError("data_parallel_size / repartition: a pooling model runs as "
                                  "one engine (several are several LLMs, or Ray actors)")
-            self.engine = PoolingEngine.from_kwargs(model, **engine_kwargs)
+            pooler = PoolingEngine.from_kwargs(model, **engine_kwargs)
+            self._attach(pooler, pooler=pooler)
         elif dp not in (None, 1) or repartition:
-            self.engine = _engine_group(model, dp, repartition, engine_kwargs, width)
+            group = _engine_group(model, dp, repartition, engine_kwargs, width)
+            self._attach(group, generator=group)
         else:
-            self.engine = Engine.from_kwargs(model, **engine_kwargs)
-        self.tokenizer = self.engine.tokenizer
+            engine = Engine.from_kwargs(model, **engine_kwargs)
+            self._attach(engine, generator=engine, programs=engine)
+
+    def _attach(self, engine: EngineBase, generator: GenerationEngine | None = None,
+                pooler: PoolingEngine | None = None, programs: Engine | None = None) -> None:
+        """The engine, and what it is known to be from how it was made: each call takes the
+        one it needs without asking the engine's class (engine/protocol.py). Programs keep KV
+        pinned in one engine."""
+        self.engine = engine
+        self._generator, self._pooler, self._programs = generator, pooler, programs
+        self.tokenizer = engine.tokenizer
+
+    @classmethod
+    def _over(cls, engine: Engine) -> "LLM":
+        """An LLM over one `Engine` built elsewhere, e.g. around a test's fake parts
+        (`Engine(config, parts)`): the seam tests use instead of an engine option."""
+        llm = cls.__new__(cls)
+        llm._attach(engine, generator=engine, programs=engine)
+        return llm
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (vLLM's name)."""
@@ -59,19 +78,27 @@ class LLM:
         return SamplingParams()
 
     def close(self) -> None:
-        """Stop the processes this LLM started (tensor-parallel ranks, a group's engines);
-        they also stop when this process exits."""
-        close = getattr(self.engine, "close", None) or getattr(
-            getattr(self.engine, "runner", None), "close", None)
-        if close is not None:
-            close()
+        """Stop the threads and processes this LLM started (overlapped steps' device thread,
+        tensor-parallel ranks, a group's engines); they also stop when this process exits."""
+        self.engine.close()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): prompts submitted later compute their
+        prefixes again (benchmarks that repeat prompts). True once done."""
+        return self.engine.reset_prefix_cache()
 
     # ---- pooling tasks (vLLM's names and outputs) ------------------------------------------
     def _pooling_engine(self, task: str) -> PoolingEngine:
-        if not isinstance(self.engine, PoolingEngine):
+        if self._pooler is None:
             raise ValueError(f"{task}: this LLM generates; start it with runner=\"pooling\" "
                              "for embed / classify / score")
-        return self.engine
+        return self._pooler
+
+    def _generation_engine(self) -> GenerationEngine:
+        if self._generator is None:
+            raise ValueError("this model runs as a pooling model (runner=\"pooling\"): use "
+                             "embed, classify or score")
+        return self._generator
 
     def _pool(self, prompts: Any, params: Any, task: str, use_tqdm: bool,
               truncate_prompt_tokens: int | None) -> list[PoolingRequestOutput]:
@@ -152,9 +179,7 @@ class LLM:
         (needs enable_lora=True; docs/lora.md). `priority` (one, or one per prompt) is checked
         and not used: requests are served first come, first served, as vLLM's default
         scheduling policy does with it (its "priority" policy is refused here)."""
-        if isinstance(self.engine, PoolingEngine):
-            raise ValueError("this model runs as a pooling model (runner=\"pooling\"): use "
-                             "embed, classify or score")
+        engine = self._generation_engine()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -165,14 +190,14 @@ class LLM:
         encoded = [self._tokenize(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         for i, ((ids, _), sp, lr) in enumerate(zip(encoded, params, loras)):
             try:
-                self.engine.check_request(ids, sp)
-                self.engine.check_lora(lr)
+                engine.check_request(ids, sp)
+                engine.check_lora(lr)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         order = {}
         for i, ((ids, text), sp, lr) in enumerate(zip(encoded, params, loras)):
-            order[self.engine.submit(ids, sp, prompt=text, lora_request=lr)] = i
-        return self._run(order, use_tqdm)
+            order[engine.submit(ids, sp, prompt=text, lora_request=lr)] = i
+        return self._run(engine, order, use_tqdm)
 
     def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -197,9 +222,10 @@ class LLM:
         `sampling_params`: defaults for the fields a `Generate` leaves out. A row whose
         program fails gives `{"error": message}` (on_error="row") or raises `ProgramError`.
         """
-        if not isinstance(self.engine, Engine):
-            raise ValueError("run(program): programs need one engine (their steps keep KV "
-                             "pinned in it); start this LLM without data_parallel_size")
+        if self._programs is None:
+            raise ValueError(f"run(program): programs need one engine (their steps keep KV "
+                             f"pinned in it), not this LLM's {self.engine.kind}; start it "
+                             "without data_parallel_size")
         if not isinstance(program, Program):
             raise TypeError(f"program must be a @batchgen_data.program, got "
                             f"{type(program).__name__}")
@@ -209,7 +235,7 @@ class LLM:
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise TypeError(f"rows[{i}] must be a dict, got {type(row).__name__}")
-        runner = ProgramRunner(self.engine, program, sampling_params, on_error)
+        runner = ProgramRunner(self._programs, program, sampling_params, on_error)
         bar = tqdm(total=len(rows), desc=f"run {program.name}", disable=not use_tqdm)
         try:
             return runner.run_all(rows, on_done=lambda: bar.update(1))
@@ -223,13 +249,14 @@ class LLM:
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template,
                            chat_template_kwargs)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, engine: GenerationEngine, order: dict[str, int], use_tqdm: bool
+             ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         left = len(order)
         bar = tqdm(total=left, desc="generate", disable=not use_tqdm)
         try:
-            while left and self.engine.has_unfinished():
-                for out in self.engine.step():
+            while left and engine.has_unfinished():
+                for out in engine.step():
                     if out.request_id in order:
                         results[order[out.request_id]] = out
                         left -= 1
@@ -238,11 +265,10 @@ class LLM:
             # a step failed with no single request to blame (or an interrupt): this call's
             # requests leave the engine, so the next call starts clean (a request a step was
             # blamed on comes back with finish_reason "error" instead: engine/step_failure.py)
-            abort = getattr(self.engine, "abort", None)  # an engine group has none
             try:
                 for rid, i in order.items():
-                    if results[i] is None and abort is not None:
-                        abort(rid)
+                    if results[i] is None:
+                        engine.abort(rid)
             except Exception:  # noqa: BLE001 - a broken engine: the first error is the one
                 pass
             raise

@@ -172,3 +172,22 @@ def tensor_bytes(module: Any) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def step_until_decode(engine: Any) -> None:
+    """Step `engine` until sequences run and each has exactly one token pending: the next step
+    is a pure decode (where runner and step benchmarks start). Reads only the engine's public
+    surface (its scheduler's running sequences), so it drives any tree's engine alike."""
+    while not engine.scheduler.running or any(
+            s.num_pending_tokens != 1 for s in engine.scheduler.running):
+        if not engine.has_unfinished():
+            raise RuntimeError("step_until_decode: no unfinished request to decode")
+        engine.step()
+
+
+def schedule_decode(engine: Any) -> Any:
+    """`step_until_decode`, then the next step scheduled without running it (its
+    `SchedulerOutput`), for a caller that drives the model runner itself; a later `step()`
+    schedules the same batch again, so the engine's tokens do not change."""
+    step_until_decode(engine)
+    return engine.scheduler.schedule()

@@ -1,16 +1,16 @@
 """Engine parts around a stub model: the real engine (scheduler, coroutines, `ModelRunner.prepare`,
 sampler) with a forward that returns logits at once, or after sleeping a fixed device time.
 
-Select it with ``parts_builder="_stub_parts:build_parts"`` (benchmarks/ on `sys.path`) and a
-model string ``"stub?vocab=1024&device_ms=2"``. What is left of a step is what the host does
-around the model: benchmarks/host_overhead.py times it.
+An engine runs them as ``Engine(config, build_parts(config))`` with a model string
+``"stub?vocab=1024&device_ms=2"`` (benchmarks/ on `sys.path`). What is left of a step is what
+the host does around the model: benchmarks/host_overhead.py times it.
 
 ``device_ms`` stands for a GPU step of fixed length, whatever the batch. The stub's device is
 an in-order queue, as a CUDA stream is: a forward queues its ``device_ms`` and returns at once,
-the device runs queued work back to back, and the host waits for it only at a
-`ModelRunner.mark` (sleeping, so the GIL is free, as a device wait leaves it). A tree whose
-runner has no `mark` (an older baseline) gets a forward that sleeps instead, as that tree's
-engine assumed.
+the device runs queued work back to back, and the host waits for it only at the
+runner's `mark` (`StubRunner`: sleeping, so the GIL is free, as a device wait leaves it). A tree
+whose runner has no `mark` (an older baseline) gets a forward that sleeps instead, as that
+tree's engine assumed.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ class StubModel(torch.nn.Module):
         return torch.zeros(input_ids.shape[0], 1)  # [T, 1]
 
     def device_mark(self) -> "_Deadline":
-        """`ModelRunner.mark`'s stand-in: waits until the device has done what is queued."""
+        """A mark after everything queued so far: waits until the device has done it (a
+        baseline tree's `ModelRunner.mark` asks the model for it)."""
         return _Deadline(self.free_at)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,14 @@ def parse(model: str) -> dict[str, float]:
     return {"vocab": query.get("vocab", 1024), "device_ms": query.get("device_ms", 0.0)}
 
 
+class StubRunner(ModelRunner):
+    """The real `ModelRunner` over a `StubModel`, whose device is the stub's queue: a mark
+    waits for it."""
+
+    def mark(self) -> "_Deadline":  # type: ignore[override]
+        return self.model.device_mark()
+
+
 def build_parts(config: Any) -> EngineParts:
     """`EngineParts` around a real `ModelRunner` (no fast paths) over a `StubModel`."""
     opts = parse(config.model or "")
@@ -137,7 +146,10 @@ def build_parts(config: Any) -> EngineParts:
     num_blocks = cc.num_kv_blocks or sc.max_num_seqs * -(-max_len // cc.block_size) + 1
     # the GPU's backend family: no torch decode-attention gather index to build per step
     backend = LayerBackend(device, torch.float32, triton=True)
-    runner = ModelRunner(model, num_blocks, cc.block_size, backend)
+    # a baseline tree without the runner Protocol overlaps steps of its own ModelRunner only,
+    # whose `mark` asks the model
+    own = hasattr(ModelRunner, "can_overlap")
+    runner = (StubRunner if own else ModelRunner)(model, num_blocks, cc.block_size, backend)
     tokenizer = StubTokenizer()
     return EngineParts(model, tokenizer, device, max_len,
                        BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching),

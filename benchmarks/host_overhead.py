@@ -47,14 +47,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, wait_for_quiet  # noqa: E402
-from _stub_parts import StubModel  # noqa: E402
+from _common import format_table, step_until_decode, wait_for_quiet  # noqa: E402
+from _stub_parts import StubModel, build_parts  # noqa: E402
 
-from batchgen_data.config import engine_kwarg_names  # noqa: E402
+from batchgen_data.config import engine_kwarg_names, make_engine_config  # noqa: E402
 from batchgen_data.engine.engine import Engine  # noqa: E402
 from batchgen_data.sampling_params import SamplingParams  # noqa: E402
 
-PARTS_BUILDER = "_stub_parts:build_parts"
 PROMPT_LEN = 64
 MIXED_LENGTHS = (16, 32)  # output lengths lo .. lo + span - 1: 1/span of the rows leave a step
 PHASES = ("schedule", "prepare", "sample", "rest")  # thread CPU time
@@ -131,11 +130,12 @@ def build_engine(workload: str, seqs: int, steps: int, vocab: int, device_ms: fl
     else:
         max_len = PROMPT_LEN + lo + span + 8
         blocks = 2 * seqs * -(-max_len // 16) + 16
-    engine = Engine.from_kwargs(
-        f"stub?vocab={vocab}&device_ms={device_ms}", parts_builder=PARTS_BUILDER,
+    config = make_engine_config(
+        f"stub?vocab={vocab}&device_ms={device_ms}",
         max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs * (PROMPT_LEN + 1)),
         max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=True, seed=0,
         **({"async_scheduling": True} if overlapped else {}))
+    engine = Engine(config, build_parts(config))  # the real engine around the stub's parts
     if workload == "decode":
         for i in range(seqs):
             engine.submit(_prompt(i, vocab), _params(total_steps + 4, sampled))
@@ -150,7 +150,7 @@ def measure(workload: str, seqs: int, steps: int, vocab: int, device_ms: float,
             sampled: bool, overlapped: bool = False) -> dict[str, Any]:
     lo, span = MIXED_LENGTHS
     engine = build_engine(workload, seqs, steps, vocab, device_ms, sampled, overlapped)
-    engine.step_until_decode()
+    step_until_decode(engine)
     for _ in range(2 * (lo + span) if workload == "mixed" else 8):  # warm-up: steady state
         engine.step()
     clock = PhaseClock(engine)

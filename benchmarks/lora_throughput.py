@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, wait_for_quiet  # noqa: E402
+from _common import format_table, step_until_decode, wait_for_quiet  # noqa: E402
 
 from batchgen_data import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -92,7 +92,7 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 def ours_mixed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
                sp: SamplingParams) -> tuple[float, list[list[int]]]:
-    llm.engine.reset_prefix_cache()
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
                         lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
@@ -101,7 +101,7 @@ def ours_mixed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | Non
 
 def ours_one_at_a_time(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
                        sp: SamplingParams) -> tuple[float, list[list[int]]]:
-    llm.engine.reset_prefix_cache()
+    llm.reset_prefix_cache()
     tokens: dict[int, list[int]] = {}
     start = time.perf_counter()
     for a, lora in enumerate(loras):
@@ -132,7 +132,7 @@ def decoding(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]
     sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for p, lr in zip(prompts, loras):
         llm.engine.submit(p, sp, lora_request=lr)
-    llm.engine.step_until_decode()
+    step_until_decode(llm.engine)
     llm.engine.step()  # one decode step before timing: warm caches and buffers
 
 
@@ -237,9 +237,10 @@ def main() -> None:
                "base": base_llm}
     fast = engines["base"].engine.runner.cpu_stack is not None
     if fast:  # the per-layer path the LoRA steps take, without the adapters
-        os.environ["BATCHGEN_CPU_DECODE_STACK"] = "0"
-        engines["base_per_layer"] = LLM(args.model, **kw)
-        del os.environ["BATCHGEN_CPU_DECODE_STACK"]
+        per_layer = LLM(args.model, **kw)
+        runner = per_layer.engine.runner
+        runner.fast_paths = [p for p in runner.fast_paths if p is not runner.cpu_stack]
+        engines["base_per_layer"] = per_layer
     for name, engine in engines.items():
         decoding(engine, step_prompts, [loras[i % len(loras)] if name == "lora" else None
                                         for i in range(rows)], args.step_repeats)

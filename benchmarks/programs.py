@@ -166,7 +166,7 @@ class Meter:
 def run_program(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int,
                 admission_kwargs: dict[str, Any]) -> tuple[list[tuple[str, str, str]],
                                                            dict[str, Any]]:
-    llm.engine.reset_prefix_cache()
+    llm.reset_prefix_cache()
     pins = llm.engine.pins
     before = (pins.num_pinned, pins.num_refused, pins.num_dropped, pins.num_dropped_blocks)
     meter = Meter(llm)
@@ -192,10 +192,10 @@ def run_stages(llm: LLM, rows: list[dict[str, Any]], mod: Any, max_tokens: int,
     meter = Meter(llm)
     meter.start()
     if shared_cache:
-        llm.engine.reset_prefix_cache()  # but only before the first pass
+        llm.reset_prefix_cache()  # but only before the first pass
     for follow_up in (mod.CRITIQUE, mod.REVISE, None):
         if not shared_cache:
-            llm.engine.reset_prefix_cache()  # the next stage is another engine
+            llm.reset_prefix_cache()  # the next stage is another engine
         outs = llm.chat(convs, sp, use_tqdm=False)
         texts.append([o.outputs[0].text for o in outs])
         convs = [c + [{"role": "assistant", "content": t}, {"role": "user", "content": follow_up}]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table  # noqa: E402
+from _common import format_table, step_until_decode  # noqa: E402
 
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
              num_attention_heads=16, num_key_value_heads=4, vocab_size=32001,
@@ -84,7 +84,7 @@ def measure(path: Path, tp: int, per_rank: int, batch: int, prompt_len: int, ste
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.submit([(7 * i + j) % 290 + 5 for j in range(prompt_len)], params)
-        engine.step_until_decode()
+        step_until_decode(engine)
         for _ in range(3):  # warm-up
             engine.step()
         ranks = getattr(engine.runner, "ranks", None)
@@ -96,9 +96,7 @@ def measure(path: Path, tp: int, per_rank: int, batch: int, prompt_len: int, ste
             times.append(time.perf_counter() - t0)
         after = _counters(ranks)
     finally:
-        close = getattr(engine.runner, "close", None)
-        if close is not None:
-            close()
+        engine.close()
     step_s = statistics.median(times)
     total_s = sum(times)
     d = {k: after[k] - before[k] for k in after}
@@ -130,7 +128,7 @@ def kv_move(path: Path, n: int, prompt_len: int, device: str) -> dict[str, Any]:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         rids = [one.submit([(7 * i + j) % 290 + 5 for j in range(prompt_len)], params)
                 for i in range(n)]
-        one.step_until_decode()
+        step_until_decode(one)
         two.submit(list(range(5, 5 + prompt_len)), params)  # warm-up: first steps are slow
         while two.has_unfinished():
             two.step()
@@ -148,7 +146,7 @@ def kv_move(path: Path, n: int, prompt_len: int, device: str) -> dict[str, Any]:
         two.step()
         decode_s = time.perf_counter() - t0
     finally:
-        two.runner.close()
+        two.close()
     gb = nbytes / 1e9
     write_s = max(first_s - decode_s, 0.0)
     return {"seqs": n, "kv_mb": round(nbytes / 1e6, 1), "export_s": round(export_s, 3),

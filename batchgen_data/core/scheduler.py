@@ -5,22 +5,17 @@ num_computed_tokens`). Each step fills a token budget in priority order — runn
 first (so they finish and free memory), then held ones, then new ones — chunking long prompts to
 fit. When KV blocks run out it first asks `reclaim` for evictable blocks held outside the queues
 (the engine's prefix pins), then preempts the running sequences that are cheapest to bring back
-(fewest computed tokens): it holds them for memory, and `decide_held_kv` says whether their KV
-goes to the host tier or is dropped and recomputed (often from the prefix cache) on resume.
-
-"Held" is one state (`SequenceStatus.HELD`: no KV blocks, not scheduled) with two reasons: held
-for memory by the scheduler (in `Scheduler.held`, resumed automatically before new work) or held
-by the user (`Engine.hold`, resumed by `Engine.resume`).
-
-With a KV host tier (`host_kv_tier_bytes`, docs/offload.md) the pool has host blocks too: a new
-sequence goes to the device tier while it has room, else to the host tier, and keeps all its
-blocks in that tier; a running sequence short of blocks preempts others of its own tier.
+(fewest computed tokens): it holds them for memory, and `decide_held_kv` (core/kv/held_kv.py)
+says whether their KV is kept in host memory or dropped and recomputed on resume. Which tier a
+sequence's blocks come from is core/kv/room.py's; a running sequence short of blocks preempts
+others of its own tier. "Held" is one state (`SequenceStatus.HELD`: no KV blocks, not
+scheduled) with two reasons: held for memory by the scheduler (`Scheduler.held`, resumed before
+new work) or by the user (`Engine.hold`, resumed by `Engine.resume`).
 """
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from operator import attrgetter
 
 import numpy as np
@@ -29,34 +24,14 @@ from batchgen_data.config import SchedulerConfig
 from batchgen_data.core.sequence import Sequence, SequenceStatus, cacheable_tokens
 # what a schedule hands the step (re-exported: callers import them from here)
 from batchgen_data.core.scheduler_output import SchedulerOutput, step_token_budget  # noqa: F401
+from batchgen_data.core.kv import room
 from batchgen_data.core.kv.block_pool import BlockPool
-from batchgen_data.core.kv.held_kv import HeldKVStore
-from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
+from batchgen_data.core.kv.held_kv import HeldKVStore, decide_held_kv
 
 _COMPUTED = attrgetter("num_computed_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
 _BLOCK_IDS = attrgetter("block_ids")
 _BLOCK_HASHES = attrgetter("block_hashes")
-
-
-def decide_held_kv(seq: Sequence, host: HeldKVStore, keep: bool) -> bool:
-    """The one keep-or-drop-KV rule for a sequence being held (for memory, by the user, for an
-    export) or arriving with shipped KV. Its KV stays, in the host tier, when `keep` is asked for,
-    there is KV at all and the tier has room for it; otherwise it is dropped here
-    (`num_computed_tokens` back to 0) and recomputed when the sequence runs again.
-
-    Returns True when the caller must copy the sequence's KV into the host tier now; KV already
-    there stays (or is dropped when `keep` is False). The scheduler asks when it preempts and the
-    engine asks again when it copies: earlier copies of the same step may have filled the tier.
-    """
-    if seq.held_kv is not None:
-        if keep:
-            return False
-        host.drop(seq)
-    elif keep and seq.num_computed_tokens > 0 and host.fits(seq.num_computed_tokens):
-        return True
-    seq.num_computed_tokens = 0
-    return False
 
 
 class Scheduler:
@@ -274,33 +249,11 @@ class Scheduler:
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
 
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        bs = self.pool.block_size
-        total = -(-(seq.num_computed_tokens + n) // bs)
-        return max(0, total - len(seq.block_ids))
-
     def _on_host(self, seq: Sequence) -> bool:
-        return bool(seq.block_ids) and self.pool.is_host(seq.block_ids[0])
-
-    def _tier_for(self, seq: Sequence, n: int, keep_free: int) -> bool | None:
-        """The tier `seq` grows `n` tokens in (False: device, True: host), None when it has no
-        room: its own tier once it has blocks, else the device first. `keep_free` blocks stay
-        free in the device tier, and a hundredth of the host tier when it is > 0."""
-        need = self._blocks_needed(seq, n)
-        pool = self.pool
-        host_keep = max(1, pool.num_host_blocks // 100) if keep_free else 0
-        if seq.block_ids:
-            if self._on_host(seq):
-                return True if need + host_keep <= pool.num_free_host else None
-            return False if need + keep_free <= pool.num_free else None
-        if need + keep_free <= pool.num_free:
-            return False
-        if pool.num_host_blocks and need + host_keep <= pool.num_free_host:
-            return True
-        return None
+        return room.on_host(self.pool, seq)
 
     def _can_grow(self, seq: Sequence, n: int, keep_free: int) -> bool:
-        return self._tier_for(seq, n, keep_free) is not None
+        return room.can_grow(self.pool, seq, n, keep_free)
 
     def _make_room(self, seq: Sequence, n: int, keep_free: int, asking: Sequence | None) -> bool:
         """`_can_grow`, after asking `reclaim` for the device blocks missing, if any."""
@@ -308,19 +261,15 @@ class Scheduler:
             return True
         if self._on_host(seq):
             return False  # `reclaim` frees device blocks only
-        short = self._blocks_needed(seq, n) + keep_free - self.pool.num_free
+        short = room.blocks_needed(self.pool, seq, n) + keep_free - self.pool.num_free
         if short > 0 and self.reclaim is not None:
             self.reclaim(short, asking)
         return self._can_grow(seq, n, keep_free)
 
     def grow(self, seq: Sequence, n: int, keep_free: int = 0) -> None:
-        """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free),
-        in the tier `_tier_for` picks with the same `keep_free`."""
-        need = self._blocks_needed(seq, n)
-        if need:
-            host = self._tier_for(seq, n, keep_free)
-            assert host is not None, "grow without room"
-            seq.block_ids.extend(self.pool.allocate(need, host=host))
+        """Give `seq` the blocks for `n` tokens beyond its computed ones (they must be free;
+        core/kv/room.py)."""
+        room.grow(self.pool, seq, n, keep_free)
 
     @staticmethod
     def _pick_victim(candidates: list[Sequence]) -> Sequence | None:
@@ -364,46 +313,7 @@ class Scheduler:
                 seq.block_hashes.append(self.pool.register(seq.block_ids[j], parent, toks))
 
     # ---- reports ----------------------------------------------------------------------
-    def next_is_pure_decode(self) -> bool:
-        """Would the next `schedule()` compute one token for every running sequence and admit
-        nobody? Whether the running ones have the blocks to grow is left to the caller."""
-        run = self.running
-        if not run or len(run) > self.token_budget:
-            return False
-        if any(s.num_pending_tokens != 1 for s in run):
-            return False
-        queue = self.held or self.waiting
-        if not queue or len(run) >= self.config.max_num_seqs:
-            return True
-        head = queue[0]
-        n = min(head.num_pending_tokens, self.token_budget - len(run))
-        # the admission test of `_admit`; free blocks only shrink while the running ones decode
-        return not self._can_grow(head, n, keep_free=self.watermark)
-
-    def load(self, engine_id: EngineId, running: int | None = None) -> EngineLoad:
-        """Queues and blocks as a load report; `running` overrides the count (the simulator's
-        mid-run value). The engine adds what only it knows (`Engine.load`)."""
-        return EngineLoad(engine_id, len(self.waiting),
-                          len(self.running) if running is None else running, len(self.held), 0,
-                          self.pool.num_free, self.pool.num_blocks, self.config.max_num_seqs,
-                          self.pool.block_size, free_host_blocks=self.pool.num_free_host,
-                          host_blocks=self.pool.num_host_blocks)
-
-    def movable(self, max_running: int | None = None,
-                exclude: Container[str] = ()) -> list[RequestSummary]:
-        """Sequences another engine could take over: waiting ones in queue order, the held ones,
-        then the `max_running` (None: all) running ones that have generated most, oldest first.
-        Sequences of requests in `exclude` are left out."""
-        def summ(seqs: list[Sequence], kind: str) -> list[RequestSummary]:
-            return [RequestSummary(s.request_id, kind, s.num_tokens, s.num_output_tokens,
-                                   s.num_computed_tokens) for s in seqs]
-
-        def keep(seqs: "deque[Sequence] | list[Sequence]") -> list[Sequence]:
-            return [s for s in seqs if s.request_id not in exclude] if exclude else list(seqs)
-
-        running = keep(self.running)
-        # nlargest is stable: among equal ages the order of `running` is kept
-        oldest = heapq.nlargest(len(running) if max_running is None else max_running, running,
-                                key=lambda s: s.num_output_tokens)
-        return (summ(keep(self.waiting), "waiting") + summ(keep(self.held), "held")
-                + summ(oldest, "running"))
+    def admits(self, seq: Sequence, n: int) -> bool:
+        """Whether the blocks free now let queued `seq` start with `n` tokens under the
+        admission watermark: the block test `schedule` applies before it asks `reclaim`."""
+        return self._can_grow(seq, n, keep_free=self.watermark)

@@ -43,11 +43,11 @@ class EngineDriver:
     # ---- client side (any thread) -----------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, prompt: str | None = None,
-               pin: str | None = None, front: bool = False,
-               lora_request: LoRARequest | None = None, alone: bool = False) -> Future:
+               lora_request: LoRARequest | None = None, pin: str | None = None,
+               front: bool = False, alone: bool = False) -> Future:
         """Queue one request; invalid input raises ValueError here, synchronously (an
-        adapter is read from its directory here too, off the engine thread). `pin`, `front`,
-        `lora_request` and `alone` as in `Engine.submit`."""
+        adapter is read from its directory here too, off the engine thread). `lora_request`,
+        `pin`, `front` and `alone` as in `Engine.submit`."""
         self.engine.check_request(prompt_token_ids, params)
         self.engine.check_lora(lora_request)
         fut: Future = Future()

@@ -14,7 +14,6 @@ with the row-error words the connectors use (docs/row-errors.md).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import deque
@@ -24,22 +23,14 @@ from typing import Any
 import torch
 
 from batchgen_data.config import EngineConfig, make_engine_config
-from batchgen_data.worker.devices import device_scope, pick_device, resolve_device
-from batchgen_data.worker.model_runner import ModelRunner
 from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence
-from batchgen_data.engine.setup import _num_blocks, pick_dtype
-from batchgen_data.core.kv.block_pool import BlockPool
-from batchgen_data.core.kv.held_kv import HeldKVStore
-from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.layers.pooler import (PoolerConfig, PoolingType, chunk_pools, finish_pool,
-                                         matryoshka)
-from batchgen_data.models import loader
-from batchgen_data.models.pooling_config import matryoshka_dimensions, read_pooler_config
-from batchgen_data.models.registry import resolve_pooling_architecture
+from batchgen_data.engine.pooling_parts import build_pooling_parts
+from batchgen_data.layers.pooler import PoolingType, chunk_pools, finish_pool, matryoshka
 from batchgen_data.pooling_params import (TASKS, ClassificationOutput, EmbeddingOutput,
                                           PoolingParams, PoolingRequestOutput, ScoringOutput)
 from batchgen_data.inputs.prompt_checks import first_bad_token
+from batchgen_data.worker.devices import device_scope
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -72,78 +63,26 @@ class PoolingStats:
 
 class PoolingEngine:
     """One model run as a pooling model. `submit` requests, call `step` until
-    `has_unfinished()` is False; each step returns the requests it finished."""
+    `has_unfinished()` is False; each step returns the requests it finished. It implements
+    `EngineBase` (engine/protocol.py)."""
+
+    kind = "pooling engine"
 
     def __init__(self, config: EngineConfig, hf_overrides: dict[str, Any] | None = None) -> None:
         """`hf_overrides` (vLLM's): HF config fields to replace, e.g. Qwen3-Reranker's
         `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
         ["no", "yes"], "is_original_qwen3_reranker": True}`."""
         self.config = config
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling "
-                             "models (embed / classify / score) run on one device "
-                             "(docs/parallel.md)")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = device = resolve_device(pick_device(config.device))
-        path = loader.resolve_model_path(config.model)
-        self.hf_config = hf = loader.load_config(path, config.trust_remote_code)
-        for key, value in (hf_overrides or {}).items():
-            setattr(hf, key, value)
-        tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
-        self.tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
-        self.dtype = dtype = pick_dtype(config.dtype, device, hf)
-        cls = resolve_pooling_architecture(hf)
-        labels = getattr(hf, "classifier_from_token", None)
-        if labels is not None:
-            from batchgen_data.models.decoder_pooling import Qwen3ForReranking
-            if not getattr(hf, "is_original_qwen3_reranker", False) or len(labels) != 2:
-                raise ValueError("classifier_from_token is supported for Qwen3-Reranker only "
-                                 "(two tokens, no then yes, with is_original_qwen3_reranker)")
-            cls = Qwen3ForReranking
-        self.is_encoder = bool(getattr(cls, "is_encoder", False))
-        head_dim = hf.hidden_size // hf.num_attention_heads
-        backend = LayerBackend.choose(device, dtype, config.cpu_kernels,
-                                      getattr(hf, "head_dim", None) or head_dim,
-                                      config.cache.kv_cache_dtype)
-        if backend.linear in ("panels", "rows"):
-            # those layouts serve a decode step's few rows; a pooling step is thousands of
-            # prefill rows, where oneDNN's blocked GEMM ran 2.5x the panels' (4096 x 768 x 3072
-            # fp32 on the AVX-512 dev box: 43 vs 16 GFLOPS, plain F.linear 34)
-            from batchgen_data.kernels.cpu import linear as cpu_linear
-            fast = cpu_linear.onednn_available() and dtype in (torch.float32, torch.bfloat16)
-            backend = dataclasses.replace(backend, linear="onednn" if fast else "plain")
-        with torch.device(device), building(backend):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                model = cls(hf)
-            finally:
-                torch.set_default_dtype(prev)
-        self.model = model = model.eval().requires_grad_(False)
-        if self.is_encoder:
-            from batchgen_data.models.encoder_weights import load_encoder_weights
-            load_encoder_weights(model, path)
-        else:
-            loader.load_weights(model, path)
-        if labels is not None:
-            ids = [self.tokenizer.convert_tokens_to_ids(t) for t in labels]
-            if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
-                raise ValueError(f"classifier_from_token={labels!r}: not tokens of this "
-                                 "tokenizer")
-            model.label_token_ids = (ids[0], ids[1])
-        self.pooler: PoolerConfig = read_pooler_config(path, self.is_encoder)
-        self.hidden_size = hf.hidden_size
-        self.vocab_size = hf.vocab_size
-        self.num_labels = getattr(model, "num_labels", None)
-        self.matryoshka = matryoshka_dimensions(hf)
-        max_len = model.max_model_len
-        if config.max_model_len is not None:
-            if config.max_model_len > max_len:
-                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                                 f"{max_len} positions")
-            max_len = config.max_model_len
-        self.max_model_len = max_len
+        p = build_pooling_parts(config, hf_overrides)  # engine/pooling_parts.py
+        ck = p.checkpoint
+        self.device, self.hf_config, self.tokenizer, self.dtype = (
+            ck.device, ck.hf_config, ck.tokenizer, ck.dtype)
+        self.model, self.is_encoder, self.pooler = p.model, p.is_encoder, p.pooler
+        self.hidden_size = ck.hf_config.hidden_size
+        self.vocab_size = ck.hf_config.vocab_size
+        self.num_labels = getattr(p.model, "num_labels", None)
+        self.matryoshka = p.matryoshka
+        self.max_model_len = p.max_model_len
         sc = config.scheduler
         self.token_budget = sc.max_num_batched_tokens
         self.max_num_seqs = sc.max_num_seqs
@@ -152,17 +91,9 @@ class PoolingEngine:
         self._live: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._ids = itertools.count()
-        self.scheduler: Scheduler | None = None
-        if not self.is_encoder:
-            cc = config.cache
-            per_token = ModelRunner.kv_bytes_per_token(model, backend.kv_dtype)
-            num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len,
-                                                         sc.max_num_seqs)
-            # MEAN / CLS read every token's hidden state: a cached prefix would hide some
-            caching = cc.enable_prefix_caching and self.pooler.pooling_type is PoolingType.LAST
-            self.pool = BlockPool(num_blocks, cc.block_size, caching)
-            self.runner = ModelRunner(model, num_blocks, cc.block_size, backend)
-            self.scheduler = Scheduler(sc, self.pool, HeldKVStore(0, per_token))
+        self.scheduler: Scheduler | None = p.scheduler  # decoders (None: encoders)
+        if p.runner is not None:
+            self.pool, self.runner = p.pool, p.runner
             self._seq_params = SamplingParams(max_tokens=1)
 
     @classmethod
@@ -247,6 +178,15 @@ class PoolingEngine:
 
     def num_unfinished(self) -> int:
         return len(self._live)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block of a decoder's KV cache (encoders keep none)."""
+        if self.scheduler is not None:
+            self.pool.reset_prefix_cache()
+        return True
+
+    def close(self) -> None:
+        """Nothing to stop: one device, in this process, stepped by its caller."""
 
     def abort(self, request_id: str) -> bool:
         req = self._live.pop(request_id, None)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,12 +9,14 @@ from typing import Any
 
 import torch
 
-from batchgen_data.config import EngineConfig, SchedulerConfig
+from batchgen_data.config import CacheConfig, EngineConfig, SchedulerConfig
 from batchgen_data.worker.devices import pick_device, resolve_device
 from batchgen_data.worker.tp.launch import RankGroup
 from batchgen_data.worker.tp import runner as tp_runner
 from batchgen_data.worker.model_runner import ModelRunner
+from batchgen_data.worker.runner import Runner
 from batchgen_data.core.stop import StopChecker
+from batchgen_data.sample.sampler import Sampler
 from batchgen_data.core.kv.block_pool import BlockPool
 from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.layers import parallel
@@ -32,16 +33,22 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass
 class EngineParts:
-    model: torch.nn.Module
+    """What an engine runs (`Engine(config, parts)`): built from the config here, or by the
+    caller around a runner of its own (worker/runner.py: the lab's emulated runner, a
+    benchmark's stub, a test's fake)."""
+
+    model: Any  # the torch module; the engine reads its `shape` (and `moe`) only
     tokenizer: Any
     device: torch.device
     max_model_len: int
     pool: BlockPool
     held_kv: HeldKVStore  # the KV of held sequences, copied out (swap space)
-    runner: ModelRunner
+    runner: Runner
     stopper: StopChecker
-    # the scheduler caps the engine runs with (offload raises the default ones: module batching)
+    # the scheduler caps the engine runs with, resolved once (offload raises the ones the
+    # user did not set: module batching); None: the config's own
     scheduler_config: SchedulerConfig | None = None
+    sampler: Sampler | None = None  # None: the engine's own
 
 
 def pick_dtype(dtype: str, device: torch.device, config: Any) -> torch.dtype:
@@ -65,29 +72,44 @@ def eos_token_ids(path: Path, tokenizer: Any, hf_config: Any) -> set[int]:
     return ids
 
 
-def injected_builder(spec: str) -> Any:
-    """The function a ``parts_builder="module:function"`` names (imported here, on first use:
-    the engine never imports such modules itself)."""
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"parts_builder={spec!r}: cannot import it ({exc})") from exc
+@dataclass
+class Checkpoint:
+    """What every engine reads first (`open_checkpoint`): where the model is, its HF config,
+    its tokenizer, and the device and dtype it runs in."""
+
+    path: Path
+    hf_config: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
 
 
-def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
-    """`ranks`: this process's place in a tensor-parallel engine (rank > 0 passes its own;
-    rank 0 starts them here when `tensor_parallel_size > 1`)."""
-    if config.parts_builder is not None:  # an injected runner (the lab's emulated one)
-        return injected_builder(config.parts_builder)(config)
+def open_checkpoint(config: EngineConfig, hf_overrides: dict[str, Any] | None = None
+                    ) -> Checkpoint:
+    """torch's CPU threads set, the device picked, the checkpoint's config read (vLLM's
+    `hf_overrides` applied: HF config fields to replace) with its tokenizer, the dtype chosen."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(pick_device(config.device))
     path = loader.resolve_model_path(config.model)
     hf_config = loader.load_config(path, config.trust_remote_code)
+    for key, value in (hf_overrides or {}).items():
+        setattr(hf_config, key, value)
     tok_path = loader.resolve_model_path(config.tokenizer) if config.tokenizer else path
     tokenizer = loader.load_tokenizer(tok_path, config.trust_remote_code)
-    dtype = pick_dtype(config.dtype, device, hf_config)
+    return Checkpoint(path, hf_config, tokenizer, device, pick_dtype(config.dtype, device,
+                                                                      hf_config))
+
+
+def build_parts(config: EngineConfig, ranks: RankGroup | None = None,
+                triton: bool | None = None) -> EngineParts:
+    """`ranks`: this process's place in a tensor-parallel engine (rank > 0 passes its own;
+    rank 0 starts them here when `tensor_parallel_size > 1`). `triton`: the layers' kernels
+    (`LayerBackend.choose`: None picks them for the device; True builds for the Triton kernels
+    on the CPU too, which tests check the kernel path with)."""
+    ck = open_checkpoint(config)
+    path, hf_config, tokenizer, device, dtype = (ck.path, ck.hf_config, ck.tokenizer,
+                                                 ck.device, ck.dtype)
     plan = quantization_plan(path, hf_config, config.quantization)  # checked before building
     if plan is not None and offload_requested(config) and config.stream_experts \
             and any(".experts." in m for m in plan.modules):
@@ -102,7 +124,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
         device = tp_runner.rank_device(device, 0, None, config.rank_devices)
     tp = ranks.tp if ranks is not None else parallel.current()
     backend = LayerBackend.choose(device, dtype, config.cpu_kernels, _head_dim(hf_config),
-                                  config.cache.kv_cache_dtype)
+                                  config.cache.kv_cache_dtype, triton)
     offload = config.cpu_offload_gb > 0 or config.weight_memory_bytes is not None
     if offload and backend.linear == "onednn":  # opaque tensors cannot stream byte for byte
         backend = dataclasses.replace(backend, linear="plain")
@@ -120,7 +142,7 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None) -> EngineP
                                  config.weight_memory_bytes, stream_experts=config.stream_experts)
         if streamed is not None:
             store, plan = streamed
-            sc = scheduler_for(sc, plan)
+            sc = scheduler_for(sc, plan, config.given)
 
     max_len, pool, host, runner = runner_parts(config, model, backend, device, sc, ranks,
                                                store)
@@ -145,15 +167,8 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
         max_len = config.max_model_len
     cc = config.cache
     per_token = ModelRunner.kv_bytes_per_token(model, backend.kv_dtype)  # fp8: 1 byte each
-    num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, sc.max_num_seqs)
-    if ranks is not None:  # every rank's cache has the same blocks: the fewest any can hold
-        num_blocks = ranks.agree_min(blocks_key, num_blocks, limit_s)
-    seq_blocks = -(-max_len // cc.block_size)
-    if num_blocks < seq_blocks + 1:
-        if cc.num_kv_blocks is None:
-            raise ValueError(f"KV cache of {num_blocks} blocks cannot hold one sequence of "
-                             f"max_model_len={max_len}; lower max_model_len")
-        max_len = (num_blocks - 1) * cc.block_size  # tests force a tiny cache on purpose
+    max_len, num_blocks = kv_blocks(cc, device, per_token, max_len, sc.max_num_seqs, ranks,
+                                    blocks_key, limit_s)
     host_blocks = cc.host_kv_tier_bytes // (per_token * cc.block_size)
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching, host_blocks)
     # held and exported KV has every KV head, whatever this rank keeps
@@ -174,6 +189,26 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager,
                                 max_num_batched_tokens=sc.max_num_batched_tokens)
     return max_len, pool, host, runner
+
+
+def kv_blocks(cc: CacheConfig, device: torch.device, per_token: int, max_len: int,
+              max_seqs: int, ranks: RankGroup | None = None,
+              blocks_key: str = "num_kv_blocks", limit_s: float | None = None
+              ) -> tuple[int, int]:
+    """(the longest sequence, the KV cache's blocks): `num_kv_blocks` when set, else sized by
+    `_num_blocks`; the ranks of a tensor-parallel engine agree on the fewest any holds. A cache
+    that cannot hold one sequence of `max_len` is refused, or, when `num_kv_blocks` forces it
+    (tests force a tiny cache on purpose), shortens the sequences."""
+    num_blocks = cc.num_kv_blocks or _num_blocks(cc, device, per_token, max_len, max_seqs)
+    if ranks is not None:  # every rank's cache has the same blocks: the fewest any can hold
+        num_blocks = ranks.agree_min(blocks_key, num_blocks, limit_s)
+    seq_blocks = -(-max_len // cc.block_size)
+    if num_blocks < seq_blocks + 1:
+        if cc.num_kv_blocks is None:
+            raise ValueError(f"KV cache of {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={max_len}; lower max_model_len")
+        max_len = (num_blocks - 1) * cc.block_size
+    return max_len, num_blocks
 
 
 def offload_requested(config: EngineConfig) -> bool:

@@ -1,5 +1,5 @@
 """Counters an engine keeps about itself (cheap to update on every step), and the shape of one
-step (what the simulator's cost model is fitted on, `sim/calibrate.py`)."""
+step (what the lab's cost model is fitted on, lab/batchgen_lab/sim/calibrate.py)."""
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -189,7 +189,7 @@ class EngineStats:
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """What one scheduled step asks of the model (given to `Engine.on_step`)."""
+    """What one scheduled step asks of the model (its context feeds the speed fit)."""
 
     num_seqs: int
     num_new_tokens: int  # tokens computed in the step (prompt chunks, decodes, recomputes)

@@ -29,12 +29,13 @@ import dataclasses
 import logging
 from typing import Any
 
-from batchgen_data.worker.device_mark import DONE
 from batchgen_data.core.scheduler import SchedulerOutput
 from batchgen_data.core.errors import EngineDeadError, StepError
 from batchgen_data.core.sequence import Sequence
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.sample.sampler import Sampler
 from batchgen_data.sampling_params import SamplingParams
+from batchgen_data.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 Part = list[tuple[Sequence, int]]  # (sequence, tokens the step computes for it)
@@ -64,7 +65,7 @@ def request_error(out: RequestOutput | Any) -> str | None:
 class Prober:
     """Runs a part of a step and keeps nothing: the exception it raised, or None."""
 
-    def __init__(self, runner: Any, sampler: Any, budget: int) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler, budget: int) -> None:
         self.runner, self.sampler, self.budget = runner, sampler, budget
         self.used = 0
 
@@ -78,8 +79,7 @@ class Prober:
             pending = self.sampler.launch(
                 logits, self.sampler.batch(seqs, logits.shape[1], logits.device), seqs) \
                 if seqs else None
-            mark = getattr(runner, "mark", None)
-            (DONE if mark is None else mark()).wait()
+            runner.mark().wait()
             if pending is not None:
                 self.sampler.finish(pending)
         except EngineDeadError:  # the engine says it is gone (a rank): nothing to search
@@ -91,7 +91,8 @@ class Prober:
         return None
 
 
-def blame(runner: Any, sampler: Any, part: Part, error: Exception) -> dict[str, Exception]:
+def blame(runner: Runner, sampler: Sampler, part: Part, error: Exception
+          ) -> dict[str, Exception]:
     """The requests of a failed step (`part`, which raised `error`) that fail on their own,
     each with the exception it raised alone; raises `StepError` when none can be blamed."""
     if isinstance(error, EngineDeadError):

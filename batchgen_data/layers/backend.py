@@ -8,9 +8,9 @@ AVX2-only box, an AVX-512 one without bf16 and an emulation of either choose ali
 so every layer constructor reads the same choice (`current()`) and keeps its implementation for
 the model's life; the model code itself never branches on the backend.
 
-`force_triton()` is a test seam: models built inside it use the Triton kernels on CPU tensors too
-(they run under ``TRITON_INTERPRET=1``), so the whole model's kernel path can be checked without
-a GPU.
+`choose(..., triton=True)` builds for the Triton kernels on any device: on CPU tensors they run
+under ``TRITON_INTERPRET=1``, so the whole model's kernel path can be checked without a GPU (the
+engine's `build_parts(config, triton=True)` passes it on).
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen_data import env
 
 log = logging.getLogger(__name__)
-_forced = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,19 +37,8 @@ def _triton_ok() -> bool:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether a model built now for `device` runs the Triton kernels."""
-    return (device.type == "cuda" or _forced) and _triton_ok()
-
-
-@contextlib.contextmanager
-def force_triton(on: bool = True) -> Iterator[None]:
-    """Models built within the block use the Triton kernels for CPU tensors too (tests only)."""
-    global _forced
-    prev, _forced = _forced, on
-    try:
-        yield
-    finally:
-        _forced = prev
+    """Whether a model built for `device` runs the Triton kernels by default."""
+    return device.type == "cuda" and _triton_ok()
 
 
 @dataclass(frozen=True)
@@ -93,19 +80,21 @@ class LayerBackend:
 
     @classmethod
     def choose(cls, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
-               head_dim: int | None = None, kv_cache_dtype: str | None = "auto"
-               ) -> "LayerBackend":
+               head_dim: int | None = None, kv_cache_dtype: str | None = "auto",
+               triton: bool | None = None) -> "LayerBackend":
         """The backend for a model on `device` in `dtype`; `cpu_kernels=False` keeps the CPU on
         torch; `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (ValueError
-        naming any other value, before anything is allocated). The ``BATCHGEN_CPU_*``
-        variables can turn single CPU kernels off (test hooks)."""
+        naming any other value, before anything is allocated); `triton`: the Triton kernels
+        on any device where Triton is installed (True), never (False), or on CUDA (None)."""
         from batchgen_data.layers import kv_quant
 
         if (kv_cache_dtype or "auto") not in kv_quant.NAMES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of "
                              f"{tuple(kv_quant.NAMES)} (docs/quantization.md)")
         kv = kv_quant.NAMES[kv_cache_dtype or "auto"]
-        if use_triton(device):
+        if triton is None:
+            triton = use_triton(device)
+        if triton and _triton_ok():
             return cls(device, dtype, triton=True, kv_cache_dtype=kv)
         if device.type != "cpu" or not cpu_kernels:
             return cls(device, dtype, kv_cache_dtype=kv)
@@ -123,8 +112,7 @@ class LayerBackend:
             _say_widen(dtype)
         else:
             layout = "plain"
-        c_attention = (fp32 and env.cpu_attention_kernel() and head_dim is not None
-                       and attention.supports(head_dim))
+        c_attention = fp32 and head_dim is not None and attention.supports(head_dim)
         return cls(device, dtype, c_ops=fp32 and ops.available(), c_attention=c_attention,
                    c_moe=fp32 and moe.available(),
                    c_rows=fp32 and layout != "panels" and linear.rows_gemm_available(),

@@ -52,7 +52,7 @@ class ProgramRunner:
         self._backlog: deque[tuple[str, dict[str, Any], bool]] = deque()
         # a row's LoRA adapter (its `lora` column or `model`): every step of its program runs
         # under it, here and wherever the program is imported (the row travels with it)
-        self._names = engine.lora_names() if hasattr(engine, "lora_names") else None
+        self._names = engine.lora_names()
 
     def _lora_for(self, row: dict[str, Any]) -> Any:
         if self._names is None:

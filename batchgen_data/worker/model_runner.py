@@ -58,7 +58,6 @@ class ModelRunner:
         self.model = model
         # looked up once: a missing attribute of a torch Module costs an exception each time
         self._take_expert_tokens = getattr(model, "take_expert_tokens", None)
-        self._device_mark = getattr(model, "device_mark", None)
         self.weight_store = weight_store  # streams offloaded layers in (cpu_offload_gb > 0)
         self.kv_tier = kv_tier  # the KV host tier's caches (host_kv_tier_bytes > 0)
         if micro_batch_seqs is not None and self._take_expert_tokens is None:
@@ -116,13 +115,17 @@ class ModelRunner:
         tier = self.kv_tier
         return (0, 0) if tier is None else (tier.bytes_moved, tier.host_seqs_peak)
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the engine may overlap steps (`worker/runner.py`): not while adapters or a
+        KV host tier take part in a step, whose host work reads the step's sequences."""
+        return self.lora is None and self.kv_tier is None
+
     def mark(self) -> DeviceMark:
         """A point in the device's queue of work, here and now: `wait()` returns once the
         device has done everything queued before it (a CUDA event; on the CPU the work is done
-        when it is queued). A model may stand for an asynchronous device of its own by having
-        a `device_mark()` (benchmarks/_stub_parts.py)."""
-        own = self._device_mark
-        return own() if own is not None else mark_now(self.device)
+        when it is queued)."""
+        return mark_now(self.device)
 
     def device_step_s(self) -> float | None:
         """Seconds the device spent on the last `run`, where the runner knows them apart from
@@ -298,6 +301,9 @@ class ModelRunner:
         if not inp.sample_seqs:
             return hidden.new_empty(0, self.model.shape.vocab, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_index])
+
+    def close(self) -> None:
+        """Nothing to stop: one device, in this process."""
 
     def free(self) -> None:
         """Drop the KV cache and the fast paths (which hold the weights' and the cache's

@@ -63,7 +63,7 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
                  chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
                  task: str = "generate", pooling_params: Any = None,
-                 **engine_kwargs: Any) -> Any:
+                 engine_factory: Any = None, **engine_kwargs: Any) -> Any:
     """A pandas iterator UDF: prompt column in, struct of generation results out.
     `task` "embed" / "classify" / "score": a pooling task instead (its input column holds
     prompts, or `struct<text_1, text_2>` pairs for score).
@@ -74,13 +74,17 @@ def batchgen_udf(model: str | None = None, sampling_params: Any = None, on_error
     Results keep input order. `max_in_flight` bounds the rows one task holds (default: twice
     the engine's `max_num_seqs`). `debug_stats=True` adds `engine_max_batch_seqs`: the largest
     engine batch seen by the task so far. Register for SQL with `spark.udf.register(name, udf)`.
+    `engine_factory`: a picklable `(model, **engine_kwargs) -> engine` the executors build
+    their engine with (an engine around parts of one's own, `Engine(config, parts)`: a runner
+    of one's own, worker/runner.py); None: batchgen_data's for `task`.
     """
     import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs, apply_chat_template, program,
-                                   chat_template, chat_template_kwargs, task, pooling_params)
+                                   chat_template, chat_template_kwargs, task, pooling_params,
+                                   engine_factory=engine_factory)
     _check_worker_reuse()
     return_type = _spark_type(settings.output_schema())
 
@@ -122,7 +126,7 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
                 program: Any = None, chat_template: str | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None,
                 resume_from: str | None = None, task: str = "generate",
-                pooling_params: Any = None,
+                pooling_params: Any = None, engine_factory: Any = None,
                 **engine_kwargs: Any) -> "DataFrame":
     """Generate for every row of `df` with `mapInArrow`; rows come back in completion order.
 
@@ -136,11 +140,12 @@ def generate_df(df: "DataFrame", prompt_col: str = "prompt", id_col: str | None 
     `resume_from`: an output location (Parquet) whose `id_col` values are skipped, i.e. rows
     a crashed run already wrote (`spark_resume.write_generated` writes in resumable parts).
     `task` "embed" / "classify" / "score": a pooling task (score reads `text_1` and `text_2`).
+    `engine_factory` as in `batchgen_udf`.
     """
     settings = TaskSettings.create(model, sampling_params, on_error, max_in_flight,
                                    debug_stats, engine_kwargs, apply_chat_template, program,
                                    chat_template, chat_template_kwargs, task, pooling_params,
-                                   stats)
+                                   stats, engine_factory)
     for col in (*settings.rows.input_columns(prompt_col), id_col):
         if col is not None and col not in df.columns:
             raise ValueError(f"column {col!r} not in DataFrame columns {df.columns}")

@@ -37,18 +37,24 @@ class DriverLike(Protocol):
 @dataclass(frozen=True)
 class EngineSpec:
     """Picklable recipe for an engine: what crosses from the Spark driver to executors.
-    `task`: the rows it runs (a pooling task's engine is a pooling one, row_kinds.py)."""
+    `task`: the rows it runs (a pooling task's engine is a pooling one, row_kinds.py).
+    `factory`: a picklable `(model, **engine_kwargs) -> engine` the executors build it with
+    instead (an engine around parts of one's own: `Engine(config, parts)`); None: the task's."""
 
     model: str | None = None
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
     task: str = GENERATE
+    factory: Callable[..., Any] | None = None
 
     @classmethod
     def create(cls, model: str | None, engine_kwargs: dict[str, Any],
-               task: str = GENERATE) -> "EngineSpec":
+               task: str = GENERATE, factory: Callable[..., Any] | None = None
+               ) -> "EngineSpec":
         """Validate kwargs now (driver side) so a typo fails before any task starts."""
         make_engine_config(model, **engine_kwargs)
-        return cls(model, tuple(sorted(engine_kwargs.items())), task)
+        if factory is not None and not callable(factory):
+            raise TypeError(f"engine_factory must be callable, got {type(factory).__name__}")
+        return cls(model, tuple(sorted(engine_kwargs.items())), task, factory)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -72,17 +78,21 @@ class EngineSpec:
                 kw["rank_devices"] = tuple(rank_devices)
         if kw["device"] == "cpu" and num_threads and "num_threads" not in kw:
             kw["num_threads"] = num_threads
-        return EngineSpec(self.model, tuple(sorted(kw.items())), self.task)
+        return EngineSpec(self.model, tuple(sorted(kw.items())), self.task, self.factory)
 
     def key(self) -> str:
         # repr, not hash(): kwargs values may be lists, and the key must be stable in one process
-        return repr((self.model, self.engine_kwargs, self.task))
+        factory = None if self.factory is None else \
+            f"{self.factory.__module__}.{getattr(self.factory, '__qualname__', '')}"
+        return repr((self.model, self.engine_kwargs, self.task, factory))
 
 
 def build_driver(spec: EngineSpec) -> DriverLike:
     """Load the real engine and start its stepping thread (imports torch: executor side only)."""
     from batchgen_data.engine.driver import EngineDriver
 
+    if spec.factory is not None:
+        return EngineDriver(spec.factory(spec.model, **spec.kwargs))
     return EngineDriver(build_engine(spec.task, spec.model, **spec.kwargs))
 
 

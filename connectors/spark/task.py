@@ -52,10 +52,11 @@ class TaskSettings:
                engine_kwargs: dict[str, Any], apply_chat_template: bool = True,
                program: Any = None, chat_template: str | None = None,
                chat_template_kwargs: dict[str, Any] | None = None, task: str = GENERATE,
-               pooling_params: Any = None, stats: Any = None) -> "TaskSettings":
+               pooling_params: Any = None, stats: Any = None,
+               engine_factory: Any = None) -> "TaskSettings":
         rows = RowKind.create(task, sampling_params, program, pooling_params,
                               apply_chat_template, chat_template, chat_template_kwargs)
-        spec = EngineSpec.create(model, engine_kwargs, task)
+        spec = EngineSpec.create(model, engine_kwargs, task, engine_factory)
         # Two engine batches' worth: the engine stays full while the oldest rows drain.
         window = max_in_flight if max_in_flight is not None else 2 * spec.max_num_seqs
         # a pooling engine keeps no load or batch statistics: both are generation's

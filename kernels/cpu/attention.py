@@ -6,8 +6,7 @@ runs SDPA over it, so each layer moves the KV three times (read, write, read). T
 between the query heads of its KV group (`lab/scripts/cpu_floor.py` times both paths).
 
 The kernel is built on first use by `build.library()` (the system C compiler, cached per CPU).
-No compiler, a failed build, ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` (a test hook) or a model
-that is not fp32: the layer keeps the torch path (`batchgen_data.layers.backend` decides). An
+No compiler, a failed build or a model that is not fp32: the layer keeps the torch path (`batchgen_data.layers.backend` decides). An
 FP8 cache (float8_e4m3fn codes with a per-layer `k_scale` / `v_scale`, `layers/kv_quant.py`)
 runs `bg_paged_decode_fp8`: the same loops, each code widened in registers.
 """

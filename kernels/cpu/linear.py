@@ -18,8 +18,8 @@ exactly one of these layouts and routes every call to the kernels of that layout
 Every kernel changes only the memory layout or the summation order, so results differ from
 `F.linear` by float rounding, which a first-use self-check bounds. Whether each runs on this CPU
 is `capability`'s answer (the C library's ISA, oneDNN's own per dtype); a packing asked for
-where it cannot run is refused naming the CPU feature. ``BATCHGEN_CPU_SMALL_GEMM=0`` turns both
-C matmuls off, ``BATCHGEN_CPU_PACKED_LINEAR=0`` the oneDNN one (test hooks).
+where it cannot run is refused naming the CPU feature. A user turns them all off with the
+engine's ``cpu_kernels=False``; a test that wants one off patches its ``*_available`` here.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import build as cpu_kernels
 from batchgen_data.kernels.cpu import capability
 
@@ -72,10 +71,9 @@ def _agrees_with_f_linear(name: str, out_f: int, in_f: int, rows: tuple[int, ...
 # ---- oneDNN blocked layout -----------------------------------------------------------------
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether `onednn_linear` runs here in `dtype` (float32 or bfloat16): oneDNN packs and
-    multiplies a weight of that dtype on this CPU (`capability.onednn`), it is not switched
-    off, and the fp32 kernel agrees with F.linear on a self-check."""
-    return (env.cpu_packed_linear() and capability.onednn(dtype).ok
-            and (dtype != torch.float32 or _onednn_checked()))
+    multiplies a weight of that dtype on this CPU (`capability.onednn`) and the fp32 kernel
+    agrees with F.linear on a self-check."""
+    return capability.onednn(dtype).ok and (dtype != torch.float32 or _onednn_checked())
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,9 +124,9 @@ def _c_linear(kernel: Callable[..., int], x: torch.Tensor, weight: torch.Tensor,
 
 
 def small_gemm_available() -> bool:
-    """Whether `small_linear` can run here (a C compiler, AVX-512, not switched off, and the
-    kernel agrees with `F.linear` on a self-check)."""
-    return env.cpu_small_gemm() and _small_gemm_checked()
+    """Whether `small_linear` can run here (a C compiler, AVX-512, and the kernel agrees with
+    `F.linear` on a self-check)."""
+    return _small_gemm_checked()
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,9 +154,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def rows_gemm_available() -> bool:
-    """Whether `rows_linear` can run here (a C compiler, AVX2 + FMA, ``BATCHGEN_CPU_SMALL_GEMM``
-    not off, and the kernel agrees with `F.linear` on a self-check)."""
-    return env.cpu_small_gemm() and _rows_gemm_checked()
+    """Whether `rows_linear` can run here (a C compiler, AVX2 + FMA, and the kernel agrees with
+    `F.linear` on a self-check)."""
+    return _rows_gemm_checked()
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,7 +196,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def panel_gemm_available() -> bool:
     """Whether `panel_linear` can run here (as `small_gemm_available`, for the panel kernel)."""
-    return env.cpu_small_gemm() and _panel_gemm_checked()
+    return _panel_gemm_checked()
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,8 +10,7 @@ layer's own `w13` [E, 2I, H] and `w2` [E, H, I]). Needs AVX2 and FMA.
 
 It runs for up to `MAX_TOKENS` tokens; longer prefill chunks give each expert enough rows for a
 library GEMM to win, and keep the torch path. A first-use self-check compares it with the
-per-token formula; ``BATCHGEN_CPU_MOE_KERNEL=0`` turns it off (a test hook, read when a layer is
-built).
+per-token formula.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import logging
 
 import torch
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import build as cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -29,9 +27,9 @@ MAX_TOKENS = 64  # the decode stack's row limit too: every decode step up to 64 
 
 
 def available() -> bool:
-    """Whether `moe_experts` runs here: the kernel built with AVX2/FMA, passed its self-check,
-    and ``BATCHGEN_CPU_MOE_KERNEL`` (a test hook) does not turn it off."""
-    return env.cpu_moe_kernel() and _checked()
+    """Whether `moe_experts` runs here: the kernel built with AVX2/FMA and passed its
+    self-check."""
+    return _checked()
 
 
 def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

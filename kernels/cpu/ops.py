@@ -8,8 +8,7 @@ tens more, 61 + 30 times a step, i.e. ~10% of a one-sequence step. The kernels a
 the RMSNorm sums its mean of squares in another order, and SiLU's exp is a vector polynomial,
 so they agree to float rounding. SiLU * up is one pass instead of torch's three (chunk, silu,
 mul), each of which reads and writes the whole activation of a prefill step. A first-use
-self-check compares all three with torch; ``BATCHGEN_CPU_FUSED_OPS=0`` turns them off (a test
-hook, read when a model is built).
+self-check compares all three with torch.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import build as cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -27,9 +25,8 @@ log = logging.getLogger(__name__)
 
 def available() -> bool:
     """Whether `add_rms_norm`, `rotate_` and `silu_mul` run here: the kernels built and agree
-    with torch on a first-use self-check, and ``BATCHGEN_CPU_FUSED_OPS`` (a test hook) does not
-    turn them off. Callers run them on fp32 CPU tensors only."""
-    return env.cpu_fused_ops() and _checked()
+    with torch on a first-use self-check. Callers run them on fp32 CPU tensors only."""
+    return _checked()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -4,8 +4,8 @@
   a cost model instead of the GPU) and, in its lockstep/EP half, a model of remedies this
   engine cannot run (multi-device partitioning): figures from it are models, not claims
   about batchgen_data.
-* `batchgen_lab.emulated_runner`: a model runner that sleeps the cost model's step time,
-  injected into a real engine with ``parts_builder=`` (``model="emulated:<preset>"``).
+* `batchgen_lab.emulated_runner`: a model runner that sleeps the cost model's step time, run
+  by a real engine built from the parts it makes (``build_engine("emulated:<preset>")``).
 * `batchgen_lab.ray_emulated`, `migrate_headroom`, `migration_bound`: experiments over them.
 * ``lab/scripts/``: one-off A/B and diagnosis scripts (history in docs/benchmark-log.md).
 

@@ -2,7 +2,9 @@
 
 Used to run the *real* engine (scheduler, coroutines, sampler), connector, coordinator and
 migration protocol at a scale the development box cannot compute (16-32 Ray actors on 2 cores).
-Select it with the model string
+`build_engine(model, **engine_kwargs)` is a real `Engine` built from the parts this module
+makes (`Engine(config, parts)`, through the runner Protocol of batchgen_data/worker/runner.py),
+its model string
 
     model="emulated:h200-llama8b?scale=0.1&slowdown=1.5&tokens_per_step=64"
 
@@ -38,14 +40,15 @@ from batchgen_data.core.scheduler import SchedulerOutput
 from batchgen_data.core.sequence import Sequence
 from batchgen_data.core.kv.held_kv import KVCopy
 
+from batchgen_data.worker.device_mark import DONE, DeviceMark
+
 if TYPE_CHECKING:
     from batchgen_data.config import EngineConfig
+    from batchgen_data.engine.engine import Engine
     from batchgen_data.engine.setup import EngineParts
     from batchgen_lab.sim.costmodel import CostModel
 
 PREFIX = "emulated:"
-# the engine kwarg that injects this runner (batchgen_data never imports the lab)
-PARTS_BUILDER = "batchgen_lab.emulated_runner:build_parts"
 VOCAB = 512
 EOS = 1
 _HEADER = 256  # prompt[0] = _HEADER + length // 256, prompt[1] = _HEADER + length % 256
@@ -148,14 +151,21 @@ class EmulatedModel:
 
 @dataclass
 class EmulatedInput:
+    """The runner Protocol's `StepInput`: rows in the scheduled order, no prompt logprobs."""
+
     sample_seqs: list[Sequence]
     seconds: float  # modelled step time, before slowdown and scale
     seq_ids: frozenset[int]
     prompt_logprobs: None = None
+    order: None = None
+    flat: None = None
 
 
 class EmulatedRunner:
-    """`ModelRunner`'s surface, with sleeping in place of computing."""
+    """The runner Protocol (batchgen_data/worker/runner.py), with sleeping in place of
+    computing. Its steps end when `run` returns, so they do not overlap."""
+
+    can_overlap = False
 
     def __init__(self, cost: CostModel, spec: EmulatedSpec) -> None:
         self.cost = cost
@@ -227,7 +237,13 @@ class EmulatedRunner:
         total = self.gap_s + self.busy_sleep_s
         return self.gap_s / total if total else 0.0
 
-    def take_expert_tokens(self) -> torch.Tensor:
+    def mark(self) -> DeviceMark:
+        return DONE  # the sleep is over when `run` returns
+
+    def close(self) -> None:
+        return None
+
+    def take_expert_tokens(self, on_device: bool = False) -> torch.Tensor:
         return torch.zeros(0, 0, dtype=torch.long)
 
     def offload_counters(self) -> tuple[int, int]:
@@ -256,6 +272,16 @@ class EmulatedTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError("an emulated model takes prompt_token_ids rows only "
                          "(emulated_runner.encode_prompt), not text")
+
+
+def build_engine(model: str, **engine_kwargs: Any) -> Engine:
+    """A real `Engine` over `build_parts` of the emulated `model` string; `engine_kwargs` as
+    `Engine.from_kwargs` takes them."""
+    from batchgen_data.config import make_engine_config
+    from batchgen_data.engine.engine import Engine
+
+    config = make_engine_config(model, **engine_kwargs)
+    return Engine(config, build_parts(config))
 
 
 def build_parts(config: EngineConfig) -> EngineParts:

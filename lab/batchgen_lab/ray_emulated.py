@@ -60,7 +60,7 @@ ARMS = ("tuned", "stream", "late", "migrate")
 # pool saw them alive in one pass and shared the queued batches among them by rule 2 of
 # sim/modes.py; their first calls differ only by Ray's task-submission latency
 WAVE_GAP_WALL_S = 0.1
-# the actors import the injected runner (parts_builder) and the cost model from lab/: a local
+# the actors import the emulated runner and the cost model from lab/: a local
 # experiment, so the actors' PYTHONPATH names this checkout's lab/ (a runtime_env of the actor)
 LAB = str(Path(__file__).resolve().parents[1])
 
@@ -83,7 +83,6 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
 
     from batchgen_data.connectors.ray_data import BatchGenPredictor
     from batchgen_data.engine.driver import EngineDriver
-    from batchgen_data.engine.engine import Engine
 
     class EmulatedPredictor(BatchGenPredictor):  # type: ignore[misc, valid-type]
         def start_driver(self, model: str | None, engine_kwargs: dict[str, Any]) -> Any:
@@ -95,8 +94,8 @@ def emulated_predictor(barrier_name: str, factors: list[float]) -> type:
             spec = EmulatedSpec.parse(model or "")
             spec = EmulatedSpec(spec.preset, spec.scale, factors[self.ticket],
                                 spec.tokens_per_step)
-            driver = EngineDriver(Engine.from_kwargs(spec.model_string(), **engine_kwargs,
-                                                     parts_builder=emulated_runner.PARTS_BUILDER))
+            driver = EngineDriver(emulated_runner.build_engine(spec.model_string(),
+                                                              **engine_kwargs))
             ray.get(barrier.arrive.remote())
             return driver
 

@@ -23,6 +23,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # lab/: batchgen_lab
                 str(Path(__file__).resolve().parents[2] / "benchmarks")]
+from _common import schedule_decode  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE, default_model_dir, prepare_model_dir  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def main() -> None:
         for _ in range(rows):
             eng.submit([rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE) for _ in range(args.context)],
                        SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
-        inp = runner.prepare(eng.schedule_decode())
+        inp = runner.prepare(schedule_decode(eng))
         assert inp.meta.num_decodes == rows
         model, stack = runner.model, runner.cpu_stack
         with torch.inference_mode():

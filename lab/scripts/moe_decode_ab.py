@@ -25,7 +25,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # lab/: batchgen_lab
                 str(Path(__file__).resolve().parents[2] / "benchmarks")]
-from _common import make_workload  # noqa: E402
+from _common import make_workload, step_until_decode  # noqa: E402
 from batchgen_lab.ab import interleaved_steps  # noqa: E402
 from cpu_throughput import FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import moe_model_dir, print_step_records, step_bench_parser  # noqa: E402
@@ -52,7 +52,7 @@ def run_batch(model_dir: Path, batch: int, rounds: int, seed: int) -> list[dict]
     for r in make_workload("uniform", batch, seed, VOCAB_SIZE, FIRST_PLAIN_ID):
         eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=rounds * len(ARMS) + 8,
                                                       ignore_eos=True, temperature=0))
-    eng.step_until_decode()
+    step_until_decode(eng)
     return interleaved_steps(eng.step, lambda name: set_arm(model, *ARMS[name]), list(ARMS),
                              rounds, batch, base="torch")
 

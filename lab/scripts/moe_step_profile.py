@@ -28,7 +28,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # lab/: batchgen_lab
                 str(Path(__file__).resolve().parents[2] / "benchmarks")]
-from _common import make_workload  # noqa: E402
+from _common import make_workload, step_until_decode  # noqa: E402
 from cpu_throughput import EOS_ID, FIRST_PLAIN_ID, VOCAB_SIZE  # noqa: E402
 from moe_throughput import moe_model_dir, print_step_records, step_bench_parser  # noqa: E402
 
@@ -81,7 +81,7 @@ def ours(model_dir: Path, batch: int, steps: int, seed: int) -> dict[str, float]
     for r in make_workload("uniform", batch, seed, VOCAB_SIZE, FIRST_PLAIN_ID):
         eng.submit(r.prompt_token_ids, SamplingParams(max_tokens=steps + 8, ignore_eos=True,
                                                       temperature=0))
-    eng.step_until_decode()
+    step_until_decode(eng)
     eng.step()  # one decode step off the clock
     acc.clear()
     t0 = time.thread_time()

@@ -5,13 +5,12 @@ option: the tests build engines with these parts. (A plain module, not a conftes
 Spark ship it to their workers by value.)"""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from batchgen_data.config import EngineConfig, make_engine_config
+from batchgen_data.config import make_engine_config
 from batchgen_data.engine.engine import Engine
 from batchgen_data.sample.sampler import Sampler
-from batchgen_data.engine.setup import EngineParts, build_parts
+from batchgen_data.engine.setup import build_parts
 
 POISON = 7  # a token id of the tiny models' vocabulary
 MESSAGE = "a poisoned row is in this step"
@@ -68,25 +67,19 @@ def poisoned_engine(model: str | None, where: str = "run", kills_device: bool = 
     parts = build_parts(config)
     if where == "run":
         parts.runner = PoisonRunner(parts.runner, kills_device)
-        return Engine(config, parts)
-    engine = Engine(config, parts)
-    sampler = PoisonSampler(engine.stopper.eos_token_ids, engine.tokenizer)
-    sampler.where = where
-    engine.sampler = sampler
-    return engine
+    else:
+        parts.sampler = PoisonSampler(parts.stopper.eos_token_ids, parts.tokenizer)
+        parts.sampler.where = where
+    return Engine(config, parts)
 
 
-def poisoned_parts(config: EngineConfig) -> EngineParts:
-    """`parts_builder="poison_engine:poisoned_parts"`: the model's parts with a PoisonRunner,
-    for workers that build their engine from configuration (Spark executors, which import
-    this module once the test ships it with `addPyFile`)."""
-    parts = build_parts(dataclasses.replace(config, parts_builder=None))
-    parts.runner = PoisonRunner(parts.runner)
-    return parts
+def poisoned_run_engine(model: str | None, **kwargs: Any) -> Engine:
+    """`engine_factory=poisoned_run_engine`: an engine whose runner fails poisoned rows, for
+    workers that build their engine themselves (Spark executors, which import this module once
+    the test ships it with `addPyFile`)."""
+    return poisoned_engine(model, "run", **kwargs)
 
 
-def device_killing_parts(config: EngineConfig) -> EngineParts:
-    """As `poisoned_parts`, with a runner that loses its device on the poisoned row."""
-    parts = build_parts(dataclasses.replace(config, parts_builder=None))
-    parts.runner = PoisonRunner(parts.runner, kills_device=True)
-    return parts
+def device_killing_engine(model: str | None, **kwargs: Any) -> Engine:
+    """As `poisoned_run_engine`, with a runner that loses its device on the poisoned row."""
+    return poisoned_engine(model, "run", kills_device=True, **kwargs)

@@ -100,7 +100,7 @@ def test_overlapped_steps_hand_the_gil_over_promptly(tiny_model_dir) -> None:  #
     thread's look-ahead: an overlapped engine lowers it (never raises it)."""
     import sys
 
-    from batchgen_data.engine.stepper import SWITCH_INTERVAL_S
+    from batchgen_data.engine.overlap import SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
     try:

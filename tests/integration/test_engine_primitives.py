@@ -8,6 +8,7 @@ import pytest
 
 from batchgen_data import LLM, SamplingParams
 from batchgen_data.placement import EngineLoad
+from engine_seams import schedule_decode, watch_steps
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +39,25 @@ def test_hold_and_resume_keep_tokens(llm: LLM, keep_kv: bool) -> None:
     free_before = e.pool.num_free
     e.hold(rid, keep_kv=keep_kv)
     assert e.pool.num_free > free_before  # its GPU blocks were released
-    assert (e.held[rid].seqs[0].held_kv is not None) == keep_kv
+    assert (e.live.held[rid].seqs[0].held_kv is not None) == keep_kv
     done = drain(e)
     assert other in done and rid not in done  # a held request does not run
     e.resume(rid)
     assert drain(e)[rid].outputs[0].token_ids == ref.token_ids
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's `LLM.reset_prefix_cache`: a prompt run again hits the prefix cache, and after a
+    reset it is computed again, with the same tokens."""
+    llm = LLM(str(tiny_model_dir("qwen3")), max_model_len=256, block_size=4)
+    prompt = [{"prompt_token_ids": list(range(5, 30))}]  # six full blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 24
+    assert llm.reset_prefix_cache() is True
+    reset = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert reset.num_cached_tokens == 0
+    assert reset.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_load_and_movable_report_what_could_move(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -68,19 +83,20 @@ def test_load_and_movable_report_what_could_move(tiny_model_dir) -> None:  # typ
     assert len(drain(e)) == 4
 
 
-def test_decode_seam_leaves_the_engine_consistent(llm: LLM) -> None:
+def test_decode_seam_leaves_the_engine_consistent(llm: LLM,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     e = llm.engine
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
     ref = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     rids = [e.submit(p, GREEDY) for p in prompts]
-    shapes = []
-    e.on_step = shapes.append
-    computed = e.stats.computed_tokens
-    out = e.schedule_decode()  # what a runner benchmark times
-    assert out.num_new_tokens == [1, 1] and [s.request_id for s in out.seqs] == rids
-    e.runner.run(e.runner.prepare(out))  # the benchmark runs it; the engine does not know
-    done = drain(e)
-    e.on_step = None
+    with monkeypatch.context() as m:
+        shapes = watch_steps(e, m)
+        computed = e.stats.computed_tokens
+        out = schedule_decode(e)  # what a runner benchmark times
+        shapes.pop()  # the decode scheduled here, and again by the next step
+        assert out.num_new_tokens == [1, 1] and [s.request_id for s in out.seqs] == rids
+        e.runner.run(e.runner.prepare(out))  # the benchmark runs it; the engine does not know
+        done = drain(e)
     assert [done[r].outputs[0].token_ids for r in rids] == [o.outputs[0].token_ids for o in ref]
     assert sum(s.num_new_tokens for s in shapes) == e.stats.computed_tokens - computed
     assert shapes[0].num_new_tokens == 3 + 5 and shapes[0].kv_tokens == 3 + 5  # the prefills

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
+from batchgen_data.worker.fast_paths.cpu_decode_stack import CpuDecodeStack
 
 
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -64,7 +65,7 @@ def test_greedy_matches_hf(arch: str, case: str, tiny_model_dir, hf_model) -> No
 def test_greedy_matches_hf_with_per_layer_decode(arch: str, tiny_model_dir, hf_model,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     # the layer-by-layer decode path, which the one-call CPU decode stack otherwise replaces
-    monkeypatch.setenv("BATCHGEN_CPU_DECODE_STACK", "0")
+    monkeypatch.setattr(CpuDecodeStack, "build", classmethod(lambda cls, *a: None))
     path = tiny_model_dir(arch)
     hf = hf_model(path)
     llm = LLM(str(path), block_size=4)

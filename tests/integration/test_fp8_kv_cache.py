@@ -110,7 +110,7 @@ def test_greedy_matches_hf_with_an_e4m3_cache(arch: str, case: str, tiny_model_d
 
 def test_triton_path_over_fp8_matches_the_cpu_path(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("triton")
-    from batchgen_data.layers import backend
+    from engine_seams import triton_llm
 
     torch.set_num_threads(1)
     path = str(tiny_model_dir("llama"))
@@ -119,8 +119,7 @@ def test_triton_path_over_fp8_matches_the_cpu_path(tiny_model_dir) -> None:  # t
     sp = greedy(3, logprobs=0)
     got = {}
     for forced in (False, True):
-        with backend.force_triton(forced):
-            llm = LLM(path, **kw)
+        llm = triton_llm(path, **kw) if forced else LLM(path, **kw)
         assert llm.engine.runner.backend.triton == forced
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         got[forced] = ([list(o.outputs[0].token_ids) for o in outs],
@@ -256,7 +255,7 @@ def test_prefix_cache_hit_and_hold_resume_with_fp8(tiny_model_dir, hf_model) -> 
     for _ in range(5):
         engine.step()
     engine.hold(rid, keep_kv=True)
-    held = engine.held[rid].seqs[0].held_kv
+    held = engine.live.held[rid].seqs[0].held_kv
     assert held is not None and held[0][0].dtype == FP8
     engine.reset_prefix_cache()  # the resume reads the held copy, not cached blocks
     engine.resume(rid)

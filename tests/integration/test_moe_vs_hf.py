@@ -14,6 +14,7 @@ import torch
 
 from batchgen_data import LLM, SamplingParams
 from batchgen_data.kernels.cpu import moe as cpu_moe
+from engine_seams import watch_steps
 
 # tiny configs: hidden 64, 2-3 layers, a few experts of width 32
 _COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -185,7 +186,7 @@ def test_torch_only_backend_gives_the_same_tokens(moe_model) -> None:  # type: i
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_torch_experts_with_the_other_c_kernels_give_the_same_tokens(
         arch: str, moe_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("BATCHGEN_CPU_MOE_KERNEL", "0")  # the hook: experts on torch's matmuls
+    monkeypatch.setattr(cpu_moe, "available", lambda: False)  # experts on torch's matmuls
     path, hf = moe_model(arch)
     llm = LLM(str(path), **CASES["tiny_chunks"])
     assert all(layer._c_experts is None for layer in llm.engine.runner.model.moe_layers)
@@ -197,15 +198,15 @@ def test_export_import_mid_generation(moe_model, include_kv: bool) -> None:  # t
     check_export_import(moe_model("qwen3_moe")[0], include_kv)
 
 
-def test_per_expert_budget_bounds_the_step(moe_model) -> None:  # type: ignore[no-untyped-def]
+def test_per_expert_budget_bounds_the_step(moe_model, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:  # type: ignore[no-untyped-def]
     path, hf = moe_model("mixtral")  # 4 experts, top-2: 3 tokens per expert -> 6 per step
     llm = LLM(str(path), max_tokens_per_expert=3, block_size=4)
     assert llm.engine.scheduler.token_budget == 6
-    widths: list[int] = []
-    llm.engine.on_step = lambda shape: widths.append(shape.num_new_tokens)
+    shapes = watch_steps(llm.engine, monkeypatch)
     prompts = prompts_with_shared_prefix(seed=6)[:3]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
-    assert 0 < max(widths) <= 6
+    assert 0 < max(s.num_new_tokens for s in shapes) <= 6
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
 
 
@@ -249,7 +250,7 @@ def test_graph_padding_rows_are_not_counted(moe_model) -> None:  # type: ignore[
     the plain engine on the same prompts."""
     pytest.importorskip("triton")
     from batchgen_data.worker.fast_paths.cuda_graphs import DecodeGraphs, eager_capture
-    from batchgen_data.layers import backend
+    from engine_seams import triton_llm
 
     path, _ = moe_model("qwen3_moe")
     kw = dict(block_size=4, max_num_seqs=5, max_model_len=64, dtype="float32")
@@ -266,8 +267,7 @@ def test_graph_padding_rows_are_not_counted(moe_model) -> None:  # type: ignore[
         return [o.outputs[0].token_ids for o in outs], steps
 
     want_tokens, want = per_step(LLM(str(path), **kw))
-    with backend.force_triton():
-        llm = LLM(str(path), **kw)
+    llm = triton_llm(str(path), **kw)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_caches, 5, 64, 4, runner.device,
                           capture=eager_capture)
@@ -305,7 +305,7 @@ def test_overlapped_steps_count_every_routed_row_once(moe_model) -> None:  # typ
     load.record = lambda c: (counted.__setitem__(0, counted[0] + int(c.sum())), record(c))  # type: ignore
     got = [o.outputs[0].token_ids for o in llm.generate(items, params, use_tqdm=False)]
     assert got == want
-    llm.engine._stepper.drain()  # the step launched past the last output (its rows dropped)
+    llm.close()  # the step launched past the last output ends (its rows dropped)
     model = runner.model
     assert llm.engine.stats.overlapped_steps > 0
     assert counted[0] == rows[0] * model.moe.top_k * len(model.moe_layers)

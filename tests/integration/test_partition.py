@@ -236,6 +236,17 @@ def test_llm_with_data_parallel_engines_and_repartition(tmp_path: Path) -> None:
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.switches == []  # no policy: the two engines only
+        # abort reaches the engine that holds the request: rank 0's now, the other's with its
+        # next step; both come back as aborted outputs and leave the group
+        group = llm.engine
+        ids = [group.submit(p, greedy(30)) for p, _ in ROWS[:2]]
+        assert sorted(group.where[r] for r in ids) == [0, 1]
+        assert all(group.abort(r) for r in ids) and not group.abort("not-here")
+        outs = []
+        while group.has_unfinished():
+            outs += group.step()
+        assert sorted(o.request_id for o in outs) == sorted(ids)
+        assert all(o.outputs[0].finish_reason == "abort" for o in outs)
     finally:
         llm.close()
     assert [list(o.outputs[0].token_ids) for o in got] == want

@@ -10,8 +10,8 @@ unpoisoned engine, the poisoned one with a named error, and the job finishes:
   the task, on a rebuilt engine) runs the suspects alone, the row kills the engine alone, and
   the next retry does not run it again ("poison row").
 The fakes are parts given to the engine at seams (Ray's `start_driver`, the Spark engine
-cache's factory, the engine's `parts_builder` where Spark executors build the engine), never
-an option made for them."""
+cache's factory, the Spark entry points' `engine_factory` where executors build the engine),
+never an option made for them."""
 from __future__ import annotations
 
 import sys
@@ -154,12 +154,12 @@ def test_spark_generate_df_and_udf(spark: Any, model: str, want: list[list[int]]
                                    kills_device: bool) -> None:
     from batchgen_data.connectors.spark import batchgen_udf, generate_df
 
-    # executors build engines from configuration: the poisoned parts come in by name, from
-    # this module shipped to them (the engine's parts_builder seam, as the lab's runner does)
+    # executors build their engine: the poisoned one comes from this module, shipped to them
     spark.sparkContext.addPyFile(poison_engine.__file__)
-    builder = "poison_engine:" + ("device_killing_parts" if kills_device else "poisoned_parts")
+    factory = poison_engine.device_killing_engine if kills_device \
+        else poison_engine.poisoned_run_engine
     kw = dict(model=model, sampling_params=PARAMS, apply_chat_template=False,
-              parts_builder=builder, **ENGINE)
+              engine_factory=factory, **ENGINE)
     df = spark.createDataFrame([(i, p) for i, p in enumerate(IDS)],
                                "id long, prompt_token_ids array<int>").coalesce(1)
     error = "poison row" if kills_device else "RequestFailedError"

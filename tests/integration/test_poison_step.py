@@ -152,8 +152,7 @@ def test_the_driver_fails_the_rows_future_and_runs_on(path: Path,
 
 def test_llm_returns_the_error_row_and_stays_usable(path: Path,
                                                     hf_tokens: list[list[int]]) -> None:
-    llm = LLM(str(path), **ENGINE)
-    llm.engine = poisoned_engine(str(path), "run", **ENGINE)
+    llm = LLM._over(poisoned_engine(str(path), "run", **ENGINE))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs].count("error") == 1
     assert outs[BAD].outputs[0].finish_reason == "error"
@@ -204,7 +203,7 @@ def test_a_request_submitted_alone_never_shares_a_step(path: Path,
     rid = engine.submit(prompts[0], GREEDY, alone=True)
     state = engine.export(rid)
     assert state["alone"] is True
-    assert engine.import_(state) == rid and all(s.alone for s in engine.requests[rid].seqs)
+    assert engine.import_(state) == rid and all(s.alone for s in engine.live.requests[rid].seqs)
 
 
 def test_an_engine_dead_error_inside_a_step_is_not_searched(path: Path) -> None:
@@ -250,8 +249,7 @@ def test_a_program_whose_step_the_engine_fails_is_that_rows_error(
                                ignore_eos=True)] * 2
         return {"tokens": a.token_ids, "same": a.token_ids == b.token_ids}
 
-    llm = LLM(str(path), **ENGINE)
-    llm.engine = poisoned_engine(str(path), "run", **ENGINE)
+    llm = LLM._over(poisoned_engine(str(path), "run", **ENGINE))
     outs = llm.run([{"ids": p} for p in PROMPTS], two_samples)
     assert "poisoned row" in outs[BAD]["error"] and "step 1:" in outs[BAD]["error"]
     for i, out in enumerate(outs):

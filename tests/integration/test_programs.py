@@ -13,6 +13,7 @@ from batchgen_data import LLM, Generate, SamplingParams, program
 from batchgen_data.programs import ProgramError
 from batchgen_data.programs.offline import ProgramRunner
 
+from engine_seams import watch_steps
 from program_refs import EXAMPLES, example, revise_by_hand, rows_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,21 +136,18 @@ def loops(row: dict[str, Any]) -> Any:
     return {"q": row["q"]}
 
 
-def test_a_long_program_never_holds_up_the_others(llm: LLM) -> None:
+def test_a_long_program_never_holds_up_the_others(llm: LLM,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [{"q": "Summarise paragraph 0", "steps": 6}] + [
         {"q": f"The quick brown fox {i}", "steps": 1} for i in range(5)]
     runner = ProgramRunner(llm.engine, loops)
     pids = [runner.add(r) for r in rows]
-    batch_sizes: list[int] = []
-    llm.engine.on_step = lambda shape: batch_sizes.append(shape.num_seqs)
+    shapes = watch_steps(llm.engine, monkeypatch)
     order = []
-    try:
-        while runner.has_unfinished():
-            order += [pid for pid, _ in runner.step()]
-    finally:
-        llm.engine.on_step = None
+    while runner.has_unfinished():
+        order += [pid for pid, _ in runner.step()]
     assert order[-1] == pids[0] and sorted(order) == sorted(pids)
-    assert max(batch_sizes) == len(rows)  # every program's first step in one batch
+    assert max(s.num_seqs for s in shapes) == len(rows)  # every first step in one batch
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

@@ -10,6 +10,7 @@ import pytest
 
 from batchgen_data import LLM, Generate, SamplingParams, program
 from batchgen_data.programs.offline import ProgramRunner
+from engine_seams import watch_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,19 +42,16 @@ def model(tiny_model_dir: Callable[..., Path]) -> str:
     return str(tiny_model_dir("llama"))
 
 
-def test_later_steps_reuse_their_conversation_when_the_pool_is_small(model: str) -> None:
+def test_later_steps_reuse_their_conversation_when_the_pool_is_small(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     data = rows(24)
     # a program peaks near 62 tokens (16 blocks): 24 of them need ~380 blocks; the pool has 64
     llm = LLM(model, max_model_len=128, max_num_seqs=16, block_size=BLOCK, num_kv_blocks=64)
     runner = ProgramRunner(llm.engine, three_turns)
-    idle: list[int] = []
-    llm.engine.on_step = lambda shape: idle.append(shape.num_seqs) if shape.num_seqs == 0 \
-        else None
-    try:
+    with monkeypatch.context() as m:
+        shapes = watch_steps(llm.engine, m)
         outs = runner.run_all(data)
-    finally:
-        llm.engine.on_step = None
-    assert not idle, "a step scheduled nothing while programs waited"
+    assert all(s.num_seqs for s in shapes), "a step scheduled nothing while programs waited"
     assert not llm.engine.has_unfinished() and len(llm.engine.pins) == 0
     assert llm.engine.pins.num_blocks == 0 and llm.engine.pool.num_free == 64
 

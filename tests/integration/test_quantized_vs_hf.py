@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
+from batchgen_data.worker.fast_paths.cpu_decode_stack import CpuDecodeStack
 from quant_checkpoints import write_quantized
 from test_deepseek_vs_hf import build_deepseek_model
 from test_moe_vs_hf import build_moe_model
@@ -125,7 +126,7 @@ def test_torch_path_and_per_layer_path_give_the_same_tokens(quantized, case: str
     stacked = _check(quantized, "llama", case)
     qdir, _ = quantized("llama", case)
     assert _greedy_ours(qdir, cpu_kernels=False) == stacked
-    monkeypatch.setenv("BATCHGEN_CPU_DECODE_STACK", "0")
+    monkeypatch.setattr(CpuDecodeStack, "build", classmethod(lambda cls, *a: None))
     assert _greedy_ours(qdir) == stacked
 
 
@@ -179,15 +180,14 @@ def test_triton_path_gives_the_same_tokens(quantized, case: str, monkeypatch) ->
     stored form with the weight-only Triton kernel and gives the C path's tokens."""
     pytest.importorskip("triton")
     import batchgen_data.kernels as kernels
-    from batchgen_data.layers import backend
+    from engine_seams import triton_llm
 
     calls = []
     real = kernels.quant_linear
     monkeypatch.setattr(kernels, "quant_linear", lambda *a: calls.append(1) or real(*a))
     want = _check(quantized, "llama", case)
     qdir, _ = quantized("llama", case)
-    with backend.force_triton(True):
-        llm = LLM(str(qdir), max_model_len=256)
+    llm = triton_llm(str(qdir), max_model_len=256)
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0,
                                                     ignore_eos=True), use_tqdm=False)
     assert calls and [list(o.outputs[0].token_ids) for o in outs] == [w[:4] for w in want[:2]]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, LoRARequest, SamplingParams
-from batchgen_data.layers import backend
+from engine_seams import triton_llm
 
 pytest.importorskip("triton")
 pytest.importorskip("peft")
@@ -47,8 +47,7 @@ def test_lora_triton_path_matches_torch_path(tiny_model_dir, tmp_path: Path,
         monkeypatch.setattr(kernels, name, counted)
     got = {}
     for forced in (False, True):
-        with backend.force_triton(forced):
-            llm = LLM(str(path), **kw)
+        llm = triton_llm(str(path), **kw) if forced else LLM(str(path), **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
                             lora_request=which)
         got[forced] = [o.outputs[0].token_ids for o in outs]

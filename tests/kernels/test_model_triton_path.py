@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batchgen_data import LLM, SamplingParams
-from batchgen_data.layers import backend
+from engine_seams import triton_llm
 
 pytest.importorskip("triton")
 
@@ -34,8 +34,7 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _run(path: str, forced: bool) -> tuple[list[list[int]], list[list[float]], int]:
-    with backend.force_triton(forced):  # the layers choose their kernels when built
-        llm = LLM(path, **ENGINE_KW)
+    llm = triton_llm(path, **ENGINE_KW) if forced else LLM(path, **ENGINE_KW)
     assert llm.engine.runner.backend.triton == forced
     warm, batch = _workload(llm.engine.vocab_size)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=0)

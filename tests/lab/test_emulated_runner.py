@@ -12,16 +12,16 @@ import pytest
 
 from batchgen_lab import emulated_runner as emu
 from batchgen_data.engine.engine import Engine
-from batchgen_data.engine.stats import StepShape
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_lab.sim.costmodel import get_preset
+from engine_seams import watch_steps
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=500)
 
 
 def engine(slowdown: float = 1.0, g: int = 1, seats: int = 8) -> Engine:
     spec = emu.EmulatedSpec("h200-llama8b", scale=1e-3, slowdown=slowdown, tokens_per_step=g)
-    return Engine.from_kwargs(spec.model_string(), parts_builder=emu.PARTS_BUILDER, max_num_seqs=seats)
+    return emu.build_engine(spec.model_string(), max_num_seqs=seats)
 
 
 def run(e: Engine, lengths: list[int], prompt_len: int = 20) -> dict[str, list[int]]:
@@ -59,22 +59,20 @@ def test_prompt_carries_the_output_length_and_a_unique_prefix() -> None:
         emu.output_len_of([3, 4, 5])
 
 
-def test_rows_stop_at_their_length_and_time_is_the_cost_models() -> None:
+def test_rows_stop_at_their_length_and_time_is_the_cost_models(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     e = engine()
     cost = get_preset("h200-llama8b")
-    expected = [0.0]
-
-    def charge(s: StepShape) -> None:  # what the simulator would charge for this step
-        if s.num_seqs:
-            expected[0] += cost.step_time(s.num_new_tokens, s.kv_tokens, s.num_seqs)
-
-    e.on_step = charge
+    shapes = watch_steps(e, monkeypatch)
     lengths = [1, 3, 40, 17, 90, 2, 64, 5, 33, 8, 120]  # more rows than seats: some wait
     out = run(e, lengths)
     assert {r: len(t) for r, t in out.items()} == {f"r{i}": n for i, n in enumerate(lengths)}
     assert all(t[-1] == emu.EOS and emu.EOS not in t[:-1] for t in out.values())
     assert out["r2"][:3] == [2, 3, 4]  # deterministic filler
-    assert e.runner.modelled_s == pytest.approx(expected[0], rel=1e-9)
+    # what the simulator would charge for these steps
+    expected = sum(cost.step_time(s.num_new_tokens, s.kv_tokens, s.num_seqs)
+                   for s in shapes if s.num_seqs)
+    assert e.runner.modelled_s == pytest.approx(expected, rel=1e-9)
     assert e.runner.num_steps >= max(lengths)
     assert e.runner.slept_s >= 0.5 * e.runner.modelled_s * 1e-3
     assert 0.0 <= e.runner.overhead() < 1.0

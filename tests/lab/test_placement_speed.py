@@ -111,14 +111,13 @@ def test_a_straggling_engine_reports_a_higher_floor() -> None:
     # step's device time (`device_step_s`), as a GPU would: the straggler's 3x shows in its load
     # report exactly, whatever the box's late wake-ups do to the wall clock
     from batchgen_lab import emulated_runner as emu
-    from batchgen_data.engine.engine import Engine
     from batchgen_data.sampling_params import SamplingParams
 
     floors = []
     for slowdown in (1.0, 3.0):
         spec = emu.EmulatedSpec("h200-llama8b", scale=1e-3, slowdown=slowdown,
                                 tokens_per_step=16)
-        e = Engine.from_kwargs(spec.model_string(), parts_builder=emu.PARTS_BUILDER, max_num_seqs=4)
+        e = emu.build_engine(spec.model_string(), max_num_seqs=4)
         assert e.load().decode_step_s == 0.0  # nothing measured yet
         for i in range(2):
             e.submit(emu.encode_prompt(5, 16, salt=i),
@@ -184,14 +183,13 @@ def test_an_emulated_straggler_reports_its_factor_from_uneven_rows() -> None:
     # rows of different lengths give steps of several shapes; the engine's load report then
     # carries the fitted reference step, exactly the cost model's x slowdown on both engines
     from batchgen_lab import emulated_runner as emu
-    from batchgen_data.engine.engine import Engine
     from batchgen_data.sampling_params import SamplingParams
 
     speeds = []
     for slowdown in (1.0, 1.5):
         spec = emu.EmulatedSpec("h200-llama8b", scale=1e-4, slowdown=slowdown,
                                 tokens_per_step=16)
-        e = Engine.from_kwargs(spec.model_string(), parts_builder=emu.PARTS_BUILDER, max_num_seqs=8)
+        e = emu.build_engine(spec.model_string(), max_num_seqs=8)
         for i in range(8):
             e.submit(emu.encode_prompt(4 + 3 * i, 2 + 3 * i, salt=i),
                      SamplingParams(temperature=0.0, max_tokens=64), request_id=f"r{i}")

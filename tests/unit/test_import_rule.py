@@ -113,3 +113,90 @@ def test_layers_take_no_kv_routing_callback() -> None:
     for folder in ("layers", "models"):
         for path in (ROOT / "batchgen_data" / folder).glob("*.py"):
             assert "kv_route" not in path.read_text(), path
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of the product it imports (lazy and TYPE_CHECKING imports too;
+    `from a.b import c` names the module `a.b.c` when there is one, else `a.b`)."""
+    mods = dict(modules())
+
+    def owner(dotted: str) -> str | None:
+        while dotted and dotted not in mods:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        if name == "batchgen_data":  # the lazy public names: imported by no module
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                dst = owner(target)
+                if dst and dst not in (name, "batchgen_data"):
+                    graph[name].add(dst)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan's
+    algorithm, iterative so that a deep chain cannot overflow the stack)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_circles() -> None:
+    # a circle among modules (even inside one unit, even through a lazy import) means neither
+    # module can be read, tested or moved without the other
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_new_circle() -> None:
+    graph = import_graph()
+    assert "batchgen_data.core.sequence" in graph["batchgen_data.core.scheduler"]
+    graph["batchgen_data.core.sequence"].add("batchgen_data.core.scheduler")
+    found = circles(graph)
+    assert len(found) == 1
+    assert {"batchgen_data.core.sequence", "batchgen_data.core.scheduler"} <= set(found[0])

@@ -1,56 +1,23 @@
 """Re-partition as an engine primitive: engines on one node that turn into wider
-tensor-parallel engines mid-job, and back, keeping every live sequence (docs/parallel.md).
+tensor-parallel engines mid-job, and back, keeping every live sequence (docs/parallel.md, which
+has the design, the tests and the measured cost).
 
-`EngineGroup(config, size=2)` runs `size` one-device engines ("DP", data parallel): this
-process's, which is rank 0, and `size - 1` engine processes it starts
-(`python -m batchgen_data.engine.rank_worker ... engine`, `partition_worker.serve`), each with
+`EngineGroup(config, size=2)` runs `size` one-device engines: this process's, which is rank 0,
+and `size - 1` engine processes it starts (`engine/rank_worker.py`, `member.serve`), each with
 the full weights on its own device. `submit` places a request on the engine with the fewest
-live ones; `step` steps them all at once (rank 0 sends the step, with whatever each engine is
-to submit, then steps its own while the others step theirs, then gathers their finished
-outputs and loads). `repartition()` joins them into `size // width` engines of
-`tensor_parallel_size=width` (`width`: a divisor of `size`, at least 2; by default `size`, ONE
-TP engine): block b, ranks [b*width, (b+1)*width), becomes one TP engine led by its first rank:
-
-  1. export: every live request leaves its engine as plain data with its KV (all heads);
-  2. group: the processes of each block build its model group (gloo on the CPU, NCCL on
-     CUDA) and its control group, the blocks' leaders a group of their own
-     (`launch.block_groups`; one TP engine keeps the group's control group);
-  3. reshard: each process cuts its full weights to its shard in memory (no reload from
-     disk; `models/reshard.py`, the slices of `models/tp_shards.py`), after its old KV cache
-     is freed, and lays out a KV cache of its heads (the ranks agree on the block count);
-  4. import: the requests are spread over the TP engines by KV tokens, each importing its
-     share on its leader; their KV is split by heads as it is written (`TPRunner.write_kv`:
-     each rank keeps its heads) at their first step.
-While joined, rank 0 steps the other TP engines through their leaders (`partition_worker.lead`,
-over the leaders' group: the step, with what each is to submit, then its outputs and load)
-while it steps its own, as it steps the separate engines; a block's other ranks serve their
-leader's TP engine (`TPRunner.serve`). `self.where` maps each request to the rank whose engine
-holds it (a leader, when joined).
-The sequence coroutines restart from the exported state (`Engine.export` / `import_`), so
-every generated token, seed and stop state carries over and greedy or seeded tokens are those
-of a run without the switch. `split()` is the way back: export from each TP engine (its KV read
-whole from its ranks), release the ranks, all-gather every weight whole again on every rank of
-each block (the shards are the only copy: no host copy is kept), then the requests are spread
-over the `size` engines by KV tokens.
-
-A `PartitionPolicy` passed in decides when, each step, from the engines' `load()` reports: join
-once the job's tail is short (at most `join_below_seqs` live sequences, none waiting) and the
-modelled saving pays for the switch; split when new work queues up behind any wide engine.
-The group's `width` (the constructor's) is the width every join makes.
-
-Every wait of rank 0 on another process is bounded by `collective_timeout_s`: a process that
-dies or stalls, between switches or during one, makes the group dead, `EngineDeadError`
-naming the rank and the end of its log, now and on every later call (as a TP engine). Only
-rank 0 holds the processes: a leader's TP engine that loses a rank fails its own bounded
-collective and its process ends, which rank 0's bounded wait on the leaders then reports.
-MoE models re-shard their experts as the wide engine runs them: a slice of every expert's
-width, or whole experts per rank with `enable_expert_parallel=True` (the one-device engines
-ignore the flag). Tested on the CPU: 2 engines -> one TP=2 engine and back
-(tests/integration/test_partition.py), 4 engines -> 2 TP=2 engines and back, with new requests
-while joined (tests/integration/test_partition_blocks.py). FP8 KV caches move as their e4m3
-codes, the checkpoint's K/V scales going with the weights (`models/reshard.py`). Not built:
-quantized checkpoints (refused by name when the group is built). Requests keep their LoRA
-adapters through every switch (export / import carry them).
+live ones; `step` steps them all at once (rank 0 sends the step, with what each engine is to
+submit or abort, steps its own while the others step theirs, then gathers their outputs and
+loads). `repartition()` joins them into `size // width` engines of
+`tensor_parallel_size=width` (by default one TP engine of `size`), in four phases: every live
+request exported with its KV; the model and control groups of each block of `width` ranks
+built; each process's full weights cut to its shard in memory (`models/reshard.py`, no reload
+from disk) with a KV cache of its heads; the requests imported, spread by KV tokens. While
+joined, rank 0 steps the other TP engines through their leaders (`member.lead`); a block's
+other ranks serve their leader's engine (`TPRunner.serve`). `split()` is the way back (the
+weights all-gathered whole on every rank). The sequence coroutines restart from the exported
+state, so greedy or seeded tokens are those of a run without the switch. A `PartitionPolicy`
+decides when, each step, from the engines' `load()` reports. Rank 0's waits on the others are
+bounded; a process that dies or stalls makes the group dead (engine/group/guard.py).
 """
 from __future__ import annotations
 
@@ -67,21 +34,18 @@ from batchgen_data.worker.tp import launch, messages
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.group.policy import (PartitionPolicy, SwitchReport, check_group,
                                                    kv_bytes, queued, spread)
+from batchgen_data.engine.group.guard import Guard
 from batchgen_data.engine.group.member import Member, ModelPieces, own_device
-from batchgen_data.layers.parallel import CollectiveError
 from batchgen_data.outputs import RequestOutput
-from batchgen_data.placement import EngineLoad
+from batchgen_data.lora_request import AdapterNames
+from batchgen_data.placement import EngineId, EngineLoad
 from batchgen_data.sampling_params import SamplingParams
 
 __all__ = ["EngineGroup", "PartitionPolicy", "SwitchReport"]
 
-def _dead_error(msg: str) -> Exception:
-    from batchgen_data.core.errors import EngineDeadError
-
-    return EngineDeadError(msg)
-
-
 class EngineGroup:
+    kind = "engine group"
+
     def __init__(self, config: EngineConfig, size: int = 2,
                  policy: PartitionPolicy | None = None,
                  on_phase: Callable[[str], None] | None = None,
@@ -101,7 +65,7 @@ class EngineGroup:
         self.ranks = launch.start(config, size, device_type, config.collective_timeout_s,
                                   role="engine")
         self.member = Member(config, self.ranks, device_type)
-        self._dead: str | None = None
+        self.guard = Guard(self.ranks)
         try:
             # this process's engine (rank 0's block's TP engine when joined)
             self.engine: Engine = Engine(own_device(config, 0, device_type))
@@ -129,6 +93,10 @@ class EngineGroup:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len  # every engine of a group has the same model
+
     def heads(self) -> list[int]:
         """The ranks that hold an engine now: every rank, or each TP engine's first."""
         return list(range(0, self.size, self.width))
@@ -142,10 +110,14 @@ class EngineGroup:
         adapters from the same paths)."""
         self.engine.check_lora(lora_request)
 
+    def lora_names(self) -> AdapterNames | None:
+        """`Engine.lora_names` (every engine of a group has the same adapter settings)."""
+        return self.engine.lora_names()
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
                lora_request: Any = None) -> str:
-        self._alive()
+        self.guard.check()
         self.check_lora(lora_request)
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"group-{next(self._ids)}"
@@ -170,17 +142,51 @@ class EngineGroup:
     def has_unfinished(self) -> bool:
         return bool(self.where)
 
+    def num_unfinished(self) -> int:
+        return len(self.where)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request on the engine that holds it: rank 0's now, another's with its next
+        step (after what it is to submit); its output comes with a later `step`."""
+        self.guard.check()
+        rank = self.where.get(request_id)
+        if rank is None:
+            return False
+        if rank == 0:
+            self.guard.call(self.engine.abort, request_id)
+        else:
+            self._work.setdefault(rank, {}).setdefault("abort", []).append(request_id)
+        return True
+
+    def export(self, request_id: str, include_kv: bool = False) -> dict[str, Any]:
+        raise NotImplementedError("export: an engine group moves requests between its own "
+                                  "engines; export from an Engine (one engine, no "
+                                  "data_parallel_size)")
+
+    def import_(self, state: dict[str, Any], front: bool = True) -> str:
+        raise NotImplementedError("import_: an engine group places requests on its own "
+                                  "engines; submit them, or import into an Engine")
+
+    def load(self, engine_id: EngineId = None) -> EngineLoad:
+        raise NotImplementedError("load: an engine group has one load per engine "
+                                  "(EngineGroup.loads), not one for a placement policy")
+
+    def reset_prefix_cache(self) -> bool:
+        raise NotImplementedError("reset_prefix_cache: an engine group does not reset its "
+                                  "engines' prefix caches; run one engine (no "
+                                  "data_parallel_size) to reset its cache")
+
     def step(self) -> list[RequestOutput]:
         """One step of every engine (separate or TP), then the policy's switch, if any."""
-        self._alive()
+        self.guard.check()
         others = self.ranks.control if self.width == 1 else self.member.leaders
         if others is None:  # one TP engine (TPRunner: EngineDeadError if a rank is gone)
-            outs = self._call(self.engine.step)
+            outs = self.guard.call(self.engine.step)
         else:
             work, self._work = self._work, {}
-            self._call(messages.send, others, {"kind": "step", "work": work})
-            outs = self._call(self.engine.step)  # while the others step theirs
-            replies = self._call(messages.gather, others, {})[1:]
+            self.guard.call(messages.send, others, {"kind": "step", "work": work})
+            outs = self.guard.call(self.engine.step)  # while the others step theirs
+            replies = self.guard.call(messages.gather, others, {})[1:]
             for rank, reply in zip(self.heads()[1:], replies):
                 outs.extend(reply["outputs"])
                 self.loads[rank] = reply["load"]
@@ -195,11 +201,20 @@ class EngineGroup:
                 self.split()
         return outs
 
+    def _replace(self, pending: dict[int, dict[str, list[Any]]]) -> None:
+        """Work not yet sent when a switch began, placed again on the engines it left."""
+        for rank_work in pending.values():
+            for kw in rank_work.get("submit", ()):
+                self._place(kw)
+        for rank_work in pending.values():
+            for rid in rank_work.get("abort", ()):
+                self.abort(rid)
+
     # ---- the switches ---------------------------------------------------------------------
     def repartition(self) -> SwitchReport:
         """The `size` engines become `size // join_width` TP engines, every live request
         kept."""
-        self._alive()
+        self.guard.check()
         if self.width > 1:
             raise RuntimeError("the group is already joined into tensor-parallel engines")
         t_start = time.perf_counter()
@@ -207,22 +222,22 @@ class EngineGroup:
         pending, self._work = self._work, {}  # not sent yet: placed on the TP engines
         ids = {r: [rid for rid, w in self.where.items() if w == r and not queued(pending, rid)]
                for r in range(self.size)}
-        self._call(messages.send, self.ranks.control, {"kind": "export", "ids": ids})
+        self.guard.call(messages.send, self.ranks.control, {"kind": "export", "ids": ids})
         states = [self.engine.export(rid, include_kv=True) for rid in ids[0]]
-        for reply in self._call(messages.gather, self.ranks.control, {})[1:]:
+        for reply in self.guard.call(messages.gather, self.ranks.control, {})[1:]:
             states.extend(reply["states"])
         export_s = time.perf_counter() - t_start
         self._phase("group")
         tag, width = f"join{next(self._tags)}", self.join_width
-        self._call(messages.send, self.ranks.control, {"kind": "join", "tag": tag,
+        self.guard.call(messages.send, self.ranks.control, {"kind": "join", "tag": tag,
                                                        "width": width})
-        group_s = self._call(self.member.join_group, tag, width)
+        group_s = self.guard.call(self.member.join_group, tag, width)
         t0 = time.perf_counter()
         self._phase("reshard")
         pieces = ModelPieces.of(self.engine)
         del self.engine  # its KV cache goes first (Member.narrow collects it)
-        parts, mine = self._call(self.member.narrow, pieces, tag)
-        theirs = [{"reshard_s": mine}] + self._call(messages.gather, self.ranks.control,
+        parts, mine = self.guard.call(self.member.narrow, pieces, tag)
+        theirs = [{"reshard_s": mine}] + self.guard.call(messages.gather, self.ranks.control,
                                                     {})[1:]
         reshard_s = time.perf_counter() - t0  # until the slowest rank is done
         t0 = time.perf_counter()
@@ -235,16 +250,14 @@ class EngineGroup:
             self.engine.import_(state)
         tp_sizes = [self.engine.runner.model.shape.tp.size]
         if self.member.leaders is not None:  # the other TP engines import theirs
-            self._call(messages.send, self.member.leaders, {
+            self.guard.call(messages.send, self.member.leaders, {
                 "kind": "import", "states": dict(zip(heads[1:], share[1:]))})
-            for rank, reply in zip(heads[1:], self._call(messages.gather, self.member.leaders,
+            for rank, reply in zip(heads[1:], self.guard.call(messages.gather, self.member.leaders,
                                                          {})[1:]):
                 self.loads[rank] = reply["load"]
                 tp_sizes.append(reply["tp_size"])
         self.where = {st["request_id"]: heads[b] for b, part in enumerate(share) for st in part}
-        for rank_work in pending.values():
-            for kw in rank_work.get("submit", ()):
-                self._place(kw)
+        self._replace(pending)
         report = SwitchReport("join", len(states), kv_bytes(states), export_s, group_s,
                               reshard_s, time.perf_counter() - t0,
                               time.perf_counter() - t_start,
@@ -254,7 +267,7 @@ class EngineGroup:
 
     def split(self) -> SwitchReport:
         """The TP engines become `size` engines again, every live request kept."""
-        self._alive()
+        self.guard.check()
         if self.width == 1:
             raise RuntimeError("the group is already separate engines")
         t_start = time.perf_counter()
@@ -264,19 +277,19 @@ class EngineGroup:
         held = {r: [rid for rid, w in self.where.items() if w == r and not queued(pending, rid)]
                 for r in heads}
         if leaders is not None:  # each exports its own while rank 0 exports its
-            self._call(messages.send, leaders, {"kind": "split", "ids": held})
-        states = [self._call(self.engine.export, rid, True) for rid in held[0]]
+            self.guard.call(messages.send, leaders, {"kind": "split", "ids": held})
+        states = [self.guard.call(self.engine.export, rid, True) for rid in held[0]]
         if leaders is not None:
-            for reply in self._call(messages.gather, leaders, {})[1:]:
+            for reply in self.guard.call(messages.gather, leaders, {})[1:]:
                 states.extend(reply["states"])
         export_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
         self._phase("reshard")
-        self._call(self.engine.runner.release)  # the other ranks leave `serve`
+        self.guard.call(self.engine.runner.release)  # the other ranks leave `serve`
         pieces = ModelPieces.of(self.engine)
         del self.engine
-        self.engine, mine = self._call(self.member.widen, pieces)
-        theirs = [{"reshard_s": mine}] + self._call(messages.gather, self.ranks.control,
+        self.engine, mine = self.guard.call(self.member.widen, pieces)
+        theirs = [{"reshard_s": mine}] + self.guard.call(messages.gather, self.ranks.control,
                                                     {})[1:]
         reshard_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -284,16 +297,14 @@ class EngineGroup:
         share = spread(states, self.size)
         for state in share[0]:
             self.engine.import_(state)
-        self._call(messages.send, self.ranks.control, {
+        self.guard.call(messages.send, self.ranks.control, {
             "kind": "import", "states": {r: share[r] for r in range(1, self.size)}})
-        for rank, reply in enumerate(self._call(messages.gather, self.ranks.control, {})[1:],
+        for rank, reply in enumerate(self.guard.call(messages.gather, self.ranks.control, {})[1:],
                                      start=1):
             self.loads[rank] = reply["load"]
         self.where = {st["request_id"]: r for r in range(self.size) for st in share[r]}
         width, self.width = self.width, 1
-        for rank_work in pending.values():
-            for kw in rank_work.get("submit", ()):
-                self._place(kw)
+        self._replace(pending)
         report = SwitchReport("split", len(states), kv_bytes(states), export_s, 0.0,
                               reshard_s, time.perf_counter() - t0,
                               time.perf_counter() - t_start,
@@ -302,42 +313,19 @@ class EngineGroup:
         return report
 
     def close(self) -> None:
-        if self._dead is None:
-            self._dead = "engine group was closed"
+        if self.guard.dead is None:
+            self.guard.dead = "engine group was closed"
             try:
                 if self.width > 1:
                     if self.member.leaders is not None:
                         messages.send(self.member.leaders, {"kind": "stop"})
-                    self.engine.runner.close()
+                    self.engine.close()
                 else:
                     messages.send(self.ranks.control, {"kind": "stop"})
             except Exception:  # noqa: BLE001 (closing: the processes are stopped below)
                 pass
         self.ranks.close()
 
-    # ---- failures -------------------------------------------------------------------------
-    def _alive(self) -> None:
-        if self._dead is not None:
-            raise _dead_error(self._dead)
-
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)`, any failure to reach another process making the group dead."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            if type(exc).__name__ == "EngineDeadError":  # the TP engine's own report
-                self._dead = str(exc)
-                self.ranks.close()
-                raise
-            deadline = time.monotonic() + 1.0  # a process that just died: let its exit show
-            while self.ranks.dead() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            why = self.ranks.dead() or ("a rank stalled" if isinstance(exc, CollectiveError)
-                                        else type(exc).__name__)
-            self._dead = f"engine group is dead ({why}): {exc}"
-            self.ranks.close()
-            raise _dead_error(self._dead) from exc

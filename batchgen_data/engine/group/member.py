@@ -149,6 +149,8 @@ def serve(config: EngineConfig, ranks: RankGroup, device_type: str) -> None:
                 engine.submit(**kw)
             for state in mine.get("import", ()):
                 engine.import_(state)
+            for rid in mine.get("abort", ()):
+                engine.abort(rid)
             outs = engine.step()
             messages.gather(control, {"outputs": outs, "load": engine.load(ranks.rank)})
         elif kind == "export":
@@ -201,6 +203,8 @@ def lead(engine: Engine, leaders: parallel.TensorParallel, rank: int) -> bool:
             mine = msg["work"].get(rank, {})
             for kw in mine.get("submit", ()):
                 engine.submit(**kw)
+            for rid in mine.get("abort", ()):
+                engine.abort(rid)
             outs = engine.step()
             messages.gather(leaders, {"outputs": outs, "load": engine.load(rank)})
         elif kind == "import":

@@ -90,8 +90,6 @@ def check_group(config: EngineConfig, size: int, width: int | None = None) -> En
     if config.tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: the engines of "
                          "a group start with one device each (the group sets the TP size)")
-    if config.parts_builder is not None:
-        raise ValueError("parts_builder: an engine group re-shards real model weights")
     if config.rank_devices is not None:
         raise ValueError(f"rank_devices={config.rank_devices!r}: an engine group puts process "
                          "r on the index of `device` plus r")

@@ -13,8 +13,8 @@ It serves steps where every scheduled sequence decodes one token and there are a
 under LoRA adapters too, when every adapted layer adds its deltas with the C kernel
 (`layers/lora.py`, kernel "c"): the stack calls that kernel after each linear, on the same
 rows, so those steps too are bit for bit the per-layer path's. Other steps, models it
-cannot take (a backend without the C kernels or the panel layout, a model class other than the Llama family), or
-``BATCHGEN_CPU_DECODE_STACK=0`` (a test hook) keep the per-layer path.
+cannot take (a backend without the C kernels or the panel layout, a model class other than the
+Llama family) keep the per-layer path.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchgen_data import env
 from batchgen_data.kernels.cpu import build as cpu_kernels
 from batchgen_data.kernels.cpu.linear import PANEL_MAX_ROWS
 from batchgen_data.layers.backend import LayerBackend
@@ -122,7 +121,7 @@ class CpuDecodeStack:
         """The stack for this model and cache, or None when it cannot run them (see module doc)."""
         from batchgen_data.models.llama import LlamaForCausalLM
 
-        if not env.cpu_decode_stack() or not isinstance(model, LlamaForCausalLM):
+        if not isinstance(model, LlamaForCausalLM):
             return None
         quant = _quantized(model)
         if not (backend.device.type == "cpu" and backend.dtype == torch.float32

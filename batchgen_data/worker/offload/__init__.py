@@ -11,6 +11,7 @@ the resident path's exactly: the same kernels read the same bytes, only from ano
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -88,15 +89,12 @@ def experts_fit(model: nn.Module, plan: OffloadPlan) -> bool:
     return plan.resident_bytes + plan.num_slots * slot <= plan.budget_bytes
 
 
-def scheduler_for(sc: SchedulerConfig, plan: OffloadPlan) -> SchedulerConfig:
+def scheduler_for(sc: SchedulerConfig, plan: OffloadPlan, given: Container[str] = ()
+                  ) -> SchedulerConfig:
     """Module-based batching: a step of at least `plan.target_tokens` tokens so each streamed
-    layer serves enough tokens to hide its copy. Caps the user set explicitly are kept; only
-    the defaults are raised."""
-    default = SchedulerConfig()
+    layer serves enough tokens to hide its copy. The caps named in `given` (the user set them:
+    `EngineConfig.given`) are kept whatever their value; only the others are raised."""
     want = min(plan.target_tokens, _MAX_STEP_TOKENS)
-    changes = {}
-    if sc.max_num_batched_tokens == default.max_num_batched_tokens:
-        changes["max_num_batched_tokens"] = max(sc.max_num_batched_tokens, want)
-    if sc.max_num_seqs == default.max_num_seqs:
-        changes["max_num_seqs"] = max(sc.max_num_seqs, want)
+    changes = {name: max(getattr(sc, name), want)
+               for name in ("max_num_batched_tokens", "max_num_seqs") if name not in given}
     return dataclasses.replace(sc, **changes)

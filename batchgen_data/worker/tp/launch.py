@@ -129,7 +129,7 @@ def launcher_for(backend: str | None, size: int) -> RankLauncher:
     """The launcher of `distributed_executor_backend` (None: "mp")."""
     if backend in (None, "mp", "uni"):
         return LocalRanks()
-    if backend == "ray":  # a connector's: imported by name, as `parts_builder` is
+    if backend == "ray":  # a connector's: imported by name (the worker never imports connectors)
         return importlib.import_module(_RAY_LAUNCHER).RayRanks(size)
     raise ValueError(f"distributed_executor_backend={backend!r}: use one of {BACKENDS}")
 

@@ -50,6 +50,11 @@ class TPRunner(ModelRunner):
         self._dead: str | None = None
         self._lora_fills: list[tuple[int, Any]] = []  # rank 0: slots to fill on the others
 
+    @property
+    def can_overlap(self) -> bool:
+        """No: every step is first broadcast to the ranks on the engine's thread."""
+        return False
+
     def lora_filled(self, slot: int, request: Any) -> None:
         """Rank 0's LoRA manager filled `slot` with `request`'s adapter: the other ranks fill
         theirs before the next step (`_run_all`, on the thread that sends steps)."""

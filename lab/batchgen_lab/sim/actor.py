@@ -6,7 +6,7 @@ sampling by "append a token; stop when the row's hidden output length is reached
 
 Running the scheduler once per decode step is too slow for 128 engines x 200k rows, so each
 *span* is one real step followed by a planned run of pure decode steps during which the
-scheduler would decide the same thing at every step (`Scheduler.next_is_pure_decode`): all
+scheduler would decide the same thing at every step (`decode_run.next_is_pure_decode`): all
 running sequences decode one token, none can be preempted (enough free blocks for the whole run,
 checked exactly), nobody can be admitted (queue empty, every seat taken, or the queue head does
 not fit), and the run
@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.core.scheduler import Scheduler, SchedulerOutput, decide_held_kv
+from batchgen_data.core import queue_report
+from batchgen_data.core.kv.held_kv import decide_held_kv
+from batchgen_data.core.scheduler import Scheduler, SchedulerOutput
 from batchgen_data.core.sequence import Sequence, SequenceStatus
 from batchgen_data.engine.stats import DecodeSpeed
 from batchgen_data.core.kv.block_pool import BlockPool
@@ -36,7 +38,7 @@ from batchgen_data.core.kv.held_kv import HeldKVStore
 from batchgen_data.placement import EngineLoad, RequestSummary
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_lab.sim.costmodel import CostModel
-from batchgen_lab.sim.decode_run import ZEROS, DecodeRun
+from batchgen_lab.sim.decode_run import ZEROS, DecodeRun, next_is_pure_decode
 
 
 # default finishes_per_run at most this: at 1024 seats, max_num_seqs // 16 = 64 put (c) 1.2%
@@ -193,13 +195,13 @@ class SimActor:
         the policy does not read them (the cluster prices KV moves with its cost model) and
         summing the estimate costs O(sequences)."""
         running = span.run.running_at(now) if span and span.run else None
-        return replace(self.sched.load(self.actor_id, running),
+        return replace(queue_report.load(self.sched, self.actor_id, running),
                        decode_step_s=self.speed.step_s() or self.min_decode_step_s)
 
     def summaries(self, max_running: int) -> list[RequestSummary]:
         """What `Engine.movable(max_running)` gives: waiting (queue order), held, and the
         `max_running` oldest running sequences."""
-        return self.sched.movable(max_running)
+        return queue_report.movable(self.sched, max_running)
 
     # ---- time ---------------------------------------------------------------------------
     def step(self, now: float) -> tuple[float, list[int]] | None:
@@ -250,7 +252,7 @@ class SimActor:
 
             def cut(rows: list[int]) -> int:
                 return outer(done + rows) - len(done)
-        run = DecodeRun(self, t, cut) if self.sched.next_is_pure_decode() else None
+        run = DecodeRun(self, t, cut) if next_is_pure_decode(self.sched) else None
         if run is not None and run.k == 0:
             run = None
         end = t + run.duration if run is not None else t

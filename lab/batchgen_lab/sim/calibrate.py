@@ -4,7 +4,8 @@ Runs the real `Engine` (default model unless told otherwise) through prefill-hea
 decode-heavy batches, records for every step the features the cost model uses — computed tokens,
 KV tokens read, scheduled sequences — and the wall time of `Engine.step()`, and fits
 `t = c0 + c_tok*new + c_kv*kv + c_seq*seqs` by non-negative least squares. The features are the
-scheduler's own output, as the engine reports it to `Engine.on_step`. Each run is repeated and
+scheduler's own output (`StepShape.of`), noted by wrapping the engine's scheduler (`_watch`: the
+engine has no hook for the lab). Each run is repeated and
 every step keeps its fastest time: other processes on a shared machine only ever add time, so
 the minimum is the least disturbed measurement.
 """
@@ -52,8 +53,7 @@ def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
 
     engine = Engine.from_kwargs(model, device=device, **{
         "max_num_seqs": 64, "max_num_batched_tokens": 2048, **engine_kwargs})
-    feats: list[tuple[int, int, int]] = []
-    engine.on_step = lambda st: feats.append((st.num_new_tokens, st.kv_tokens, st.num_seqs))
+    feats = _watch(engine)
     vocab = min(engine.vocab_size, 20000)
     best: dict[tuple[int, int], tuple] = {}  # (run, step) -> fastest (features..., seconds)
     for rep in range(repeats + 1):  # repetition 0 warms up
@@ -77,6 +77,24 @@ def measure(model: str | None = None, seed: int = 0, repeats: int = 3,
     load = engine.load()
     return (list(best.values()), load.kv_bytes_per_token,
             load.total_blocks * load.block_size)
+
+
+def _watch(engine: Any) -> list[tuple[int, int, int]]:
+    """(new tokens, KV tokens, sequences) of every step `engine` schedules from now on, empty
+    ones too: its scheduler's `schedule` wrapped on this instance."""
+    from batchgen_data.engine.stats import StepShape
+
+    feats: list[tuple[int, int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def noted() -> Any:
+        out = schedule()
+        st = StepShape.of(out)
+        feats.append((st.num_new_tokens, st.kv_tokens, st.num_seqs))
+        return out
+
+    engine.scheduler.schedule = noted
+    return feats
 
 
 def fit(rows: list[tuple], base: CostModel, name: str, source: str) -> CostModel:

@@ -19,9 +19,29 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from batchgen_data.core.scheduler import Scheduler
     from batchgen_lab.sim.actor import SimActor
 
 ZEROS = memoryview(bytes(1 << 15))  # prompts and token runs are zero-copy slices of this
+
+
+def next_is_pure_decode(sched: "Scheduler") -> bool:
+    """Would the scheduler's next `schedule()` compute one token for every running sequence
+    and admit nobody? Whether the running ones have the blocks to grow is left to the caller
+    (`DecodeRun` checks it exactly)."""
+    run = sched.running
+    if not run or len(run) > sched.token_budget:
+        return False
+    if any(s.num_pending_tokens != 1 for s in run):
+        return False
+    queue = sched.held or sched.waiting
+    if not queue or len(run) >= sched.config.max_num_seqs:
+        return True
+    head = queue[0]
+    n = min(head.num_pending_tokens, sched.token_budget - len(run))
+    # free blocks only shrink while the running ones decode: a head that does not fit now
+    # does not fit at any step of the run
+    return not sched.admits(head, n)
 
 
 class DecodeRun:

@@ -30,14 +30,6 @@ def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, F.linear(x3, weight, b), rtol=1e-5, atol=1e-4)
 
 
-def test_onednn_switch_is_a_checked_test_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_CPU_PACKED_LINEAR", "off")
-    assert not cpu_linear.onednn_available()
-    monkeypatch.setenv("BATCHGEN_CPU_PACKED_LINEAR", "maybe")
-    with pytest.raises(ValueError, match="BATCHGEN_CPU_PACKED_LINEAR"):
-        cpu_linear.onednn_available()
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 65, 300])
 @pytest.mark.parametrize("shape", [(160, 96), (53, 37), (48, 16), (5, 3)])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_data.kernels.cpu import ops
+from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.layers.rotary import RotaryEmbedding
 
 from cpu_kernel_utils import needs_fused_ops
@@ -71,6 +72,6 @@ def test_c_silu_mul_matches_torch(rows: int, inter: int) -> None:
     torch.testing.assert_close(ops.silu_mul(gu.view(1, rows, -1)), got.view(1, rows, -1))
 
 
-def test_fused_ops_switch_is_a_test_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "off")
-    assert not ops.available()
+def test_without_the_fused_ops_layers_keep_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "available", lambda: False)  # a CPU where they do not build
+    assert not LayerBackend.choose(torch.device("cpu"), torch.float32, head_dim=64).c_ops

@@ -59,9 +59,9 @@ def test_the_tied_head_uses_it_for_decode_rows(monkeypatch: pytest.MonkeyPatch) 
     assert calls == [1, 5, 64]  # prefill-sized chunks keep F.linear
 
 
-def test_torch_only_and_the_hook_keep_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_only_and_no_rows_kernel_keep_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not LayerBackend.choose(CPU, torch.float32, cpu_kernels=False, head_dim=64).c_rows
-    monkeypatch.setenv("BATCHGEN_CPU_SMALL_GEMM", "0")
+    monkeypatch.setattr(cpu_linear, "rows_gemm_available", lambda: False)  # a CPU without it
     assert not LayerBackend.choose(CPU, torch.float32, head_dim=64).c_rows
 
 

@@ -19,7 +19,7 @@ PRESENT = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "Completio
 ABSENT = ["EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "ModelRegistry",
           "initialize_ray_cluster", "PoolingOutput"]
 LLM_METHODS = ["generate", "chat", "encode", "embed", "classify", "score", "get_tokenizer",
-               "get_default_sampling_params"]
+               "get_default_sampling_params", "reset_prefix_cache"]
 DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm-compat.md"
 
 

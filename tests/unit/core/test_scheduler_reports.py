@@ -1,5 +1,5 @@
-"""What the scheduler reports to a placement policy (load, movable sequences, pure-decode
-steps) and the one keep-or-drop-KV rule for held sequences; fake sequences, no model."""
+"""What the scheduler reports to a placement policy (load, movable sequences) and the one
+keep-or-drop-KV rule for held sequences; fake sequences, no model."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,9 @@ import itertools
 import pytest
 
 from batchgen_data.config import SchedulerConfig
-from batchgen_data.core.scheduler import Scheduler, decide_held_kv
+from batchgen_data.core import queue_report
+from batchgen_data.core.kv.held_kv import decide_held_kv
+from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence
 from batchgen_data.core.kv.block_pool import BlockPool
 from batchgen_data.core.kv.held_kv import HeldKVStore
@@ -73,11 +75,11 @@ def test_load_counts_queues_and_blocks() -> None:
     for n in (8, 9, 10):
         sch.add(seq(n))
     run_step(sch)
-    ld = sch.load("e1")
+    ld = queue_report.load(sch, "e1")
     assert (ld.engine_id, ld.waiting, ld.running, ld.held) == ("e1", 1, 2, 0)
     assert ld.total_blocks == 64 and ld.free_blocks == 64 - 2 - 3  # ceil(8/4), ceil(9/4)
     assert (ld.max_num_seqs, ld.block_size) == (2, 4)
-    assert sch.load("e1", running=1).running == 1  # the simulator's mid-run count
+    assert queue_report.load(sch, "e1", running=1).running == 1  # the simulator's mid-run count
 
 
 def test_movable_lists_waiting_then_held_then_the_oldest_running() -> None:
@@ -93,35 +95,11 @@ def test_movable_lists_waiting_then_held_then_the_oldest_running() -> None:
     sch.add(w2)
     held = seq(5, "h")
     sch.held.append(held)
-    got = [(r.request_id, r.kind) for r in sch.movable()]
+    got = [(r.request_id, r.kind) for r in queue_report.movable(sch)]
     assert got == [("w1", "waiting"), ("w2", "waiting"), ("h", "held"), ("old", "running"),
                    ("mid", "running"), ("young", "running")]
-    assert [r.request_id for r in sch.movable(max_running=1)][-1] == "old"
-    assert "old" not in {r.request_id for r in sch.movable(exclude={"old"})}
-    first = sch.movable()[3]
+    assert [r.request_id for r in queue_report.movable(sch, max_running=1)][-1] == "old"
+    assert "old" not in {r.request_id for r in queue_report.movable(sch, exclude={"old"})}
+    first = queue_report.movable(sch)[3]
     assert (first.num_tokens, first.num_output_tokens) == (old.num_tokens, 4)
     assert first.num_computed_tokens == old.num_computed_tokens
-
-
-def test_pure_decode_is_recognised_only_when_nothing_else_can_happen() -> None:
-    sch = make(seqs=2)
-    sch.add(seq(6))
-    assert not sch.next_is_pure_decode()  # nothing running yet
-    run_step(sch)
-    assert sch.next_is_pure_decode()  # one decode, empty queue
-    sch.add(seq(40))
-    assert not sch.next_is_pure_decode()  # the newcomer would be admitted
-    run_step(sch)
-    sch.add(seq(3))
-    assert sch.next_is_pure_decode()  # every seat taken: the queue waits
-
-    chunked = make(tokens=16)
-    chunked.add(seq(40))
-    run_step(chunked)
-    assert not chunked.next_is_pure_decode()  # 24 prompt tokens still pending
-
-    tight = make(blocks=6)
-    tight.add(seq(6))
-    run_step(tight)
-    tight.add(seq(30))
-    assert tight.next_is_pure_decode()  # a free seat, but the queue head does not fit

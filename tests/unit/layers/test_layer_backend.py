@@ -45,17 +45,19 @@ def test_other_dtypes_keep_torch_ops() -> None:
     assert not bf16.c_ops and bf16.linear == want
 
 
-@pytest.mark.parametrize("var,field", [("BATCHGEN_CPU_FUSED_OPS", "c_ops"),
-                                       ("BATCHGEN_CPU_ATTENTION_KERNEL", "c_attention")])
-def test_single_kernels_can_be_turned_off_for_tests(var: str, field: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(var, "0")
+@pytest.mark.parametrize("name,field", [("ops.available", "c_ops"),
+                                        ("attention.supports", "c_attention")])
+def test_a_kernel_this_cpu_lacks_is_not_chosen(name: str, field: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(f"batchgen_data.kernels.cpu.{name}", lambda *a: False)
     assert getattr(LayerBackend.choose(CPU, torch.float32, head_dim=64), field) is False
 
 
-def test_packed_layouts_can_be_turned_off_for_tests(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_CPU_PACKED_LINEAR", "0")
-    monkeypatch.setenv("BATCHGEN_CPU_SMALL_GEMM", "0")
+def test_without_packed_layouts_linear_is_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen_data.kernels.cpu import linear
+
+    for name in ("onednn_available", "panel_gemm_available", "rows_gemm_available"):
+        monkeypatch.setattr(linear, name, lambda *a: False)
     assert LayerBackend.choose(CPU, torch.float32, head_dim=64).linear == "plain"
 
 
@@ -70,10 +72,9 @@ def test_layers_read_the_backend_they_are_built_in() -> None:
     assert outside._forward == outside._torch
 
 
-def test_force_triton_is_scoped() -> None:
+def test_triton_on_the_cpu_only_when_asked() -> None:
     assert not backend.use_triton(CPU)
-    with backend.force_triton():
-        assert backend.use_triton(CPU) == backend._triton_ok()
-        with backend.force_triton(False):
-            assert not backend.use_triton(CPU)
-    assert not backend.use_triton(CPU)
+    assert not LayerBackend.choose(CPU, torch.float32, head_dim=64).triton
+    assert LayerBackend.choose(CPU, torch.float32, head_dim=64, triton=True).triton \
+        == backend._triton_ok()
+    assert not LayerBackend.choose(CPU, torch.float32, head_dim=64, triton=False).triton

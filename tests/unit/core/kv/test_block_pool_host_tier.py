@@ -1,8 +1,8 @@
 """The KV host tier in the block pool and the scheduler (issue 16), with fake sequences: new
 sequences spill to host blocks when the device tier is full, a sequence's blocks stay in one
 tier, prefix matches never cross tiers, and a host-tier sequence short of blocks preempts a
-host-tier victim, whose swapped-out blocks are host ids. The pure-decode check and the load
-report (placement) count the host tier."""
+host-tier victim, whose swapped-out blocks are host ids. The load report (placement) counts
+the host tier."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +11,7 @@ import itertools
 import pytest
 
 from batchgen_data.config import SchedulerConfig
+from batchgen_data.core import queue_report
 from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence, SequenceStatus
 from batchgen_data.core.kv.block_pool import BlockPool
@@ -117,33 +118,12 @@ def test_host_tier_sequence_preempts_a_host_victim() -> None:
     assert victim.status == SequenceStatus.HELD and all(map(sch.pool.is_host, blocks))
 
 
-def test_pure_decode_check_sees_room_in_the_host_tier() -> None:
-    sch = make(device=4, host=8)
-    a = seq(7)  # two device blocks: the device keeps one free (its watermark) and one spare
-    sch.add(a)
-    advance(sch, sch.schedule())
-    assert sch.next_is_pure_decode()  # nothing waits
-    sch.add(seq(7))  # the device cannot take it, the host tier can: the next step admits it
-    assert not sch.next_is_pure_decode()
-    out = sch.schedule()
-    assert len(out) == 2 and sch.pool.is_host(out.seqs[1].block_ids[0])
-
-
-def test_pure_decode_check_when_both_tiers_are_full() -> None:
-    sch = make(device=4, host=2)
-    for s in (seq(7), seq(7)):  # one per tier
-        sch.add(s)
-    advance(sch, sch.schedule())
-    sch.add(seq(7))  # room in neither tier: the next step only decodes
-    assert sch.next_is_pure_decode()
-
-
 def test_load_counts_the_host_tier() -> None:
     sch = make(device=4, host=16)
     for s in (seq(7), seq(7), seq(7)):  # 2 device blocks, 2 x 2 host blocks
         sch.add(s)
     advance(sch, sch.schedule())
-    load = sch.load("e0")
+    load = queue_report.load(sch, "e0")
     assert (load.free_blocks, load.total_blocks) == (2, 4)
     assert (load.free_host_blocks, load.host_blocks) == (12, 16)
     assert load.kv_tokens == 6 * 4  # device and host-tier blocks in use

@@ -13,6 +13,7 @@ import torch
 from batchgen_data import LLM, LoRARequest, SamplingParams
 from batchgen_data.worker.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.kernels.cpu import linear as cpu_linear
+from engine_seams import schedule_decode, step_until_decode
 
 pytestmark = [pytest.mark.cpu_kind,
               pytest.mark.skipif(not cpu_linear.panel_gemm_available(),
@@ -28,14 +29,14 @@ def _engine_at_decode(path, rows: int, **kw):  # type: ignore[no-untyped-def]
     for i in range(rows):
         prompt = [rng.randrange(3, vocab) for _ in range(3 + 7 * i)]
         eng.submit(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-    eng.step_until_decode()
+    step_until_decode(eng)
     eng.step()  # one decode step more
     return eng
 
 
 def _both_paths(eng):  # type: ignore[no-untyped-def]
     runner = eng.runner
-    inp = runner.prepare(eng.schedule_decode())
+    inp = runner.prepare(schedule_decode(eng))
     kv0 = runner.kv.clone()
     with torch.inference_mode():
         assert runner.cpu_stack.applies(inp)
@@ -67,7 +68,7 @@ def test_stack_matches_the_per_layer_path(arch: str, rows: int, tiny_model_dir) 
 def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     eng = _engine_at_decode(tiny_model_dir("llama"), 3)
     runner, stack = eng.runner, eng.runner.cpu_stack
-    inp = runner.prepare(eng.schedule_decode())
+    inp = runner.prepare(schedule_decode(eng))
     # a step with a prefill chunk in it
     inp.meta.num_decodes -= 1
     assert not stack.applies(inp)
@@ -81,7 +82,7 @@ def test_stack_declines_steps_it_does_not_serve(tiny_model_dir) -> None:  # type
 def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     eng = _engine_at_decode(tiny_model_dir("llama"), 2)
     runner = eng.runner
-    inp = runner.prepare(eng.schedule_decode())
+    inp = runner.prepare(schedule_decode(eng))
     kv0 = runner.kv.clone()
     bad = inp.positions.clone()
     bad[1] = runner.model.rotary.cos_sin_cache.shape[0]
@@ -96,14 +97,14 @@ def test_stack_rejects_out_of_range_positions(tiny_model_dir) -> None:  # type: 
     assert torch.equal(runner.kv, kv0)  # nothing was written
 
 
-@pytest.mark.parametrize("env_name", ["BATCHGEN_CPU_DECODE_STACK", "BATCHGEN_CPU_SMALL_GEMM", None])
-def test_stack_can_be_turned_off(env_name: str | None, monkeypatch: pytest.MonkeyPatch,
-                                 tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("without", ["cpu_kernels", "panels"])
+def test_without_the_stack_decode_matches_hf(without: str, monkeypatch: pytest.MonkeyPatch,
+                                             tiny_model_dir, hf_model) -> None:  # type: ignore[no-untyped-def]
     kw = {}
-    if env_name is None:  # the engine setting
+    if without == "cpu_kernels":  # the engine setting
         kw["cpu_kernels"] = False
-    else:  # the test hooks
-        monkeypatch.setenv(env_name, "0")
+    else:  # a CPU without the panel kernel the stack runs on
+        monkeypatch.setattr(cpu_linear, "panel_gemm_available", lambda: False)
     llm = LLM(str(tiny_model_dir("qwen2")), **kw)
     assert llm.engine.runner.cpu_stack is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
@@ -143,11 +144,11 @@ def test_lora_step_matches_the_per_layer_path(arch: str, tiny_model_dir, tmp_pat
         prompt = [rng.randrange(3, eng.vocab_size) for _ in range(3 + 5 * i)]
         eng.submit(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
                    lora_request=lr)
-    eng.step_until_decode()
+    step_until_decode(eng)
     eng.step()
     runner, stack = eng.runner, eng.runner.cpu_stack
     assert stack.lora_steps > 0  # the engine's own LoRA decode steps went through it
-    inp = runner.prepare(eng.schedule_decode())
+    inp = runner.prepare(schedule_decode(eng))
     assert inp.lora is not None and stack.applies(inp)
     kv0 = runner.kv.clone()
     with torch.inference_mode():

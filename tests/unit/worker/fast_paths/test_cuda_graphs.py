@@ -18,7 +18,7 @@ from batchgen_data.worker.fast_paths.cuda_graphs import (
     eager_capture,
     padded_size,
 )
-from batchgen_data.layers import backend
+from engine_seams import triton_llm
 from batchgen_data.worker.model_input import ModelInput
 from batchgen_data.layers.attention import AttentionMetadata
 
@@ -103,8 +103,7 @@ def test_engine_through_graph_buffers_matches_eager(tiny_model_dir) -> None:  # 
     max_tokens = [2, 6, 3, 5, 4]  # the decode batch shrinks 5 -> 4 -> 3 -> 2 -> 1
     want, want_lp = _generate(LLM(path, **kw), prompts, max_tokens)
 
-    with backend.force_triton():  # the model's layers are built for the Triton kernels
-        llm = LLM(path, **kw)
+    llm = triton_llm(path, **kw)  # the model's layers are built for the Triton kernels
     runner = llm.engine.runner
     assert runner.backend.triton and runner.fast_paths == []  # no CUDA here: nothing captured
     graphs = DecodeGraphs(runner.model, runner.kv_caches, 5, 64, 4, runner.device,

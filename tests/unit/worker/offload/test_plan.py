@@ -54,7 +54,8 @@ def test_scheduler_raises_defaults_only() -> None:
     plan = make_plan([1000] * 10, 300, 3300, Rates(1e9, 1e13), 250)  # target 20000 tokens
     sc = scheduler_for(SchedulerConfig(), plan)
     assert sc.max_num_batched_tokens == sc.max_num_seqs == 16384  # capped
-    kept = scheduler_for(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), plan)
+    kept = scheduler_for(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), plan,
+                         given={"max_num_seqs", "max_num_batched_tokens"})
     assert (kept.max_num_seqs, kept.max_num_batched_tokens) == (8, 64)
 
 

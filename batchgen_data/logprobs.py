@@ -8,8 +8,8 @@ vLLM's dict when the output is built: the first token with its own rank, the top
 1..k (a token in both keeps its top-k rank and its first place, as in vLLM), each with its text
 unless the request asked for no text (`detokenize=False`: `decoded_token` is None).
 
-A `Logprob` is also the float of its log-probability: code that read the plain floats this
-engine used to return (`lp[t] - lp[u]`, `float(lp[t])`, an Arrow float column) keeps working.
+A `Logprob` is also the float of its log-probability, so code that reads a logprob as a plain
+float (`lp[t] - lp[u]`, `float(lp[t])`, an Arrow float column) works too.
 """
 from __future__ import annotations
 

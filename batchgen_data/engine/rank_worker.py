@@ -6,7 +6,7 @@ HOST PORT DEVICE_TYPE TIMEOUT_S EXPERT_PARALLEL ROLE`, the engine config on stdi
 Role "rank" (the default): it builds the same engine parts as rank 0, for its rank (its shard of
 the weights and the KV cache), then serves rank 0's broadcasts (`TPRunner.serve`). Role
 "engine": a whole engine of its own, one of a group that re-partitions (engine/group/group.py),
-served until rank 0 says stop (`partition_worker.serve`). It never imports the connectors:
+served until rank 0 says stop (`group/member.serve`). It never imports the connectors:
 only what an engine or a model shard needs.
 """
 from __future__ import annotations

@@ -64,16 +64,15 @@ class DecodeSpeed:
 
     The fastest light step alone (`EngineStats.min_decode_step_s`) mixes device and load: a
     fast engine whose lightest steps carried long contexts reads slower than a straggler whose
-    lightest steps were short (16 emulated actors, seed 3: floors of 445 ms on two fast
-    engines against 559 ms on a 1.5x straggler, a ratio of 1.26 under the 1.3x shedding
-    threshold, so a long row stayed on the straggler). A decode step's time is close to
-    linear in its sequences and the KV it reads (weights once per step, KV per token, a
-    little per sequence), so this fits `dt = a + b * seqs + c * kv_tokens` by least squares
-    over the last `window` pure decode steps and reports the fitted time of one reference
-    step (`REF_SEQS` sequences, `REF_KV` tokens of context): on two engines of one model it
-    differs only by their speed, whatever KV their measured steps carried. Until the steps
-    seen span enough shapes to fit the three terms (`MIN_STEPS`, and a full-rank design),
-    `step_s()` is 0.0 and the caller keeps the floor.
+    lightest steps were short (so their floors can differ by less than the shedding threshold
+    though one device is much slower, and a long row stays on the straggler). A decode step's
+    time is close to linear in its sequences and the KV it reads (weights once per step, KV
+    per token, a little per sequence), so this fits `dt = a + b * seqs + c * kv_tokens` by
+    least squares over the last `window` pure decode steps and reports the fitted time of one
+    reference step (`REF_SEQS` sequences, `REF_KV` tokens of context): on two engines of one
+    model it differs only by their speed, whatever KV their measured steps carried. Until the
+    steps seen span enough shapes to fit the three terms (`MIN_STEPS`, and a full-rank
+    design), `step_s()` is 0.0 and the caller keeps the floor.
     """
 
     REF_SEQS = 1

@@ -7,10 +7,10 @@ which is exactly what streaming is meant to avoid. Measured on a 2-CPU box:
 
 - default target: 8 rows yielded 0.25 s apart reach `iter_batches` together at task end;
 - a 1-byte target set on the whole plan (a copied `DataContext`): each yield arrives about
-  0.4 s after it is made, but the read upstream also turns into 1-row blocks (4000 rows:
-  42 s instead of 6 s);
-- the 1-byte target on the predictor's operator only: 1,000 one-row blocks cost ~1.5 ms each
-  on a threaded actor (`max_concurrency` > 1) and ~86 ms each on a single-threaded one.
+  0.4 s after it is made, but the read upstream also turns into 1-row blocks, which slows the
+  whole job many times over;
+- the 1-byte target on the predictor's operator only: one-row blocks are cheap on a threaded
+  actor (`max_concurrency` > 1) and costly on a single-threaded one.
 
 Ray offers no per-operator setting through `map_batches`, so this module adds a rule to Ray
 Data's physical optimizer (a DeveloperAPI ruleset) that lowers the target on the last

@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 SMALL_GEMM_MAX_ROWS = 8
 PANEL_MAX_ROWS = 64
 PANEL = 48  # output columns per panel (csrc/panel_gemm.c)
-# `rows_linear` serves up to 64 rows (decode steps): on a 49k x 512 tied head it took 1.3x (one
-# row) to 2.7x (two rows) less time than MKL's sgemm here (AVX2 EPYC, one thread, loaded box);
-# prefill chunks keep MKL's cache-blocked GEMM
+# `rows_linear` serves up to 64 rows (decode steps), where streaming each weight row once beats
+# MKL's sgemm on a tall, thin weight such as a tied head; prefill chunks keep MKL's
+# cache-blocked GEMM
 ROWS_GEMM_MAX_ROWS = 64
 # multiply-adds under which `rows_linear` runs on one thread (a 32-expert router gate at up to
 # 16 rows of 512)

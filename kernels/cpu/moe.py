@@ -1,12 +1,12 @@
 """The routed experts of an MoE layer in one C call, for fp32 on the CPU (`csrc/moe_experts.c`).
 
 A decode step sends a few tokens to each expert. On torch that is a sort, a gather, two grouped
-matmuls, the activation and a scatter-add per layer: at 32 sequences the experts took about half
-of a step of the Qwen3-MoE benchmark model (`lab/scripts/moe_step_profile.py`), at well under the
-machine's memory bandwidth. The kernel buckets the (token, expert) pairs itself, streams each
-active expert's gate/up and down rows once with SiLU * up fused in between, and adds the
-weighted results into the output: no per-expert dispatch, no copies of the weights (it reads the
-layer's own `w13` [E, 2I, H] and `w2` [E, H, I]). Needs AVX2 and FMA.
+matmuls, the activation and a scatter-add per layer, far under the machine's memory bandwidth
+(`lab/scripts/moe_step_profile.py` profiles such a step). The kernel buckets the (token,
+expert) pairs itself, streams each active expert's gate/up and down rows once with SiLU * up
+fused in between, and adds the weighted results into the output: no per-expert dispatch, no
+copies of the weights (it reads the layer's own `w13` [E, 2I, H] and `w2` [E, H, I]). Needs AVX2
+and FMA.
 
 It runs for up to `MAX_TOKENS` tokens; longer prefill chunks give each expert enough rows for a
 library GEMM to win, and keep the torch path. A first-use self-check compares it with the

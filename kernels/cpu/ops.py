@@ -2,8 +2,7 @@
 CPU.
 
 A decode step runs these on a few rows, where torch's per-op dispatch and allocation cost more
-than the arithmetic: in the engine's steps an RMSNorm call took ~60 us and the rotation a few
-tens more, 61 + 30 times a step, i.e. ~10% of a one-sequence step. The kernels are in
+than the arithmetic, and every layer of every step pays it: so each is one C call, in
 `csrc/norm_rope.c`, built by `build.library()`. The rotation is bitwise equal to the torch path;
 the RMSNorm sums its mean of squares in another order, and SiLU's exp is a vector polynomial,
 so they agree to float rounding. SiLU * up is one pass instead of torch's three (chunk, silu,

@@ -21,8 +21,7 @@ from batchgen_data.sample.draw import draw_hash  # looked up at call time: one h
 from batchgen_data.sample.draw.rows import Rows
 
 # logits per block of rows on the CPU (at least one row): 1 MiB of float32, which with its
-# mask and the mass's buffer stays within a core's L2 (2 MiB on the Xeon measured; blocks of
-# 1 to 13 rows of 151,936 listed equally fast there, and the mass was 10% faster at 1 row)
+# mask and the mass's buffer stays within a core's L2 cache (a smaller block only adds calls)
 SCAN_ELEMS = 1 << 18
 
 

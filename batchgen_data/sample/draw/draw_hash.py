@@ -32,9 +32,9 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 def stream_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """One well-mixed int64 key per (seed, step), ``[N]``: the seed goes through a full
     splitmix64 round, then the step is added and mixed again, so no two (seed, step) pairs
-    are a shifted copy of each other. (The old ``seed*MIX + step*GOLDEN + token*GOLDEN``
-    depended on ``step + token`` only: the next step's noise was this step's moved by one
-    token.)"""
+    are a shifted copy of each other. (A key such as ``seed*MIX + step*GOLDEN +
+    token*GOLDEN`` would depend on ``step + token`` only: the next step's noise would be this
+    step's moved by one token.)"""
     key = _mix64(seeds.long() * _SEED_MIX + _GOLDEN)
     return _mix64(key + steps.long() * _GOLDEN)
 

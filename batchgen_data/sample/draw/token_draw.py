@@ -26,8 +26,8 @@ token's race value ``L`` is known, a token with ``s < L - G_MAX`` cannot win. So
     holds ``top_p`` of the mass is done (its nucleus is inside). The others take, in a second
     compare, the tokens with ``s >= max(L - G_MAX, the min-p floor, the nucleus floor)``: the
     nucleus floor is ``p >= (1 - top_p) / (2 V)``, below which a token's better-ranked mass
-    exceeds ``top_p``. Only those candidates are hashed: at 256 rows x 151,936 vocabulary,
-    logits of std 5 and T = 0.8, about 2% of the logits instead of all of them.
+    exceeds ``top_p``. Only those candidates are hashed: for the peaked logits of a trained
+    model, a small share of the vocabulary instead of all of it.
   * a flat row, whose band holds more than ``FLAT_SHARE`` of the vocabulary (a broad
     distribution, a random model, a high temperature), would list (and, with top-p, sort) most
     of its vocabulary that way; on the CPU it races over its dense logits instead
@@ -248,8 +248,7 @@ def threshold_race(logits: torch.Tensor, rows: Rows, active: torch.Tensor,
 # each block's candidates are listed and raced before the next block's, because the
 # temporaries of a whole batch's list (a dozen of [M] tensors) took fresh pages on every call,
 # which cost more than their math; with more threads, larger blocks, so that each op of a
-# block wakes the pool for enough work. At 256 x 151,936 on the Xeon measured: 13 rows a block
-# best on one thread, 52 on two (of 13, 52 and all 256)
+# block wakes the pool for enough work
 _BLOCK_ELEMS = 1 << 21
 
 

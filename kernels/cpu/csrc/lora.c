@@ -1,9 +1,8 @@
 /* The LoRA deltas of one linear layer for a step whose rows run under many adapters (fp32 CPU,
  * AVX2 + FMA): y[t] += (x[t] A_l^T) B_l^T for every row t of each adapter segment.
  *
- * Done with torch ops, a decode step's deltas were ~7 small ops per adapted layer (gathers,
- * two batched matmuls, a scatter-add), 120 layers a step of SmolLM2-135M: 8 adapters over 32
- * rows made the step 1.6x the per-layer base path here, for products of ~5% of its FLOPs.
+ * With torch ops a decode step's deltas are several small ops per adapted layer (gathers, two
+ * batched matmuls, a scatter-add), whose dispatch costs far more than the products' few FLOPs.
  * This is one call per layer that reads each segment's rows in place (no gather), each slot's
  * A and B once per block of rows, and adds into y in place (no scatter); the whole-step C
  * decode stack (decode_stack.c) calls it too, so a LoRA decode step runs there.

@@ -2,8 +2,8 @@
  * the rotary embedding of q and k in place.
  *
  * In a decode step these run on a few rows of a few hundred floats, so in torch their cost is
- * dispatch and allocation, not arithmetic (~60 us per RMSNorm call in the engine's steps here,
- * 61 calls a step). Each is one plain loop here.
+ * dispatch and allocation, not arithmetic, paid twice a layer every step. Each is one plain
+ * loop here.
  *
  * RMSNorm follows the HF reference in fp32: h = x (+ residual); out = w * (h * 1/sqrt(mean(h^2)
  * + eps)). The mean is summed in a different order than torch's, so results agree to float

@@ -11,6 +11,7 @@ from collections.abc import Container
 from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence
 from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
+from batchgen_data.placement.prefix import prefix_keys
 
 
 def load(sched: Scheduler, engine_id: EngineId, running: int | None = None) -> EngineLoad:
@@ -29,9 +30,14 @@ def movable(sched: Scheduler, max_running: int | None = None,
     """Sequences another engine could take over: waiting ones in queue order, the held ones,
     then the `max_running` (None: all) running ones that have generated most, oldest first.
     Sequences of requests in `exclude` are left out."""
+    # prefix keys only where a prefix cache could serve them (placement by prefix)
+    bs = sched.pool.block_size if sched.pool.enable_prefix_caching else 0
+
     def summ(seqs: list[Sequence], kind: str) -> list[RequestSummary]:
         return [RequestSummary(s.request_id, kind, s.num_tokens, s.num_output_tokens,
-                               s.num_computed_tokens) for s in seqs]
+                               s.num_computed_tokens,
+                               _prefix_of(s, bs) if kind == "waiting" and bs else ())
+                for s in seqs]
 
     def keep(seqs: deque[Sequence] | list[Sequence]) -> list[Sequence]:
         return [s for s in seqs if s.request_id not in exclude] if exclude else list(seqs)
@@ -42,3 +48,13 @@ def movable(sched: Scheduler, max_running: int | None = None,
                             key=lambda s: s.num_output_tokens)
     return (summ(keep(sched.waiting), "waiting") + summ(keep(sched.held), "held")
             + summ(oldest, "running"))
+
+
+def _prefix_of(seq: Sequence, block_size: int) -> tuple[int, ...]:
+    """A waiting sequence's prompt prefix keys, kept on it after the first ask; () under an
+    adapter, whose KV no other request's prefix matches."""
+    if seq.lora is not None:
+        return ()
+    if seq.prefix_keys is None:
+        seq.prefix_keys = prefix_keys(seq.prompt_token_ids, block_size)
+    return seq.prefix_keys

@@ -61,6 +61,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     alone: bool = False  # runs in steps with no other request's sequences (Engine.submit)
+    # its prompt's prefix keys (placement/prefix.py), computed once when a placement policy
+    # first asks (core/queue_report.py)
+    prefix_keys: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

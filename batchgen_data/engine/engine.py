@@ -32,7 +32,7 @@ from batchgen_data.engine.stepper import Stepper
 from batchgen_data.inputs.prompt_checks import first_bad_token, too_long
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
-from batchgen_data.placement import EngineId, EngineLoad, RequestSummary
+from batchgen_data.placement import EngineId, EngineLoad, PrefixSummary, RequestSummary
 from batchgen_data.sample.draw.draw_hash import sample_seed
 from batchgen_data.sample.sampler import Sampler
 from batchgen_data.sampling_params import SamplingParams
@@ -256,6 +256,13 @@ class Engine:
         those held for memory, then the `max_running` (None: all) running ones that have
         generated most. Requests held by the user and those in `exclude` are left out."""
         return queue_report.movable(self.scheduler, max_running, exclude)
+
+    def prefix_summary(self, engine_id: EngineId = None) -> PrefixSummary:
+        """The prefixes this engine's cache holds now, for placement by prefix
+        (`batchgen_data.placement.affinity`): the cross-process keys of its cached leading
+        blocks; `version` changes only when they may have."""
+        return PrefixSummary(engine_id, self.pool.prefix_version, self.pool.block_size,
+                             self.pool.prefix_keys())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's `LLM.reset_prefix_cache`): later prompts

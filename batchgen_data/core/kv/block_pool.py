@@ -9,10 +9,18 @@ With `num_host_blocks` > 0 the pool also counts a second tier of ids, `num_block
 KV host tier, whose caches and attention are `worker/kv_tier/`'s): it allocates and frees them
 like the others. A sequence's blocks all sit in one tier, so a prefix match never crosses
 tiers. `num_blocks`, `num_free` and `usage` keep describing the device tier alone.
+
+The base model's first `MAX_BLOCKS` cached blocks also carry a prefix key (placement/prefix.py),
+the same in every process, so a placement policy can ask which prefixes this engine holds
+(`prefix_keys`) and send rows that share them here.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from batchgen_data.placement.prefix import DEPTHS, MAX_BLOCKS, block_key
+
+_PUBLISHED = frozenset(DEPTHS)
 
 
 class BlockPool:
@@ -32,6 +40,10 @@ class BlockPool:
         self._hash_of: list[int | None] = [None] * total
         self._tokens_of: list[tuple[int, ...] | None] = [None] * total
         self._block_of: dict[int, int] = {}
+        # chain hash -> (prefix key, depth in blocks) of registered base-model blocks within
+        # MAX_BLOCKS of the start; `prefix_version` changes whenever an entry comes or goes
+        self._prefix_of: dict[int, tuple[int, int]] = {}
+        self.prefix_version = 0
         self.hits = 0
         self.queries = 0
 
@@ -120,13 +132,32 @@ class BlockPool:
             self._block_of[h] = block_id
             self._hash_of[block_id] = h
             self._tokens_of[block_id] = tokens
+            self._key_prefix(h, parent, tokens)
         return h
+
+    def _key_prefix(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Give block `h` its prefix key when it starts the base model's chain or extends a
+        keyed block short of MAX_BLOCKS (an adapter's chain has a root, so it never starts)."""
+        if parent is None:
+            self._prefix_of[h] = (block_key(None, tokens), 1)
+        else:
+            up = self._prefix_of.get(parent)
+            if up is None or up[1] >= MAX_BLOCKS:
+                return
+            self._prefix_of[h] = (block_key(up[0], tokens), up[1] + 1)
+        self.prefix_version += 1
+
+    def prefix_keys(self) -> frozenset[int]:
+        """The prefix keys of the cached blocks at the published depths (`DEPTHS`)."""
+        return frozenset(k for k, d in self._prefix_of.values() if d in _PUBLISHED)
 
     def _forget(self, b: int) -> None:
         h = self._hash_of[b]
         if h is not None:
             if self._block_of.get(h) == b:
                 del self._block_of[h]
+                if self._prefix_of.pop(h, None) is not None:
+                    self.prefix_version += 1
             self._hash_of[b] = None
             self._tokens_of[b] = None
 

@@ -13,7 +13,7 @@ import pytest
 from batchgen_data.engine.driver import EngineDriver
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.stats import EngineStats, StepShape
-from batchgen_data.placement import EngineLoad, RequestSummary
+from batchgen_data.placement import EngineLoad, PrefixSummary, RequestSummary
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = (ROOT / "docs" / "ENGINE_API.md").read_text()
@@ -42,7 +42,8 @@ def documented_calls(title: str) -> list[re.Match[str]]:
     return calls  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("cls", [EngineLoad, RequestSummary, EngineStats, StepShape])
+@pytest.mark.parametrize("cls", [EngineLoad, RequestSummary, PrefixSummary, EngineStats,
+                                 StepShape])
 def test_field_tables_match_the_dataclasses(cls: type) -> None:
     documented = table_names(section(cls.__name__))
     assert len(documented) == len(set(documented))

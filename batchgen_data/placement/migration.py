@@ -1,4 +1,4 @@
-"""Placement policy: which engine's work moves where, decided from load reports alone.
+"""Placement by load: late binding and migration between engines, from load reports alone.
 
 Pure Python with no engine or Ray imports, so the same code drives the Ray coordinator and the
 cluster simulator (`batchgen_lab.sim`). Two decisions live here:
@@ -77,6 +77,8 @@ class RequestSummary:
     num_tokens: int  # prompt + generated so far: the context a receiver must hold
     num_output_tokens: int  # generated so far: the age that marks the long tail
     num_computed_tokens: int = 0  # tokens with KV (on device or in the host tier)
+    # a waiting row's prefix keys (placement/prefix.py), for prefix affinity; () when unknown
+    prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

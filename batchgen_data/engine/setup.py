@@ -19,7 +19,7 @@ from batchgen_data.core.stop import StopChecker
 from batchgen_data.sample.sampler import Sampler
 from batchgen_data.core.kv.block_pool import BlockPool
 from batchgen_data.core.kv.held_kv import HeldKVStore
-from batchgen_data.layers import parallel
+from batchgen_data.layers import long_rope, parallel
 from batchgen_data.layers.backend import LayerBackend
 from batchgen_data.models import loader
 from batchgen_data.models.quant_formats import QuantPlan
@@ -130,7 +130,8 @@ def build_parts(config: EngineConfig, ranks: RankGroup | None = None,
         backend = dataclasses.replace(backend, linear="plain")
     # streamed weights must never all sit on the device: build and load on the host, then the
     # weight store moves what stays resident (batchgen_data/offload)
-    with parallel.sharding(tp):  # this rank's shard (layers/parallel.py)
+    # this rank's shard (layers/parallel.py); the longest sequence (LongRoPE's factors)
+    with parallel.sharding(tp), long_rope.context_length(config.max_model_len):
         model = loader.build_model(hf_config, dtype,
                                    torch.device("cpu") if offload else device, backend, plan)
     loader.load_weights(model, path, plan)  # each weight lands in its kernels' layout, once

@@ -1,5 +1,6 @@
 """Rotary position embedding (NeoX / Llama "rotate half" layout) with the scaling variants
-used by Llama 3.x, Qwen2 and Qwen3 configs: default, linear, dynamic-free llama3, yarn.
+used by Llama 3.x, Qwen2, Qwen3 and Phi-3 configs: default, linear, dynamic-free llama3, yarn,
+longrope (`long_rope.py`). Partial rotation (`partial_rotary_factor`) is `partial_rotary.py`.
 
 The implementation is chosen when the layer is built: the Triton kernel on CUDA, an in-place C
 rotation on an fp32 CPU, torch elsewhere. When q and k are adjacent heads of one fused qkv row
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen_data.layers import long_rope
 from batchgen_data.layers.backend import current
 
 
@@ -27,8 +29,10 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def inv_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """[head_dim // 2] inverse frequencies and the attention scaling factor."""
+def inv_frequencies(config: Any, head_dim: int, positions: int | None = None
+                    ) -> tuple[torch.Tensor, float]:
+    """[head_dim // 2] inverse frequencies and the attention scaling factor (LongRoPE's depend
+    on the `positions` the table serves, `layers/long_rope.py`)."""
     p = rope_parameters(config)
     base = float(p["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -50,7 +54,11 @@ def inv_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         return torch.where(is_mid, mid, out).float(), 1.0
     if kind == "yarn":
         return _yarn(p, head_dim, base, config)
-    raise ValueError(f"rope_type={kind!r} is not supported (default, linear, llama3, yarn)")
+    if kind == "longrope":
+        return long_rope.inv_frequencies(p, config, head_dim, base,
+                                         positions or config.max_position_embeddings)
+    raise ValueError(f"rope_type={kind!r} is not supported (default, linear, llama3, yarn, "
+                     "longrope)")
 
 
 def _yarn(p: dict[str, Any], dim: int, base: float, config: Any) -> tuple[torch.Tensor, float]:
@@ -63,8 +71,10 @@ def _yarn(p: dict[str, Any], dim: int, base: float, config: Any) -> tuple[torch.
     def corr_dim(rot: float) -> float:
         return dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(base))
 
-    lo = max(math.floor(corr_dim(beta_fast)), 0)
-    hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):  # gpt-oss keeps the correction range unrounded
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
@@ -77,7 +87,7 @@ def _yarn(p: dict[str, Any], dim: int, base: float, config: Any) -> tuple[torch.
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv, scale = inv_frequencies(config, head_dim)
+        inv, scale = inv_frequencies(config, head_dim, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [max_pos, D/2]
         cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)

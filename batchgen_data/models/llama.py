@@ -18,8 +18,9 @@ from batchgen_data.layers.attention import Attention, AttentionMetadata
 from batchgen_data.layers.embedding import VocabEmbedding
 from batchgen_data.layers.linear import Linear, MergedLinear, QKVLinear
 from batchgen_data.layers.norm import RMSNorm
-from batchgen_data.layers import parallel
-from batchgen_data.layers.rotary import RotaryEmbedding
+from batchgen_data.layers import long_rope, parallel, partial_rotary
+from batchgen_data.layers.partial_rotary import PartialRotaryEmbedding
+from batchgen_data.layers.rotary import RotaryEmbedding, rope_parameters
 
 class DecoderShape:
     """The numbers the engine needs from an HF config."""
@@ -35,7 +36,9 @@ class DecoderShape:
         self.intermediate = config.intermediate_size
         self.vocab = config.vocab_size
         self.eps = config.rms_norm_eps
-        self.max_positions = config.max_position_embeddings
+        # LongRoPE: the engine's max_model_len picks the factors and the table's length
+        self.max_positions = long_rope.served_positions(rope_parameters(config), config)
+        self.rotary_dim = partial_rotary.rotary_dim(config, self.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
@@ -134,7 +137,9 @@ class DecoderForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or attention_bias
         o_bias = attention_bias and not self.qkv_bias  # Qwen2: q/k/v biased, o never
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.rotary = RotaryEmbedding(config, s.head_dim, s.max_positions)
+        self.rotary = (RotaryEmbedding(config, s.head_dim, s.max_positions)
+                       if s.rotary_dim == s.head_dim else
+                       PartialRotaryEmbedding(config, s.head_dim, s.rotary_dim, s.max_positions))
         tp, tied = s.tp, self.tie_word_embeddings
         self.embed_tokens = (VocabEmbedding(s.vocab, s.hidden, tied_head=tied) if tp.size == 1
                              else parallel.VocabParallelEmbedding(s.vocab, s.hidden, tp, tied))

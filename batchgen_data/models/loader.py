@@ -17,7 +17,7 @@ from torch import nn
 from batchgen_data.layers import kv_quant, quant
 from batchgen_data.layers.attention import Attention
 from batchgen_data.layers.backend import LayerBackend, building
-from batchgen_data.models import moe_weights, sources, tp_shards
+from batchgen_data.models import fused_weights, moe_weights, sources, tp_shards
 from batchgen_data.models.quant_formats import Collector, QuantPlan
 from batchgen_data.models.registry import resolve_architecture
 
@@ -188,6 +188,9 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
     name = our_name(key)
     if name == "lm_head.weight" and model.lm_head is None:
         return set()  # tied to the embedding
+    pieces = fused_weights.split(model, name, key, tensor)  # stored fused (Phi-3's qkv_proj)
+    if pieces is not None:
+        return set().union(*(_load_one(model, params, k, t) for k, t in pieces))
     experts = moe_weights.load_expert_weight(model, params, name, tensor)
     if experts is not None:
         return experts

@@ -25,6 +25,10 @@ ATTENTION_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
                      "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0)}
 MLP_TARGETS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                "down_proj": ("down_proj", 0)}
+# a PEFT module over a projection some checkpoints store fused (Phi-3's qkv_proj, gate_up_proj):
+# its delta B A is the pieces' deltas stacked, so each piece takes the one A and its rows of B
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                    r"\.lora_([AB])(?:\.default)?\.weight$")
 
@@ -118,6 +122,7 @@ def load_adapter(path: str, name: str, shape: TargetShape, max_rank: int) -> Ada
                              "MLP)")
         layer, part, proj, ab = int(m[1]), m[2], m[3], m[4]
         pairs.setdefault((layer, part, proj), {})[ab] = t
+    pairs = _split_fused(pairs, shape, where)
     if not pairs:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     modules: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -153,3 +158,24 @@ def load_adapter(path: str, name: str, shape: TargetShape, max_rank: int) -> Ada
         modules[(layer, fused, shard)] = (a.contiguous(), (b * scale).contiguous())
         top_rank = max(top_rank, r)
     return AdapterWeights(name, top_rank, modules)
+
+
+def _split_fused(pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]], shape: TargetShape,
+                 where: str) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
+    """`pairs` with each fused module's (A, B) given to its pieces: the same A, B cut by the
+    pieces' output widths (ValueError naming the module when they do not add up)."""
+    out: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for (layer, part, proj), ab in pairs.items():
+        pieces = FUSED_TARGETS.get(proj)
+        if pieces is None or "B" not in ab or "A" not in ab:
+            out[(layer, part, proj)] = ab
+            continue
+        table = shape.attention if part == "self_attn" else shape.mlp
+        widths = [table.get(piece, (0, 0))[1] for piece in pieces]
+        if sum(widths) != ab["B"].shape[0] or 0 in widths:
+            raise ValueError(f"{where}: module 'model.layers.{layer}.{part}.{proj}': lora_B "
+                             f"{list(ab['B'].shape)} does not split into {'+'.join(pieces)} "
+                             f"of {widths} rows")
+        for piece, b in zip(pieces, ab["B"].split(widths)):
+            out[(layer, part, piece)] = {"A": ab["A"], "B": b}
+    return out

@@ -6,9 +6,11 @@ from typing import Any
 from torch import nn
 
 from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
+from batchgen_data.models.glm4_moe import Glm4MoeForCausalLM
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
+from batchgen_data.models.phi3 import Phi3ForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,11 +21,14 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 # their attention may be windowed by `sliding_window`, which the engine does not implement
 _SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
 _MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",

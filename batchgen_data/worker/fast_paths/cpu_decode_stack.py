@@ -138,6 +138,8 @@ class CpuDecodeStack:
         cos_sin = model.rotary.cos_sin_cache
         if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
             return None
+        if cos_sin.shape[1] != model.shape.head_dim:
+            return None  # a partial rotation (Phi-4-mini): the C stack rotates whole heads
         linears = [m for layer in model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -64,6 +64,11 @@ class SchedulerConfig:
     # MoE models: mean tokens per expert one step may give (None: only max_num_batched_tokens
     # bounds the step; see docs/moe.md). Dense models ignore it.
     max_tokens_per_expert: int | None = None
+    # vLLM's names: the image embedding rows one step's encoder batch may compute (None:
+    # max_num_batched_tokens; an image larger still runs, alone in its step), and the rows
+    # the engine keeps encoded images in, by content hash (None: 16 times that budget)
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -74,6 +79,20 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: use auto, swap or recompute")
         if self.max_tokens_per_expert is not None and self.max_tokens_per_expert < 1:
             raise ValueError(f"max_tokens_per_expert={self.max_tokens_per_expert!r}: must be >= 1")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+
+    @property
+    def encoder_budget(self) -> int:
+        """Image embedding rows one step's encoder batch may compute."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_rows(self) -> int:
+        return self.encoder_cache_size or 16 * self.encoder_budget
 
 
 @dataclass(frozen=True, slots=True)

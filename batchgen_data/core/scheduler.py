@@ -27,6 +27,8 @@ from batchgen_data.core.scheduler_output import SchedulerOutput, step_token_budg
 from batchgen_data.core.kv import room
 from batchgen_data.core.kv.block_pool import BlockPool
 from batchgen_data.core.kv.held_kv import HeldKVStore, decide_held_kv
+from batchgen_data.core.encoder_cache import EncoderCache
+from batchgen_data.core import encoder_step
 
 _COMPUTED = attrgetter("num_computed_tokens")
 _TOKEN_IDS = attrgetter("token_ids")
@@ -58,6 +60,11 @@ class Scheduler:
         # the request admitted to run alone (`Sequence.alone`): no other request runs with it
         self.alone: str | None = None
         self._alone_waiting: set[int] = set()  # sequences of such requests passed over once
+        # a model that takes images: its encoder outputs by content hash, which a prompt's
+        # images must be in before its prefill reaches them (core/encoder_step.py)
+        self.encoder_cache: EncoderCache | None = None
+        self.encoder_left = 0  # image rows the step's encoder batch may still take
+        self.prefilling: list[Sequence] = []  # sequences holding their images' outputs
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -92,10 +99,13 @@ class Scheduler:
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids = []
+        if seq.mm_held:
+            encoder_step.let_go(self, seq)
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.encoder_left = self.config.encoder_budget
         budget = self._schedule_running(out)
         if out.held:
             return out  # memory is tight: admit nothing new this step
@@ -205,6 +215,15 @@ class Scheduler:
             if seq.held_kv is None and seq.num_computed_tokens == 0:
                 self._match_prefix(seq)
             n = min(seq.num_pending_tokens, budget)
+            images = None
+            if seq.mm is not None and self.encoder_cache is not None and not seq.mm_held:
+                images = encoder_step.to_encode(self, seq, out)
+                if images is None:  # its images wait for a later step's encoder batch
+                    if seq.held_kv is None:
+                        self.release(seq)
+                        seq.num_computed_tokens = 0
+                        seq.block_hashes = []
+                    break
             fits = self._make_room(seq, n, keep_free=self.watermark, asking=seq)
             if not fits and seq.held_kv is None:
                 self.release(seq)  # give back prefix hits; matched again next step
@@ -221,6 +240,8 @@ class Scheduler:
             self.grow(seq, n, keep_free=self.watermark)
             if seq.held_kv is not None:
                 out.swap_in.append(seq)
+            if images is not None:
+                encoder_step.hold(self, seq, images, out)
             seq.status = SequenceStatus.RUNNING
             if seq.alone:
                 self.alone = seq.request_id
@@ -241,7 +262,8 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # the last token is always computed so that there are logits to sample from (and
         # prompt positions whose logprobs are still to record, see sample/prompt_logprobs.py)
-        blocks, hashes = self.pool.match_prefix(seq.token_ids, cacheable_tokens(seq),
+        ids = seq.token_ids if seq.mm is None else seq.mm.keys(seq.token_ids)  # images keyed
+        blocks, hashes = self.pool.match_prefix(ids, cacheable_tokens(seq),
                                                 root=seq.cache_root)
         seq.block_ids = blocks
         seq.block_hashes = hashes
@@ -294,6 +316,8 @@ class Scheduler:
         `flat`: the step's sequences in any order with their computed tokens and token counts
         now, as the runner knew them (`ModelInput.flat`), so they need not be read again."""
         bs = self.pool.block_size
+        if self.prefilling:  # images whose prompts are computed past them: let go
+            encoder_step.prefilled(self)
         if flat is None:
             seqs = out.seqs
             m = len(seqs)
@@ -306,10 +330,12 @@ class Scheduler:
         hashed = np.fromiter(map(len, map(_BLOCK_HASHES, seqs)), np.int64, m)
         for i in np.flatnonzero(full > hashed).tolist():  # the sequences that filled a block
             seq, blocks = seqs[i], int(full[i])
+            # a prompt's images are keyed by their content hash, not their placeholder ids
+            ids = seq.token_ids if seq.mm is None else seq.mm.keys(seq.token_ids)
             while len(seq.block_hashes) < blocks:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
-                toks = tuple(seq.token_ids[j * bs:(j + 1) * bs])
+                toks = tuple(ids[j * bs:(j + 1) * bs])
                 seq.block_hashes.append(self.pool.register(seq.block_ids[j], parent, toks))
 
     # ---- reports ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ KV moves before the step runs) and the token budget of a step (`step_token_budge
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,9 @@ class SchedulerOutput:
     # sequences whose host KV must be copied into their new blocks before the step runs
     swap_in: list[Sequence] = field(default_factory=list)
     held: list[Sequence] = field(default_factory=list)  # preempted: held for memory this step
+    # images for the step's encoder batch, before its forward (core/multimodal.ImageItem):
+    # those of the admitted prompts that the engine's encoder cache lacks, each once
+    encode: list[Any] = field(default_factory=list)
     # the first sequences' computed tokens and token counts as scheduled [len], when the
     # scheduler read them as arrays (the running ones, none preempted): the runner's `prepare`
     # takes them instead of reading the sequences again; sequences admitted after them are not

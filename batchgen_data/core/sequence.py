@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.core.multimodal import MultiModalPrompt
 from batchgen_data.logprobs import RawLogprobs
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.sampling_params import SamplingParams
@@ -61,6 +62,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     alone: bool = False  # runs in steps with no other request's sequences (Engine.submit)
+    # its prompt's images (core/multimodal.py; shared by the request's samples), and whether
+    # it holds their encoder outputs in the engine's cache (core/encoder_cache.py)
+    mm: MultiModalPrompt | None = None
+    mm_held: bool = False
     # its prompt's prefix keys (placement/prefix.py), computed once when a placement policy
     # first asks (core/queue_report.py)
     prefix_keys: tuple[int, ...] | None = None

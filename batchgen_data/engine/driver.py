@@ -44,10 +44,11 @@ class EngineDriver:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None, prompt: str | None = None,
                lora_request: LoRARequest | None = None, pin: str | None = None,
-               front: bool = False, alone: bool = False) -> Future:
+               front: bool = False, alone: bool = False,
+               mm_inputs: list[Any] | None = None) -> Future:
         """Queue one request; invalid input raises ValueError here, synchronously (an
         adapter is read from its directory here too, off the engine thread). `lora_request`,
-        `pin`, `front` and `alone` as in `Engine.submit`."""
+        `pin`, `front`, `alone` and `mm_inputs` (the prompt's images) as in `Engine.submit`."""
         self.engine.check_request(prompt_token_ids, params)
         self.engine.check_lora(lora_request)
         fut: Future = Future()
@@ -56,7 +57,7 @@ class EngineDriver:
             try:
                 rid = engine.submit(prompt_token_ids, params, request_id=request_id, prompt=prompt,
                                     pin=pin, front=front, lora_request=lora_request,
-                                    alone=alone)
+                                    alone=alone, mm_inputs=mm_inputs)
             except Exception as e:  # e.g. a duplicate request id: fail this request only
                 fut.set_exception(e)
                 return

@@ -19,6 +19,8 @@ from typing import Any
 from batchgen_data.config import EngineConfig, make_engine_config
 from batchgen_data.core import queue_report
 from batchgen_data.core.pins import PrefixPins
+from batchgen_data.core.encoder_cache import EncoderCache
+from batchgen_data.core.multimodal import MultiModalPrompt
 from batchgen_data.core.request import Request
 from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence
@@ -73,6 +75,16 @@ class Engine:
         if config.enable_expert_parallel and config.tensor_parallel_size > 1:
             self.stats.tokens_per_expert.ranks = config.tensor_parallel_size  # per-rank shares
         self.pins = PrefixPins(p.pool)  # prefixes kept for programs' next steps (core/pins.py)
+        # a vision-language model: prompts may carry images (submit's mm_inputs), encoded in
+        # the steps' encoder batches into this cache by content hash (core/encoder_step.py)
+        self._images = p.model if getattr(p.model, "takes_images", False) else None
+        self.encoder_cache: EncoderCache | None = None
+        if self._images is not None:
+            if config.tensor_parallel_size > 1:
+                raise ValueError("a vision-language model runs with tensor_parallel_size=1")
+            self.encoder_cache = EncoderCache(config.scheduler.encoder_cache_rows)
+            self.scheduler.encoder_cache = self.encoder_cache
+            self.runner.encoder_cache = self.encoder_cache  # type: ignore[attr-defined]
         self.live = LiveWork(self.scheduler, p.held_kv, self.pins, self.runner, self.stopper,
                              self.stats)
         self._seq_ids = itertools.count()
@@ -122,29 +134,45 @@ class Engine:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, prompt: str | None = None,
                lora_request: LoRARequest | None = None, pin: str | None = None,
-               front: bool = False, alone: bool = False) -> str:
+               front: bool = False, alone: bool = False,
+               mm_inputs: list[Any] | None = None) -> str:
         """`lora_request`: the adapter it runs under (None: the base model). `pin`: when the
         request finishes, keep its cached KV under that key until `unpin(pin)` (a program's
         next step extends this conversation: core/pins.py). `front`: queue it ahead of the
         waiting requests (a started program's next step goes before new programs, so it
         finishes while its KV is still there). `alone`: it runs in steps of its own, with no
         other request (a row suspected of killing an engine, run so that a failure names it
-        alone: docs/row-errors.md)."""
+        alone: docs/row-errors.md). `mm_inputs`: the prompt's images, in prompt order, each
+        with its placeholder tokens already in `prompt_token_ids` (`inputs/images.py`'s
+        `ImageInput`: hash, pixel_values, grid_thw, num_tokens, offset; docs/multimodal.md)."""
         params = params or SamplingParams()
         self.check_request(prompt_token_ids, params)
         self.check_lora(lora_request)
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         self._check_new(rid)
         ids = params.truncated_prompt(list(prompt_token_ids), self.max_model_len)
+        mm = self._multimodal(ids, len(prompt_token_ids), mm_inputs)
         req = Request(rid, prompt, ids, params, pin=pin, lora=lora_request)
         room = self.max_model_len - len(ids)
         for i in range(params.n):
             seed = self._seed_for(params.seed, i)
             max_tokens = min(params.max_tokens or room, room)
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens,
-                                     lora=lora_request, alone=alone))
+                                     lora=lora_request, alone=alone, mm=mm))
         self.live.add(req, front=front)
         return rid
+
+    def _multimodal(self, ids: list[int], given: int, mm_inputs: list[Any] | None
+                    ) -> MultiModalPrompt | None:
+        """The prompt's images as its sequences keep them (None: a text prompt)."""
+        if not mm_inputs:
+            return None
+        if self._images is None:
+            raise ValueError("mm_inputs: this model takes no images (a text-only model)")
+        if len(ids) != given:
+            raise ValueError("mm_inputs: a prompt with images cannot be truncated "
+                             "(truncate_prompt_tokens)")
+        return self._images.multimodal_prompt(ids, list(mm_inputs))
 
     def _check_new(self, rid: str) -> None:
         if rid in self.live.requests or rid in self.live.held:
@@ -216,6 +244,9 @@ class Engine:
     def export(self, request_id: str, include_kv: bool = False) -> dict[str, Any]:
         """Turn a request into plain data and remove it from this engine."""
         self._stepper.drain()
+        live = self.live.requests.get(request_id) or self.live.held.get(request_id)
+        if live is not None and any(s.mm is not None for s in live.seqs):
+            raise ValueError(f"request {request_id!r} has images: it cannot be exported")
         if request_id in self.live.requests:
             self.live.hold(request_id, keep_kv=include_kv)
         req = self.live.held.pop(request_id, None)

@@ -186,7 +186,8 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
     else:
         runner = ModelRunner(model, num_blocks, cc.block_size, backend, store, tier,
                              config.attention_micro_batch_seqs)
-    if store is None and ranks is None:  # the fast paths bake weight addresses in
+    # the fast paths bake weight addresses in; none takes images or M-RoPE positions
+    if store is None and ranks is None and not getattr(model, "takes_images", False):
         runner.build_fast_paths(sc.max_num_seqs, max_len, cuda_graphs=not config.enforce_eager,
                                 max_num_batched_tokens=sc.max_num_batched_tokens)
     return max_len, pool, host, runner
@@ -227,6 +228,7 @@ def quantization_plan(path: Path, hf_config: Any, requested: str | None
 
 
 def _head_dim(hf_config: Any) -> int:
+    hf_config = getattr(hf_config, "text_config", None) or hf_config  # a vision-language one's
     latent = getattr(hf_config, "kv_lora_rank", None)
     if latent:  # MLA (DeepSeek-V3) caches one latent head: layers/mla.py
         return latent + hf_config.qk_rope_head_dim

@@ -150,3 +150,45 @@ def _joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (Qwen2-VL's M-RoPE): each position is three numbers
+    (temporal, height, width) and the head's frequency pairs are cut into `mrope_section`
+    runs, run i rotated by component i % 3. Text tokens carry three equal numbers, for which
+    this is the plain rotary embedding. Rotates on the torch path: the C and Triton kernels
+    take one position per token."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int,
+                 interleaved: bool = False) -> None:
+        super().__init__(config, head_dim, max_positions)
+        sections = [int(s) for s in rope_parameters(config).get("mrope_section") or ()]
+        if len(sections) != 3 or sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section={sections} must be three runs summing to "
+                             f"head_dim // 2 = {head_dim // 2}")
+        # which component rotates each frequency pair: in runs (Qwen2-VL, Qwen2.5-VL), or
+        # interleaved t, h, w, t, h, w... over the first 3 * section pairs (Qwen3-VL)
+        if interleaved:
+            comp = torch.zeros(head_dim // 2, dtype=torch.long)
+            for axis in (1, 2):
+                comp[axis:3 * sections[axis]:3] = axis
+        else:
+            comp = torch.cat([torch.full((n,), i, dtype=torch.long)
+                              for i, n in enumerate(sections)])
+        self.register_buffer("_component", torch.cat([comp, comp]), persistent=False)  # [D]
+        self.register_buffer("_columns", torch.arange(head_dim), persistent=False)  # [D]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D] rotated by positions [3, T] (or [T] for text)."""
+        if positions.dim() == 1:
+            return self._torch(positions, q, k)
+        memo = self._memo
+        if memo is not None and memo[0] is positions:
+            cos, sin = memo[1], memo[2]
+        else:
+            rows = self.cos_sin_cache[positions]  # [3, T, D]
+            picked = rows[self._component, :, self._columns].t()  # [T, D]
+            cos, sin = picked.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+            self._memo = (positions, cos, sin)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)

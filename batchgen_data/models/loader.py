@@ -186,6 +186,9 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
     if skips is not None and skips(key):  # e.g. DeepSeek-V3's multi-token-prediction layers
         return set()
     name = our_name(key)
+    rename = getattr(model, "checkpoint_name", None)  # a model nesting HF's modules its way
+    if rename is not None:
+        name = rename(name)
     if name == "lm_head.weight" and model.lm_head is None:
         return set()  # tied to the embedding
     pieces = fused_weights.split(model, name, key, tensor)  # stored fused (Phi-3's qkv_proj)

@@ -11,6 +11,8 @@ from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3
 from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
 from batchgen_data.models.phi3 import Phi3ForCausalLM
+from batchgen_data.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from batchgen_data.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,12 +25,16 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 # their attention may be windowed by `sliding_window`, which the engine does not implement
 _SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
 _MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",

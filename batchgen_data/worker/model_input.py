@@ -12,6 +12,7 @@ from batchgen_data.core.sequence import Sequence
 from batchgen_data.layers.attention import AttentionMetadata
 from batchgen_data.layers.lora import LoRABatch
 from batchgen_data.sample import prompt_logprobs
+from batchgen_data.worker.mm_step import MultiModalStep
 
 
 @dataclass
@@ -30,3 +31,6 @@ class ModelInput:
     # the step's sequences in row order with, once the step is done, their computed tokens and
     # their token counts (a sampled one has its new token): `Scheduler.after_step` reads them
     flat: tuple[list[Sequence], np.ndarray, np.ndarray] | None = None
+    # a model that takes images: the step's encoder batch and image rows (worker/mm_step.py);
+    # its `positions` are then [3, T] (M-RoPE)
+    mm: MultiModalStep | None = None

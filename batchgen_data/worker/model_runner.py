@@ -28,6 +28,8 @@ from batchgen_data.worker.fast_paths.cpu_decode_stack import CpuDecodeStack
 from batchgen_data.worker.fast_paths.cuda_graphs import DecodeGraphs
 from batchgen_data.worker.fast_paths.piecewise_graphs import MixedGraphs
 from batchgen_data.worker.model_input import ModelInput
+from batchgen_data.worker import mm_step
+from batchgen_data.core.encoder_cache import EncoderCache
 from batchgen_data.sample.sampling_batch import to_device
 from batchgen_data.core.scheduler import SchedulerOutput
 from batchgen_data.core.sequence import Sequence, collecting
@@ -78,6 +80,10 @@ class ModelRunner:
         self.fast_paths: list[FastPath] = []
         self.lora: "LoRAManager | None" = None  # enable_lora: adapters' slots and rows
         self.block_tables = BlockTables()  # the running sequences' rows, kept across steps
+        # a vision-language model: M-RoPE positions, and images encoded into the engine's
+        # encoder cache (given by the engine) before the forward that reads them
+        self.takes_images = bool(getattr(model, "takes_images", False))
+        self.encoder_cache: EncoderCache | None = None
 
     def build_fast_paths(self, max_num_seqs: int, max_model_len: int,
                          cuda_graphs: bool = True,
@@ -208,6 +214,10 @@ class ModelRunner:
             blocks = tables[np.repeat(np.arange(n_seqs), q), pos // bs].astype(np.int64)
             slots = blocks * bs + pos % bs  # [T]
             meta = self._metadata(tables, slots, seq_lens, q, num_decodes)
+        mm = None
+        if self.takes_images:
+            mm = mm_step.MultiModalStep(out.encode, mm_step.image_rows(seqs, starts_l, q, cu))
+            pos = mm_step.mrope_positions(seqs, starts_l, q, cu, pos)  # [3, T]
         input_ids, positions, sample_index = to_device(
             [torch.from_numpy(np.array(ids, dtype=np.int64)), torch.from_numpy(pos),
              torch.from_numpy(sample_rows)], self.device)
@@ -221,6 +231,7 @@ class ModelRunner:
             prompt_rows=prompt_rows if prompt_rows is not None and prompt_rows.rows else None,
             lora=None if token_slots is None else self.lora.batch(token_slots),
             flat=(seqs, seq_lens, num_tokens + sampled),
+            mm=mm,
         )
 
     def _metadata(self, tables: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
@@ -285,6 +296,13 @@ class ModelRunner:
         if limit is not None and meta.micro_batches is None and len(meta.query_lens_host) > limit:
             meta = AttentionMetadata.in_micro_batches(split_by_sequences(meta, limit))
         try:
+            if inp.mm is not None:  # images: encoded first, their rows written in
+                cache = self.encoder_cache
+                assert cache is not None, "a model that takes images runs with an encoder cache"
+                mm_step.encode(self.model, cache, inp.mm.encode)
+                embeds = mm_step.embeddings(self.model, cache, inp.input_ids, inp.mm.rows)
+                return self.model(inp.input_ids, inp.positions, self.kv_caches, meta,
+                                  inputs_embeds=embeds)
             return self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
         finally:
             if self.kv_tier is not None and inp.meta.micro_batches is not None:
@@ -292,7 +310,7 @@ class ModelRunner:
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         # a step laid out by tier runs the model's own forward: no fast path takes micro-batches
-        path = None if inp.meta.micro_batches is not None else next(
+        path = None if inp.meta.micro_batches is not None or inp.mm is not None else next(
             (p for p in self.fast_paths if p.applies(inp)), None)
         hidden = path.run(inp) if path is not None else self.model_forward(inp)
         if inp.prompt_rows is not None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from batchgen_data.reasoning.registry import check_reasoning_parser
+from batchgen_data.reasoning.tools import tool_parser
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM's names of the checkpoint methods that load (models/quant_config.py)
 # vLLM's kv_cache_dtype names this engine honours: the model's dtype, or an e4m3 cache with
@@ -175,6 +178,19 @@ class EngineConfig:
     # vLLM's name: the most logprobs (and prompt_logprobs) one request may ask for per token;
     # -1: the vocabulary. A request asking more is refused when it enters (engine/limits.py)
     max_logprobs: int = 20
+    # vLLM's name: split each output's reasoning from its answer with this parser
+    # (batchgen_data/reasoning/: "deepseek_r1", "qwen3"; docs/reasoning.md); None: no split
+    reasoning_parser: str | None = None
+    # vLLM's name: the text a thinking budget appends to end a row's reasoning (it must hold
+    # the parser's closing tag); None: the parser's default, Qwen's documented sentence
+    reasoning_end_str: str | None = None
+    # vLLM's name: read tool calls out of every answer with this parser ("hermes",
+    # "llama3_json", "mistral", "pythonic"; docs/reasoning.md); None: answers stay text
+    tool_call_parser: str | None = None
+    # no row reasons longer than this quantile of the reasoning lengths of the rows that ended
+    # theirs so far (0.95: the p95), once 16 have; the end of thinking is appended as a
+    # budget does (core/thinking.py; docs/reasoning.md). None: no job cap
+    thinking_cap_quantile: float | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
@@ -213,6 +229,13 @@ class EngineConfig:
                 or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= 0, or -1 "
                              "for the vocabulary size")
+        check_reasoning_parser(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)  # ValueError listing the valid names
+        q = self.thinking_cap_quantile
+        if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float))
+                              or not 0 < q <= 1):
+            raise ValueError(f"thinking_cap_quantile={q!r}: a quantile in (0, 1], e.g. 0.95")
         self._check_parallel()
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda[:N]")

@@ -203,11 +203,16 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's `chat`: a custom Jinja `chat_template` replaces the tokenizer's, and
-        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}`)."""
+        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}`).
+        `tools` (OpenAI's function specs) are rendered by the template's tool support; the
+        engine's `tool_call_parser` reads the calls back (docs/reasoning.md)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [self.render_chat(c, add_generation_prompt, chat_template, chat_template_kwargs)
                    for c in conversations]
         return self.generate([{"prompt_token_ids": ids, "prompt": text} for ids, text in prompts],

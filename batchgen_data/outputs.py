@@ -20,7 +20,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "tool_calls"
     # with SamplingParams.logprobs: one dict per generated token, the sampled token plus the
     # top-n, each a Logprob(logprob, rank, decoded_token)
     logprobs: SampleLogprobs | None = None
@@ -28,6 +28,16 @@ class CompletionOutput:
     # fields added after the first release go below, so positional arguments keep their meaning
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
     lora_request: Any = None  # the LoRARequest it ran under
+    # with the engine's reasoning_parser (docs/reasoning.md): `text` is the answer alone and
+    # this the reasoning (None: the row did not think); vLLM's offline outputs have no such
+    # field, its server's message calls it `reasoning`
+    reasoning_text: str | None = None
+    num_reasoning_tokens: int | None = None  # output tokens of the reasoning (with a parser)
+    # with the engine's tool_call_parser: the calls in the answer, OpenAI's shape ({"id",
+    # "type": "function", "function": {"name", "arguments"}}), finish_reason "tool_calls";
+    # a call that could not be read is said here and the answer stays text
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_error: str | None = None
 
     def finished(self) -> bool:
         """Whether this sample ended (a method, as in vLLM; `RequestOutput.finished` is a bool)."""

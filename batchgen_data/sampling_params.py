@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "prompt_logprob_start": "not supported; prompt_logprobs score every prompt token",
     "flat_logprobs": "logprobs are returned as vLLM's default list of dicts",
     "stream_interval": "outputs are always returned once, when the request finishes",
-    "thinking_token_budget": "not supported (no reasoning parser)",
     "repetition_detection": "not supported; use repetition_penalty or max_tokens",
 }
 
@@ -66,6 +65,10 @@ class SamplingParams:
     # a StructuredOutputsParams, or a dict with its fields (json, regex, choice, grammar,
     # json_object): the output is constrained to it (docs/structured-output.md)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's name: at most this many reasoning tokens, then the end of thinking is appended
+    # and the row answers (needs the engine's reasoning_parser; -1 or None: no budget;
+    # docs/reasoning.md)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         coerce(self)
@@ -88,6 +91,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.structured_outputs = _structured(self.structured_outputs)
+        self.thinking_token_budget = _budget(self.thinking_token_budget)
         check_core(self)
         check_fields(self)
         # whether the sampler must mask or bias this request's logits (see `SamplingBatch`):
@@ -165,3 +169,13 @@ def _structured(value: Any) -> StructuredOutputsParams | None:
     except (TypeError, ValueError) as e:
         raise type(e)(f"SamplingParams.{e}" if str(e).startswith("structured_outputs")
                       else f"SamplingParams.structured_outputs: {e}") from None
+
+
+def _budget(value: Any) -> int | None:
+    """`thinking_token_budget` as vLLM takes it: an int >= 0, or -1 / None for none."""
+    if value is None or (value == -1 and not isinstance(value, bool)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ParamTypeError(f"SamplingParams.thinking_token_budget must be a non-negative "
+                             f"integer or -1 for unlimited, got {value!r}")
+    return value

@@ -18,6 +18,11 @@ Output columns added to every row (null when the row did not ask for them):
     per input row, an `id` keeps joining one-to-one, and a row's result still returns through
     the task that received it. The first sample is also in `generated_text` & co; a user who
     wants one row per sample explodes the column (`ds.flat_map`, Spark's `explode`).
+  * `reasoning_text`, `num_reasoning_tokens`: with the engine's `reasoning_parser`, the
+    reasoning apart from `generated_text` (the answer) and its token count (docs/reasoning.md).
+  * `tool_calls`, `tool_call_error`: with the engine's `tool_call_parser`, the calls in the
+    answer (OpenAI's shape, arguments as JSON text; `finish_reason` "tool_calls"), and why a
+    call could not be read (the answer then stays text).
 """
 from __future__ import annotations
 
@@ -34,6 +39,12 @@ from batchgen_data.structured import StructuredOutputsParams, from_response_form
 
 ROW_FIELDS = ("structured_outputs", "response_format", "chat_template_kwargs")
 _TOKEN_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
+# a tool call in OpenAI's shape (CompletionOutput.tool_calls)
+_TOOL_CALL = pa.struct([
+    pa.field("id", pa.string()), pa.field("type", pa.string()),
+    pa.field("function", pa.struct([pa.field("name", pa.string()),
+                                    pa.field("arguments", pa.string())])),
+])
 _SAMPLE = pa.struct([
     pa.field("index", pa.int32()), pa.field("text", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32())), pa.field("finish_reason", pa.string()),
@@ -44,7 +55,11 @@ _SAMPLE = pa.struct([
 def output_fields() -> list[pa.Field]:
     return [pa.field("logprobs", pa.list_(pa.float32())),
             pa.field("top_logprobs", pa.list_(pa.list_(_TOKEN_LOGPROB))),
-            pa.field("samples", pa.list_(_SAMPLE))]
+            pa.field("samples", pa.list_(_SAMPLE)),
+            pa.field("reasoning_text", pa.string()),
+            pa.field("num_reasoning_tokens", pa.int32()),
+            pa.field("tool_calls", pa.list_(_TOOL_CALL)),
+            pa.field("tool_call_error", pa.string())]
 
 
 def empty_columns() -> dict[str, Any]:
@@ -59,7 +74,8 @@ def _sampled_logprobs(c: Any) -> list[float] | None:
 
 
 def result_columns(out: Any) -> dict[str, Any]:
-    """`logprobs`, `top_logprobs` and `samples` of a finished RequestOutput."""
+    """`logprobs`, `top_logprobs`, `samples`, the reasoning and the tool calls of a finished
+    RequestOutput."""
     first = out.outputs[0]
     top = None
     if first.logprobs is not None:
@@ -70,7 +86,10 @@ def result_columns(out: Any) -> dict[str, Any]:
         samples = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
                     "finish_reason": c.finish_reason, "logprobs": _sampled_logprobs(c)}
                    for c in out.outputs]
-    return {"logprobs": _sampled_logprobs(first), "top_logprobs": top, "samples": samples}
+    return {"logprobs": _sampled_logprobs(first), "top_logprobs": top, "samples": samples,
+            "reasoning_text": first.reasoning_text,
+            "num_reasoning_tokens": first.num_reasoning_tokens,
+            "tool_calls": first.tool_calls, "tool_call_error": first.tool_call_error}
 
 
 def _json_value(value: Any, name: str) -> Any:

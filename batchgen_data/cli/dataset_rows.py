@@ -43,6 +43,9 @@ def dataset_row(item: WorkItem, tokenizer: Any, emit: Emit, actor: str) -> dict[
     overrides = params if params is not None else src.get("sampling_params")
     row["sampling_params"] = (overrides if isinstance(overrides, str) or overrides is None
                               else json.dumps(overrides))
+    if item.request is not None:  # a line's template kwargs (enable_thinking per line)
+        ctk = src.get("chat_template_kwargs")
+        row["chat_template_kwargs"] = None if ctk is None else json.dumps(ctk)
     if item.request is None:  # a table row keeps its other columns
         row.update({k: v for k, v in src.items() if k not in row})
     return row

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tensor-parallel-size", type=int, default=None,
                      help="devices (ranks) per engine, vLLM's tensor_parallel_size "
                           "(docs/parallel.md); same as --engine-kwargs '{\"tensor_parallel_size\": N}'")
+    run.add_argument("--reasoning-parser", default=None,
+                     help="split each answer from its reasoning (vLLM's reasoning_parser: "
+                          "deepseek_r1, qwen3; docs/reasoning.md); same as --engine-kwargs "
+                          "'{\"reasoning_parser\": NAME}'")
+    run.add_argument("--tool-call-parser", default=None,
+                     help="read tool calls out of answers (vLLM's tool_call_parser: hermes, "
+                          "llama3_json, mistral, pythonic; docs/reasoning.md)")
     run.add_argument("--progress-interval", type=float, default=None,
                      help="seconds between progress lines when stderr is not a terminal")
     return parser
@@ -90,6 +97,9 @@ class Job:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        for flag in ("reasoning_parser", "tool_call_parser"):  # engine arguments by flag
+            if getattr(args, flag, None) is not None:
+                args.engine_kwargs[flag] = getattr(args, flag)
         self.input: InputFile = read_input(args.input, args.max_tokens)
         out = Path(args.output)
         written = {"-o": out} if self.input.is_batch else {"-o": out, "-o's side file":

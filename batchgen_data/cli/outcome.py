@@ -50,7 +50,9 @@ def outcome_from_row(item: WorkItem, row: dict[str, Any], actor: str,
     first = Choice(row.get("generated_text") or "", list(row.get("generated_token_ids") or ()),
                    row.get("finish_reason"),
                    _position_logprobs(row.get("generated_token_ids"), row.get("logprobs"),
-                                      row.get("top_logprobs")), num_top)
+                                      row.get("top_logprobs")), num_top,
+                   row.get("reasoning_text"), _count(row.get("num_reasoning_tokens")),
+                   row.get("tool_calls"))
     samples = row.get("samples")
     if not samples:
         return Outcome(item, [first], int(row.get("num_prompt_tokens") or 0), actor=actor)
@@ -59,6 +61,10 @@ def outcome_from_row(item: WorkItem, row: dict[str, Any], actor: str,
                for s in samples]
     choices[0] = first  # the same sample, with its top alternatives when asked for
     return Outcome(item, choices, int(row.get("num_prompt_tokens") or 0), actor=actor)
+
+
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _position_logprobs(token_ids: Any, sampled: Any, top: Any

@@ -103,7 +103,9 @@ class LocalRunner:
                                                 req.prompt_token_ids), req.prompt, req.lora
         row = item.row
         column = next(c for c in ("messages", "prompt_token_ids", "prompt") if c in row)
-        ids, text = encode_prompt(row[column], self.engine.tokenizer, column, as_chat=False)
+        chat = {"chat_template_kwargs": row.get("chat_template_kwargs")}  # enable_thinking
+        ids, text = encode_prompt(row[column], self.engine.tokenizer, column, as_chat=False,
+                                  chat=chat)
         params = SamplingParams.from_dict(dict(row["sampling_params"]))
         self.engine.check_request(ids, params)
         # the line's "model" names a LoRA adapter (with enable_lora; connectors/lora_rows.py)
@@ -127,7 +129,8 @@ class LocalRunner:
         out = fut.result()
         num_top = int(item.row.get("sampling_params", {}).get("logprobs") or 0) \
             if isinstance(item.row.get("sampling_params"), dict) else 0
-        choices = [Choice(c.text, list(c.token_ids), c.finish_reason, c.logprobs, num_top)
+        choices = [Choice(c.text, list(c.token_ids), c.finish_reason, c.logprobs, num_top,
+                          c.reasoning_text, c.num_reasoning_tokens, c.tool_calls)
                    for c in out.outputs]
         return Outcome(item, choices, len(out.prompt_token_ids), actor=ACTOR)
 

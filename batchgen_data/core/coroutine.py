@@ -7,6 +7,8 @@ plain data to another engine, or abort it. All of that is possible because a sus
 keeps no state outside its `Sequence`: the sequence *is* the suspended coroutine, and resuming
 it is one transition from the step's result — count the computed tokens; if the step sampled,
 append the token (and its logprobs), check the stop conditions, and finish or suspend again.
+A sequence under a thinking budget may also be handed tokens it did not sample (the end of its
+thinking, core/thinking.py): it suspends with them pending, and its next step computes them.
 
 The engine resumes every coroutine of a step at once with `resume_step`: that transition
 applied sequence by sequence in one loop, without a generator frame, a result tuple and a
@@ -47,6 +49,8 @@ def resume_step(seqs: Seq[Sequence], counts: Seq[int], sampled: Seq[Sequence],
         if reason is not None:
             seq.status = reason
             done.append(seq)
+        elif seq.thinking is not None:  # under a thinking budget (core/thinking.py)
+            seq.thinking.saw(seq, token)
     return done
 
 

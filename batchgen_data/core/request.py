@@ -8,6 +8,7 @@ from batchgen_data.core.stop import StopChecker
 from batchgen_data.logprobs import build as build_logprobs
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.outputs import CompletionOutput, RequestOutput
+from batchgen_data.reasoning.reader import OutputReader, Read
 from batchgen_data.sampling_params import SamplingParams
 
 
@@ -28,20 +29,33 @@ class Request:
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.finished]
 
-    def output(self, stopper: StopChecker) -> RequestOutput:
+    def output(self, stopper: StopChecker, reader: OutputReader | None = None
+               ) -> RequestOutput:
+        """The request as the user gets it; with the engine's `reader` each sample's text is
+        its answer, its reasoning and tool calls apart (batchgen_data/reasoning/)."""
         tok, text = stopper.tokenizer, self.params.detokenize
         outs = []
         for s in self.seqs:
             logprobs, cumulative = build_logprobs(s.logprobs, tok, text)
+            read = Read(stopper.final_text(s))
+            if reader is not None:
+                read = reader.read(self.prompt_token_ids, s.output_token_ids, read.text)
+            finish = s.status.finish_reason
+            if read.tool_calls and finish == "stop":  # OpenAI's reason for an answer of calls
+                finish = "tool_calls"
             outs.append(CompletionOutput(
                 index=s.index,
-                text=stopper.final_text(s),
+                text=read.text,
                 token_ids=s.output_token_ids,
-                finish_reason=s.status.finish_reason,
+                finish_reason=finish,
                 logprobs=logprobs,
                 stop_reason=s.stop_reason,
                 cumulative_logprob=cumulative,
                 lora_request=self.lora,
+                reasoning_text=read.reasoning,
+                num_reasoning_tokens=read.num_reasoning_tokens,
+                tool_calls=read.tool_calls,
+                tool_call_error=read.tool_call_error,
             ))
         prompt_raw = next((s.prompt_logprobs for s in self.seqs if s.index == 0), None)
         return RequestOutput(

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.core.thinking import ThinkingBudget
 from batchgen_data.core.multimodal import MultiModalPrompt
 from batchgen_data.logprobs import RawLogprobs
 from batchgen_data.lora_request import LoRARequest
@@ -69,6 +70,8 @@ class Sequence:
     # its prompt's prefix keys (placement/prefix.py), computed once when a placement policy
     # first asks (core/queue_report.py)
     prefix_keys: tuple[int, ...] | None = None
+    # its thinking budget while it reasons under one (core/thinking.py), else None
+    thinking: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

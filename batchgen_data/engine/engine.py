@@ -24,6 +24,7 @@ from batchgen_data.core.multimodal import MultiModalPrompt
 from batchgen_data.core.request import Request
 from batchgen_data.core.scheduler import Scheduler
 from batchgen_data.core.sequence import Sequence
+from batchgen_data.core.thinking import ThinkingBudget, check_budget, job_cap
 from batchgen_data.engine import transfer
 from batchgen_data.engine.limits import check_limits, seed_bits
 from batchgen_data.engine.live import LiveWork
@@ -35,6 +36,7 @@ from batchgen_data.inputs.prompt_checks import first_bad_token, too_long
 from batchgen_data.lora_request import AdapterNames, LoRARequest
 from batchgen_data.outputs import RequestOutput
 from batchgen_data.placement import EngineId, EngineLoad, PrefixSummary, RequestSummary
+from batchgen_data.reasoning.reader import OutputReader
 from batchgen_data.sample.draw.draw_hash import sample_seed
 from batchgen_data.sample.sampler import Sampler
 from batchgen_data.sampling_params import SamplingParams
@@ -85,8 +87,15 @@ class Engine:
             self.encoder_cache = EncoderCache(config.scheduler.encoder_cache_rows)
             self.scheduler.encoder_cache = self.encoder_cache
             self.runner.encoder_cache = self.encoder_cache  # type: ignore[attr-defined]
+        # how outputs are read (config.reasoning_parser, tool_call_parser): reasoning and tool
+        # calls apart; thinking budgets read the reasoning parser's tags (core/thinking.py)
+        reader = OutputReader.of(p.tokenizer, config.reasoning_parser, config.reasoning_end_str,
+                                 config.tool_call_parser)
+        self.reasoning = None if reader is None else reader.reasoning
+        self.thinking_cap = job_cap(config.thinking_cap_quantile, self.reasoning,
+                                    config.async_scheduling)
         self.live = LiveWork(self.scheduler, p.held_kv, self.pins, self.runner, self.stopper,
-                             self.stats)
+                             self.stats, reader)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -119,6 +128,7 @@ class Engine:
             raise ValueError(long)
         self.sampler.check(params, self.vocab_size)
         check_limits(params, self.vocab_size, self.config.max_logprobs)
+        check_budget(params, self.reasoning, self.config.async_scheduling)
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """ValueError unless this engine can run `lora_request` (enable_lora, the adapter
@@ -159,6 +169,8 @@ class Engine:
             max_tokens = min(params.max_tokens or room, room)
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, seed, max_tokens,
                                      lora=lora_request, alone=alone, mm=mm))
+            if self.reasoning is not None:  # a budget or the job cap may watch it
+                ThinkingBudget.attach(req.seqs[-1], self.reasoning, self.thinking_cap)
         self.live.add(req, front=front)
         return rid
 
@@ -230,7 +242,7 @@ class Engine:
             req = self.live.requests.get(rid)
             for seq in req.seqs if req is not None else ():
                 blocks.update(seq.block_ids)
-        return sum(1 for b in blocks if b >= 0 and not self.pool.is_host(b))  # -1: trimmed
+        return sum(1 for b in blocks if not self.pool.is_host(b))
 
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
         """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if
@@ -264,6 +276,9 @@ class Engine:
         self.check_lora(lora)
         req = transfer.import_request(state, params, lora, self._seq_ids, self.held_kv,
                                       self.runner)
+        if self.reasoning is not None:
+            for seq in req.unfinished():  # its budget's state, replayed from its tokens
+                ThinkingBudget.attach(seq, self.reasoning, self.thinking_cap)
         self.live.add(req, front=front)
         return rid
 

@@ -20,13 +20,16 @@ from batchgen_data.core.stop import StopChecker
 from batchgen_data.engine.stats import EngineStats
 from batchgen_data.engine.step_failure import reason
 from batchgen_data.outputs import RequestOutput
+from batchgen_data.reasoning.reader import OutputReader
 from batchgen_data.worker.runner import Runner
 
 
 class LiveWork:
     def __init__(self, scheduler: Scheduler, held_kv: HeldKVStore, pins: PrefixPins,
-                 runner: Runner, stopper: StopChecker, stats: EngineStats) -> None:
+                 runner: Runner, stopper: StopChecker, stats: EngineStats,
+                 reader: OutputReader | None = None) -> None:
         self.scheduler, self.held_kv, self.pins = scheduler, held_kv, pins
+        self.reader = reader  # the reasoning and tool calls of each output apart
         self.runner, self.stopper, self.stats = runner, stopper, stats
         self.requests: dict[str, Request] = {}  # live: waiting, running or held for memory
         self.held: dict[str, Request] = {}  # held by the user: not scheduled until resumed
@@ -71,7 +74,7 @@ class LiveWork:
                 if req.pin is not None:
                     for seq in req.seqs:
                         self.pins.pin(req.pin, seq.token_ids, seq.cache_root)
-                outs.append(req.output(self.stopper))
+                outs.append(req.output(self.stopper, self.reader))
         return outs
 
     def fail(self, errors: dict[str, Exception]) -> list[RequestOutput]:
@@ -86,7 +89,7 @@ class LiveWork:
                 seq.status = SequenceStatus.FINISHED_ERROR
                 seq.stop_reason = why
             self.stats.num_failed += 1
-            outs.append(req.output(self.stopper))
+            outs.append(req.output(self.stopper, self.reader))
         return outs
 
     def abort(self, request_id: str) -> bool:
@@ -101,7 +104,7 @@ class LiveWork:
             else:
                 self.held_kv.drop(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
-        self.outputs.append(req.output(self.stopper))
+        self.outputs.append(req.output(self.stopper, self.reader))
         return True
 
     # ---- holding ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ The format is the one hosted batch APIs, vLLM's `run_batch` and BatchGen itself 
 says why (`code` + message naming the line), so the command writes an error line for it and the
 job goes on. Body fields map onto `SamplingParams` with vLLM's server semantics; fields that only
 describe the call (`model`, `user`, `metadata`, ...) are accepted and ignored; fields this engine
-cannot honour (`tools`, `stream: true`, `echo`, ...) make the request an error that names them.
+cannot honour (`functions`, `stream: true`, `echo`, ...) make the request an error that names them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.openai import chat_fields
 from batchgen_data.openai.pooling import POOLING_URLS, PoolingLine, parse_pooling_body
 from batchgen_data.sampling_params import SamplingParams
 
@@ -32,13 +33,12 @@ _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequenc
 _IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options",
             "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 # fields that would change the answer in a way this engine cannot produce
-_REFUSED = {"tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
-            "functions": "function calling is not supported",
+_REFUSED = {"functions": "function calling is not supported",
             "function_call": "function calling is not supported",
             "audio": "audio output is not supported", "modalities": "only text output is supported",
             "suffix": "suffix (insertion) is not supported", "echo": "echo is not supported",
             "best_of": "best_of is not supported (use n)", "prediction": "not supported",
-            "reasoning_effort": "not supported", "web_search_options": "not supported"}
+            "web_search_options": "not supported"}
 # values of refused fields that mean "off", so a client that always sends them still works
 _OFF = (None, False, [], "none", "auto", 1)
 
@@ -54,6 +54,8 @@ class BatchRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    # vLLM server's extra field: reaches the chat template (e.g. {"enable_thinking": False})
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     # a pooling endpoint's line (/v1/embeddings, /v1/score, /v1/rerank: openai/pooling.py)
     pooling: PoolingLine | None = None
@@ -69,6 +71,8 @@ class BatchRequest:
         row: dict[str, Any] = {"custom_id": self.custom_id, "sampling_params": dict(self.params)}
         if self.model is not None:  # names a LoRA adapter when the engine has enable_lora
             row["model"] = self.model
+        if self.chat_template_kwargs is not None:
+            row["chat_template_kwargs"] = self.chat_template_kwargs
         if self.messages is not None:
             row["messages"] = self.messages
         elif self.prompt_token_ids is not None:
@@ -144,7 +148,8 @@ def _fill(req: BatchRequest, obj: Any, default_max_tokens: int | None) -> None:
         raise _Bad("invalid_request", "body must be a JSON object")
     known = set(_SAME_NAME) | set(_IGNORED) | set(_REFUSED) | {
         "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "logprobs",
-        "top_logprobs", "response_format", "structured_outputs", "stream"}
+        "top_logprobs", "response_format", "structured_outputs", "stream", "reasoning_effort",
+        "chat_template_kwargs", "tools", "tool_choice"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise _Bad("unsupported_field", f"unsupported body field(s) {unknown}")
@@ -155,6 +160,10 @@ def _fill(req: BatchRequest, obj: Any, default_max_tokens: int | None) -> None:
         raise _Bad("unsupported_field", "; ".join(refused))
     req.model = body.get("model") if isinstance(body.get("model"), str) else None
     _fill_prompt(req, body)
+    try:
+        req.chat_template_kwargs = chat_fields.template_kwargs(body, req.is_chat)
+    except chat_fields.Unsupported as e:
+        raise _Bad("unsupported_field", str(e)) from None
     req.params = sampling_fields(body, req.is_chat, default_max_tokens)
     # every runner gets the same verdict on a value (a string `n`, a NaN temperature): the
     # line's error, naming the field, before any runner builds a request from it
@@ -221,6 +230,9 @@ def sampling_fields(body: dict[str, Any], chat: bool,
     return params
 
 
+    budget = chat_fields.effort_budget(body)
+    if budget is not None:
+        params["thinking_token_budget"] = budget
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Chat: `logprobs: true` plus `top_logprobs: k`; completions: `logprobs: k`."""
     value = body.get("logprobs")

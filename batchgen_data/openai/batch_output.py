@@ -5,7 +5,9 @@
 
 A request that could not run has `response: null` and `error: {"code", "message"}`, as hosted
 batch APIs write failed requests. Bodies carry only fields OpenAI's own client types declare,
-so `openai.types.chat.ChatCompletion.model_validate(body)` accepts them.
+so `openai.types.chat.ChatCompletion.model_validate(body)` accepts them, and with a reasoning
+parser `message.reasoning_content` (DeepSeek's API's name for the reasoning, which OpenAI's
+types keep as an extra field) beside `usage.completion_tokens_details.reasoning_tokens`.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # OpenAI's finish reasons; "abort" (a cancelled request) has no counterpart and reads as "stop"
-_FINISH = {"stop": "stop", "length": "length"}
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 # a logprob the engine did not report (JSON has no -Infinity); OpenAI uses the same floor
 _FLOOR = -9999.0
 
@@ -30,6 +32,11 @@ class Choice:
     finish_reason: str | None
     logprobs: Sequence[dict[int, float]] | None = None  # per token: {token_id: logprob}
     num_top: int = 0  # top alternatives asked for (the dicts hold these plus the sampled one)
+    # with the engine's reasoning_parser: the reasoning apart from `text` (the answer) and its
+    # tokens (None: no parser; docs/reasoning.md)
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape (tool_call_parser)
 
 
 def _ids() -> tuple[str, str]:
@@ -52,6 +59,9 @@ def success_line(custom_id: str, chat: bool, model: str, choices: Sequence[Choic
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+    thought = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    if thought:  # OpenAI's place for them (CompletionUsage.completion_tokens_details)
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
@@ -68,7 +78,13 @@ def _chat_choice(i: int, c: Choice, token_text: Callable[[int], str] | None) -> 
     if c.logprobs is not None and token_text is not None:
         logprobs = {"content": [_chat_token(tok, lps, c.num_top, token_text)
                                 for tok, lps in zip(c.token_ids, c.logprobs)], "refusal": None}
-    return {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.reasoning is not None:  # DeepSeek's and vLLM's former name for it
+        message["reasoning_content"] = c.reasoning
+    if c.tool_calls:  # an answer of calls only has no content (OpenAI's shape)
+        message["tool_calls"] = c.tool_calls
+        message["content"] = c.text or None
+    return {"index": i, "message": message,
             "logprobs": logprobs, "finish_reason": _FINISH.get(c.finish_reason or "", "stop")}
 
 

@@ -124,7 +124,9 @@ def test_output_rows_and_attach_keeps_inputs() -> None:
     ok = result_row(out)
     assert ok == {"generated_text": "yo", "generated_token_ids": [4, 5], "num_prompt_tokens": 3,
                   "num_generated_tokens": 2, "finish_reason": "stop", "error": None,
-                  "logprobs": None, "top_logprobs": None, "samples": None}
+                  "logprobs": None, "top_logprobs": None, "samples": None,
+                  "reasoning_text": None, "num_reasoning_tokens": None, "tool_calls": None,
+                  "tool_call_error": None}
     bad = error_row("prompt is null")
     assert bad["error"] == "prompt is null" and bad["generated_token_ids"] == []
     table = pa.table({"id": [10, 11, 12], "prompt": ["a", "b", None], "error": ["x", "y", "z"]})

@@ -77,8 +77,8 @@ VLLM_ARGS: dict[str, _Arg] = {
     "code_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "download_dir": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "served_model_name": _Arg(_any, "a name for outputs only"),
-    "disable_sliding_window": _Arg(_any, "models with sliding-window attention are refused "
-                                         "when loaded"),
+    "disable_sliding_window": _Arg(_any, "a model's sliding windows are always applied as "
+                                         "its config sets them"),
     "guided_decoding_backend": _Arg(_any, "structured output picks its own grammar engine"),
     "structured_outputs_config": _Arg(_any, "structured output picks its own grammar engine"),
     "logprobs_mode": _Arg(_is("raw_logprobs", None), "logprobs are the raw model's "

@@ -25,6 +25,22 @@ PREFILL_Q_TILE_BYTES = 32768
 PREFILL_KV_TILE_BYTES = 16384
 
 
+_NO_WINDOW = 1 << 30  # the kernels' window when none is given: longer than any sequence
+
+
+def window_and_sinks(sliding_window: int | None, sinks: torch.Tensor | None, q: torch.Tensor
+                      ) -> tuple[int, torch.Tensor | None]:
+    """(the window the kernels take, the sinks as float32 [H] on q's device, or None)."""
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or sliding_window < 0):
+        raise ValueError(f"sliding_window must be None or an int >= 0, got {sliding_window!r}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks must be [num_heads={q.shape[1]}], got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+    return sliding_window or _NO_WINDOW, sinks
+
+
 def check_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -88,15 +88,35 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor) -> torch.Tensor:
-    """q ``[M, H, D]``, k/v ``[N, Hkv, D]``, mask ``[M, N]`` (True = attend) -> ``[M, H, D]``."""
+            mask: torch.Tensor, sinks: torch.Tensor | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+    """q ``[M, H, D]``, k/v ``[N, Hkv, D]``, mask ``[M, N]`` (True = attend) -> ``[M, H, D]``.
+    ``sinks`` ``[H]``: one more logit per head in each softmax, with no value behind it;
+    ``softcap``: each score s becomes softcap * tanh(s / softcap) first."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing to attend -> 0
+    if sinks is not None:
+        probs = probs[..., :-1]
     return torch.einsum("hmn,nhd->mhd", probs, v)
+
+
+def _in_window(q_pos: torch.Tensor, length: int, sliding_window: int | None) -> torch.Tensor:
+    """[M, N]: key n is seen by the query at ``q_pos[m]`` (causal, and within the last
+    ``sliding_window`` positions, itself included, when a window is given)."""
+    keys = torch.arange(length, device=q_pos.device)[None, :]
+    mask = keys <= q_pos[:, None]
+    if sliding_window:
+        mask &= keys > q_pos[:, None] - sliding_window
+    return mask
 
 
 def paged_decode_attention(
@@ -109,8 +129,14 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q ``[S, H, D]`` attends to all ``seq_lens[i]`` cached tokens -> ``[S, H, D]``.
+    """q ``[S, H, D]`` attends to its ``seq_lens[i]`` cached tokens (the last
+    ``sliding_window`` of them when given) -> ``[S, H, D]``; ``sinks`` ``[H]`` float32: a
+    logit per head added to each softmax with no value (gpt-oss's attention sinks);
+    ``softcap``: scores soft-capped (Gemma 2).
 
     ``num_splits`` is accepted for signature parity and ignored.
     """
@@ -118,8 +144,9 @@ def paged_decode_attention(
     for i, length in enumerate(seq_lens.tolist()):
         k = _gather_kv(k_cache, block_tables[i], length, k_scale)
         v = _gather_kv(v_cache, block_tables[i], length, v_scale)
-        mask = torch.ones((1, length), dtype=torch.bool, device=q.device)
-        out[i] = _attend(q[i : i + 1], k, v, scale, mask)[0]
+        q_pos = torch.tensor([length - 1], device=q.device)
+        mask = _in_window(q_pos, length, sliding_window)
+        out[i] = _attend(q[i : i + 1], k, v, scale, mask, sinks, softcap)[0]
     return out.to(q.dtype)
 
 
@@ -134,8 +161,12 @@ def paged_prefill_attention(
     max_seqlen_q: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention; q rows of sequence i are its last ``q_len`` tokens -> ``[T, H, D]``.
+    ``sliding_window`` / ``sinks`` / ``softcap``: as `paged_decode_attention`.
 
     ``max_seqlen_q`` is accepted for signature parity and ignored.
     """
@@ -149,8 +180,8 @@ def paged_prefill_attention(
         k = _gather_kv(k_cache, block_tables[i], length, k_scale)
         v = _gather_kv(v_cache, block_tables[i], length, v_scale)
         q_pos = torch.arange(length - q_len, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, N]
-        out[start:end] = _attend(q[start:end], k, v, scale, mask)
+        mask = _in_window(q_pos, length, sliding_window)  # [q_len, N]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask, sinks, softcap)
     return out.to(q.dtype)
 
 

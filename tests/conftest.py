@@ -66,7 +66,7 @@ def build_tiny_model(arch: str, path: Path, vocab_size: int, **overrides) -> Pat
         cfg = tf.Qwen2Config(tie_word_embeddings=True, **common)
         cls = tf.Qwen2ForCausalLM
     elif arch == "mistral":
-        common.setdefault("sliding_window", None)  # a window is refused by the engine
+        common.setdefault("sliding_window", None)  # the shared tiny Mistral is global
         cfg = tf.MistralConfig(tie_word_embeddings=False, **common)
         cls = tf.MistralForCausalLM
     elif arch == "qwen3":

@@ -97,7 +97,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
-            self.pool.free(seq.block_ids)
+            self.pool.free(room.live_blocks(seq.block_ids))
             seq.block_ids = []
         if seq.mm_held:
             encoder_step.let_go(self, seq)
@@ -336,7 +336,12 @@ class Scheduler:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
                 toks = tuple(ids[j * bs:(j + 1) * bs])
-                seq.block_hashes.append(self.pool.register(seq.block_ids[j], parent, toks))
+                b = seq.block_ids[j]
+                seq.block_hashes.append(self.pool.register(b, parent, toks) if b >= 0
+                                        else self.pool.chain_hash(parent, toks))
+        if self.pool.window:  # a windowed model: free the blocks every window has passed
+            for i, seq in enumerate(seqs):
+                room.trim(self.pool, seq, int(computed[i]))
 
     # ---- reports ----------------------------------------------------------------------
     def admits(self, seq: Sequence, n: int) -> bool:

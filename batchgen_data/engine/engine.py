@@ -242,7 +242,7 @@ class Engine:
             req = self.live.requests.get(rid)
             for seq in req.seqs if req is not None else ():
                 blocks.update(seq.block_ids)
-        return sum(1 for b in blocks if not self.pool.is_host(b))
+        return sum(1 for b in blocks if b >= 0 and not self.pool.is_host(b))  # -1: trimmed
 
     def hold(self, request_id: str, keep_kv: bool = True) -> None:
         """Suspend a request until `resume`: free its KV blocks; its KV stays in host memory if

@@ -172,6 +172,9 @@ def runner_parts(config: EngineConfig, model: torch.nn.Module, backend: LayerBac
                                     blocks_key, limit_s)
     host_blocks = cc.host_kv_tier_bytes // (per_token * cc.block_size)
     pool = BlockPool(num_blocks, cc.block_size, cc.enable_prefix_caching, host_blocks)
+    windows = getattr(model.shape, "windows", None) or [None]
+    if all(windows):  # every layer windowed: blocks all windows passed are freed early
+        pool.window = max(windows)
     # held and exported KV has every KV head, whatever this rank keeps
     s = model.shape
     full_heads = getattr(s, "total_kv_heads", s.num_kv_heads)

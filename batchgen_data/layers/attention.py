@@ -13,6 +13,14 @@ the C decode kernel widen the codes in registers, the torch path dequantizes wha
 and a prefill chunk without a cached prefix attends over its own K/V rounded through e4m3 too,
 so every path attends over the values the cache holds.
 
+A layer may attend over a sliding window (`sliding_window`: each query sees the last that many
+positions, itself included; Mistral, Gemma's local layers, gpt-oss) and may add attention sinks
+(`sinks`: a learned logit per query head in every softmax's denominator, gpt-oss). Every path
+takes both: the kernels start at the window's first token, the torch path gathers a prefill's
+window only and masks a decode's, and adds a sink as one more key of score 0 whose bias is the
+sink and whose value is zero. Logit soft-capping (`softcap`, Gemma 2: each score s becomes
+cap * tanh(s / cap)) runs in the kernels and, on the torch path, in an explicit softmax.
+
 A step may also be attended in micro-batches (`AttentionMetadata.micro_batches`, laid out by the
 runner): runs of its sequences attended one after another, each with its own metadata and, where
 its KV is not in the step's cache (the KV host tier), its own caches, one per layer. The layer
@@ -106,14 +114,25 @@ class Attention(nn.Module):
     a cache on another device than q (a micro-batch's KV held in host memory) is written and
     attended on its own device by the torch path, with its metadata on that device, and the
     output comes back to q's device. `layer_idx` is the layer's index in the model's stack: the
-    one a micro-batch's caches are read at."""
+    one a micro-batch's caches are read at. `sliding_window`: the positions each query sees
+    (None: all); `sinks`: the layer holds one sink logit per query head (`self.sinks`, filled by
+    the loader)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int) -> None:
+                 layer_idx: int, sliding_window: int | None = None, sinks: bool = False,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got "
+                             f"{sliding_window!r}")
+        self.sliding_window = sliding_window
+        self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32),
+                                   requires_grad=False) if sinks else None)
+        self.softcap = float(softcap) if softcap else None
         # an FP8 cache's scales (the checkpoint's, else 1.0; models/loader.py sets them)
         self.kv_scales = kv_quant.KVScales()
         b = current()
@@ -151,15 +170,17 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if k_cache.device != q.device:
             there = k_cache.device
+            sinks = None if self.sinks is None else self.sinks.to(there)
             out = _attention_torch(q.to(there), k.to(there), v.to(there), k_cache, v_cache, meta,
                                    self.scale, self.c_decode and there.type == "cpu",
-                                   self.kv_scales)
+                                   self.kv_scales, self.sliding_window, sinks, self.softcap)
             return out.to(q.device)
         return self._forward(q, k, v, k_cache, v_cache, meta, self.scale, self.c_decode,
-                             self.kv_scales)
+                             self.kv_scales, self.sliding_window, self.sinks, self.softcap)
 
 
-def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # type: ignore[no-untyped-def]
+def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs, window=None,  # type: ignore[no-untyped-def]
+                      sinks=None, softcap=None):
     from batchgen_data.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
     # kvs: the FP8 scales, ignored by the kernels for a cache of q's dtype
@@ -169,16 +190,19 @@ def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  #
     if nd:
         out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                           meta.seq_lens[:nd], scale, k_scale=kvs.k,
-                                          v_scale=kvs.v)
+                                          v_scale=kvs.v, sliding_window=window, sinks=sinks,
+                                          softcap=softcap)
     if q.shape[0] > nd:
         out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
                                            meta.cu_seqlens_q, meta.seq_lens[nd:], scale,
                                            max_seqlen_q=meta.max_prefill_len, k_scale=kvs.k,
-                                           v_scale=kvs.v)
+                                           v_scale=kvs.v, sliding_window=window, sinks=sinks,
+                                           softcap=softcap)
     return out
 
 
-def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # type: ignore[no-untyped-def]
+def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs, window=None,  # type: ignore[no-untyped-def]
+                     sinks=None, softcap=None):
     num_kv = k_cache.shape[2]
     head_dim = k_cache.shape[3]
     fp8 = kv_quant.is_fp8(k_cache)
@@ -191,47 +215,97 @@ def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs):  # 
     if nd and c_decode:
         from batchgen_data.kernels.cpu import attention as cpu_attention
         outs.append(cpu_attention.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens[:nd], scale, kvs.k, kvs.v))
+                                               meta.seq_lens[:nd], scale, kvs.k, kvs.v,
+                                               window, sinks, softcap))
     elif nd:
-        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale, kvs))
+        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale, kvs, window, sinks,
+                                  softcap))
     start = nd
+    bs = k_cache.shape[1]
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_host[nd:], meta.seq_lens_host[nd:])):
         qs = q[start:start + qlen]
         if qlen == slen:  # no cached prefix: attend to the fresh K/V directly
             ks, vs = k[start:start + qlen], v[start:start + qlen]
-        else:
-            nblk = -(-slen // k_cache.shape[1])
-            blocks = meta.block_tables[nd + i, :nblk].long()
-            ks = k_cache[blocks].view(-1, num_kv, head_dim)[:slen]
-            vs = v_cache[blocks].view(-1, num_kv, head_dim)[:slen]
+        else:  # the cached prefix from the first token the chunk's first query sees
+            first = max(0, slen - qlen + 1 - window) if window else 0
+            b0, nblk = first // bs, -(-slen // bs)
+            blocks = meta.block_tables[nd + i, b0:nblk].long()
+            ks = k_cache[blocks].view(-1, num_kv, head_dim)[first - b0 * bs:slen - b0 * bs]
+            vs = v_cache[blocks].view(-1, num_kv, head_dim)[first - b0 * bs:slen - b0 * bs]
         if fp8:
             ks = kv_quant.dequantize(ks, kvs.k, q.dtype)
             vs = kv_quant.dequantize(vs, kvs.v, q.dtype)
-        outs.append(_prefill_one(qs, ks, vs, scale))
+        outs.append(_prefill_one(qs, ks, vs, scale, window, sinks, softcap))
         start += qlen
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 window: int | None = None, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     # q [Q, H, D], k/v [S, Hkv, D] with the Q new tokens at the end of the S
     # 4-D inputs (a batch of one): on the CPU only those reach torch's fused flash kernel; 3-D
     # ones take the slower unfused math path.
     qlen, slen = q.shape[0], k.shape[0]
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if qlen == slen:
+    if qlen == slen and not window and sinks is None and not softcap:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
         rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (slen - qlen)
-        mask = torch.arange(slen, device=q.device).unsqueeze(0) <= rows  # [Q, S]
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        cols = torch.arange(slen, device=q.device).unsqueeze(0)
+        mask = cols <= rows  # [Q, S]
+        if window:
+            mask &= cols > rows - window
+        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
+        o = _sdpa(qt, kt, vt, mask, scale, sink, gqa=True, softcap=softcap)
     return o[0].transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          sink: torch.Tensor | None, gqa: bool = False, softcap: float | None = None
+          ) -> torch.Tensor:
+    """SDPA of q [B, Hq, Q, D] over k/v [B, Hk, S, D] under the boolean `mask` (True = attend),
+    with `sink` (per query row, broadcastable to [B, Hq, Q, 1]) as one more key: a zero key
+    and value whose score bias is the sink, so the softmax's denominator gains exp(sink).
+    `softcap`: SDPA cannot bend its scores, so the softmax is spelled out."""
+    if softcap:
+        return _softcapped(q, k, v, mask, scale, sink, softcap)
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    zero = k.new_zeros(k.shape[:2] + (1, k.shape[3]))
+    k, v = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
+    shape = (q.shape[0], q.shape[1], q.shape[2])
+    bias = torch.zeros(shape + (mask.shape[-1],), dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~mask, float("-inf"))
+    bias = torch.cat([bias, sink.to(q.dtype).expand(shape + (1,))], -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float, sink: torch.Tensor | None, softcap: float) -> torch.Tensor:
+    """`_sdpa` with each score s bent to softcap * tanh(s / softcap), in float32."""
+    if k.shape[1] != q.shape[1]:  # GQA: each KV head serves its group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sink is not None:
+        shape = scores.shape[:-1] + (1,)
+        scores = torch.cat([scores, sink.float().expand(shape)], -1)
+    probs = torch.softmax(scores, -1)
+    if sink is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float,
-                  kvs: kv_quant.KVScales = kv_quant.KVScales()) -> torch.Tensor:
+                  kvs: kv_quant.KVScales = kv_quant.KVScales(), window: int | None = None,
+                  sinks: torch.Tensor | None = None, softcap: float | None = None
+                  ) -> torch.Tensor:
     # q [B, H, D]. Gather each sequence's KV blocks (one index_select of whole blocks) and let
     # SDPA read them strided: this moves KV once instead of three times.
     nd, num_kv, head_dim = meta.num_decodes, k_cache.shape[2], k_cache.shape[3]
@@ -245,7 +319,12 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # go in as that KV head's "query rows": plain attention, no GQA expansion of K/V (which
     # enable_gqa would do on the CPU).
     group = q.shape[1] // num_kv
-    o = F.scaled_dot_product_attention(q.view(nd, num_kv, group, head_dim), keys.transpose(1, 2),
-                                       vals.transpose(1, 2), attn_mask=meta.decode_mask,
-                                       scale=scale)
+    mask = meta.decode_mask
+    if window:  # the gathered blocks also hold positions before the window
+        pos = torch.arange(mask.shape[-1], device=mask.device)
+        lo = meta.seq_lens[:nd].view(nd, 1, 1, 1) - window
+        mask = mask & (pos >= lo)
+    sink = None if sinks is None else sinks.view(1, num_kv, group, 1)
+    o = _sdpa(q.view(nd, num_kv, group, head_dim), keys.transpose(1, 2), vals.transpose(1, 2),
+              mask, scale, sink, softcap=softcap)
     return o.reshape(nd, -1, head_dim)  # [B, H, D]

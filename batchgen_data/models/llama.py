@@ -22,6 +22,23 @@ from batchgen_data.layers import long_rope, parallel, partial_rotary
 from batchgen_data.layers.partial_rotary import PartialRotaryEmbedding
 from batchgen_data.layers.rotary import RotaryEmbedding, rope_parameters
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: global attention), read as HF reads it: a config's
+    `layer_types` marks its windowed layers ("sliding_attention": Gemma, Qwen2/3 past
+    `max_window_layers`, gpt-oss), else a set `sliding_window` windows every layer (Mistral,
+    Mixtral, Qwen3-MoE); `use_sliding_window=False` or no window size: none."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [None] * n
+    types = getattr(config, "layer_types", None)
+    if types:
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    return [int(window)] * n
+
+
 class DecoderShape:
     """The numbers the engine needs from an HF config."""
 
@@ -39,6 +56,7 @@ class DecoderShape:
         # LongRoPE: the engine's max_model_len picks the factors and the table's length
         self.max_positions = long_rope.served_positions(rope_parameters(config), config)
         self.rotary_dim = partial_rotary.rotary_dim(config, self.head_dim)
+        self.windows = layer_windows(config)  # per layer: its sliding window, None for global
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
@@ -66,7 +84,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.eps) if qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5,
-                              layer_idx)
+                              layer_idx, sliding_window=s.windows[layer_idx])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

@@ -35,10 +35,6 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM",
                   "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                   "qwen3_vl": "Qwen3VLForConditionalGeneration"}
-# their attention may be windowed by `sliding_window`, which the engine does not implement
-_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
-_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-        "DeepseekV3ForCausalLM")
 
 
 def supported_architectures() -> list[str]:
@@ -52,11 +48,6 @@ def resolve_architecture(config: Any) -> type[nn.Module]:
         names.append(_BY_MODEL_TYPE[model_type])
     for name in names:
         if name in _REGISTRY:
-            if name in _SLIDING and getattr(config, "sliding_window", None):
-                raise ValueError(f"sliding-window attention ({name}) is not supported")
-            if name in _MOE and getattr(config, "use_sliding_window", False):
-                raise ValueError(f"sliding-window attention ({name}, use_sliding_window) is not "
-                                 "supported")
             return _REGISTRY[name]
     raise ValueError(f"unsupported architecture {names or model_type!r}; "
                      f"supported: {supported_architectures()}")
@@ -93,8 +84,6 @@ def resolve_pooling_architecture(config: Any) -> type[nn.Module]:
     names = list(getattr(config, "architectures", None) or [])
     for name in names:
         if name in table:
-            if "Mistral" in name and getattr(config, "sliding_window", None):
-                raise ValueError(f"sliding-window attention ({name}) is not supported")
             return table[name]
     raise ValueError(f"no pooling model for architectures {names!r}; supported: "
                      f"{sorted(table)}")

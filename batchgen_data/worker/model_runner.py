@@ -268,7 +268,9 @@ class ModelRunner:
         nblk = -(-meta.max_decode_len // bs)
         width = nblk * bs
         mask = torch.arange(width).unsqueeze(0) < torch.from_numpy(lens).unsqueeze(1)
-        meta.decode_blocks = tables[:, :nblk].reshape(-1).long().to(self.device)  # [B * nblk]
+        # [B * nblk]; an entry freed outside a sliding window (core/kv/room.trim, negative)
+        # reads block 0 instead, under the mask
+        meta.decode_blocks = tables[:, :nblk].reshape(-1).long().clamp(min=0).to(self.device)
         meta.decode_mask = mask[:, None, None, :].to(self.device)
 
     @torch.inference_mode()

@@ -1,9 +1,8 @@
-"""Which model directories load: Mistral without a sliding window runs like HF; one with a
-window, and a directory whose weights are only pickle-based `.bin` files, are refused with a
-message that says why."""
+"""Which model directories load: Mistral runs like HF (a windowed one: tests/integration/
+test_sliding_window_vs_hf.py); a directory whose weights are only pickle-based `.bin` files is
+refused with a message that says why."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -29,17 +28,6 @@ def test_mistral_greedy_matches_hf(tiny_model_dir: Callable[..., Path],
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
         assert o.outputs[0].token_ids == want.tolist()
-
-
-def test_mistral_with_a_sliding_window_is_refused(tiny_model_dir: Callable[..., Path],
-                                                  tmp_path: Path) -> None:
-    for f in tiny_model_dir("mistral").iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["sliding_window"] = 4  # shorter than the contexts: results would silently differ
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(tmp_path))
 
 
 def test_a_bin_only_model_directory_is_refused(tiny_model_dir: Callable[..., Path],

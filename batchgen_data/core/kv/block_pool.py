@@ -31,6 +31,9 @@ class BlockPool:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # every layer's sliding window when all are windowed (the widest): blocks that every
+        # window has passed are freed early (core/kv/room.trim); None keeps every block
+        self.window: int | None = None
         total = num_blocks + num_host_blocks
         self.ref_counts = [0] * total
         # free blocks in eviction order (oldest first); a cached free block can still be hit

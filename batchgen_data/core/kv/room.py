@@ -6,11 +6,42 @@ A sequence's blocks all sit in one tier (the device's, or the KV host tier's: `B
 first. `keep_free` blocks stay free in the device tier (the scheduler's admission watermark),
 and then a hundredth of the host tier too. The scheduler (core/scheduler.py) asks these; what
 to do when there is no room (reclaim pins, preempt) is its decision.
+
+A model whose every layer attends over a sliding window (`BlockPool.window`, the widest of
+them) never reads a position again once every later query's window has passed it: `trim`
+frees the blocks wholly before that point and leaves `NULL_BLOCK` in their place, so a long
+row holds about window / block_size + 1 blocks. The entries keep their positions (block j
+still holds positions [j * block_size, (j + 1) * block_size)); no attention path reads them
+(the kernels start at the window, the torch decode gathers them masked: worker/model_runner).
 """
 from __future__ import annotations
 
 from batchgen_data.core.kv.block_pool import BlockPool
 from batchgen_data.core.sequence import Sequence
+
+
+NULL_BLOCK = -1  # a block-table entry whose block `trim` freed
+
+
+def trim(pool: BlockPool, seq: Sequence, computed: int) -> int:
+    """Free `seq`'s blocks that no later query sees (`pool.window` set, `computed` tokens of
+    `seq` done: the next query, at position `computed`, sees positions from
+    computed - window + 1 on); returns how many it freed. A sequence in the host tier keeps
+    its blocks (the tier's caches are staged whole)."""
+    window = pool.window
+    if not window or not seq.block_ids or on_host(pool, seq):
+        return 0
+    dead = min(max(0, computed - window + 1) // pool.block_size, len(seq.block_ids))
+    freed = [b for b in seq.block_ids[:dead] if b != NULL_BLOCK]
+    if freed:
+        pool.free(freed)
+        seq.block_ids[:dead] = [NULL_BLOCK] * dead
+    return len(freed)
+
+
+def live_blocks(block_ids: list[int]) -> list[int]:
+    """The blocks a sequence holds (its list without `trim`'s NULL_BLOCK entries)."""
+    return [b for b in block_ids if b != NULL_BLOCK]
 
 
 def blocks_needed(pool: BlockPool, seq: Sequence, n: int) -> int:

@@ -14,7 +14,7 @@ under LoRA adapters too, when every adapted layer adds its deltas with the C ker
 (`layers/lora.py`, kernel "c"): the stack calls that kernel after each linear, on the same
 rows, so those steps too are bit for bit the per-layer path's. Other steps, models it
 cannot take (a backend without the C kernels or the panel layout, a model class other than the
-Llama family) keep the per-layer path.
+Llama family, a layer with a sliding window or attention sinks) keep the per-layer path.
 """
 from __future__ import annotations
 
@@ -123,6 +123,9 @@ class CpuDecodeStack:
 
         if not isinstance(model, LlamaForCausalLM):
             return None
+        if any(layer.self_attn.attn.sliding_window or layer.self_attn.attn.sinks is not None
+               for layer in model.layers):
+            return None  # the stack's attention has no window or sinks: the per-layer path
         quant = _quantized(model)
         if not (backend.device.type == "cpu" and backend.dtype == torch.float32
                 and backend.c_ops and backend.c_attention

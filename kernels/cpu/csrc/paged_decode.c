@@ -22,6 +22,12 @@
  * code / 256, exactly (the sign and 7 magnitude bits placed as an fp16's and converted, or the
  * same value built from fp32 bits in the portable path); 256 * k_scale folds into the query's
  * pre-scale and 256 * v_scale into the output, so the loops are the fp32 kernel's.
+ * bg_paged_decode_windowed is either over a sliding window (each query sees the last `window`
+ * tokens, itself included; 0: all) and with attention sinks (`sinks`: one logit per query head
+ * joining the softmax's denominator with no value behind it, NULL: none) and with logit
+ * soft-capping (`softcap` > 0: each score s becomes softcap * tanh(s / softcap), Gemma 2). A
+ * window's tasks start at its first token, so the chunks outside it are never read; the sinks
+ * join the merge.
  * Built and loaded by kernels/cpu/attention.py (plain C: no torch headers, so the
  * build takes well under a second).
  */
@@ -82,13 +88,15 @@ static inline __m512 lane_sums16(const __m512 *v) {
 static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cache,             \
                       const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
                       int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
-                      float *scores, float *part_m, float *part_l, float *part_acc) {          \
+                      float *scores, float *part_m, float *part_l, float *part_acc,            \
+                      float softcap) {                                                          \
     enum { NV = D / 16 };                                                                       \
     const int64_t n = t1 - t0;                                                                  \
-    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
-        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
-        if (b0 + block_size < t1)                                                               \
+    for (int64_t b0 = t0, m = 0; b0 < t1; b0 += m) {                                             \
+        const int64_t off = b0 % block_size; /* a window's first block: from its token */       \
+        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride + off * row; \
+        m = t1 - b0 < block_size - off ? t1 - b0 : block_size - off;                             \
+        if (b0 + m < t1)                                                                         \
             prefetch_l2(k_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride * (int64_t)sizeof(T)); \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
             const T *k_head = kb + (hq / group) * D;                                        \
@@ -116,6 +124,10 @@ static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cac
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
+    if (softcap > 0.0f) /* Gemma 2: each score s becomes softcap * tanh(s / softcap) */         \
+        for (int64_t hq = 0; hq < num_heads; ++hq)                                              \
+            for (int64_t t = 0; t < n; ++t)                                                     \
+                scores[hq * CHUNK_TOKENS + t] = softcap * tanhf(scores[hq * CHUNK_TOKENS + t] / softcap);\
     for (int64_t hq = 0; hq < num_heads; ++hq) {                                                \
         float *sh = scores + hq * CHUNK_TOKENS;                                                 \
         __m512 vmx = _mm512_set1_ps(-INFINITY);                                                 \
@@ -136,10 +148,11 @@ static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cac
         part_l[hq] = _mm512_reduce_add_ps(vsum);                                                \
         memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
     }                                                                                           \
-    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
-        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
-        if (b0 + block_size < t1)                                                               \
+    for (int64_t b0 = t0, m = 0; b0 < t1; b0 += m) {                                             \
+        const int64_t off = b0 % block_size; /* a window's first block: from its token */       \
+        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride + off * row; \
+        m = t1 - b0 < block_size - off ? t1 - b0 : block_size - off;                             \
+        if (b0 + m < t1)                                                                         \
             prefetch_l2(v_cache + (int64_t)table[b0 / block_size + 1] * block_stride, block_stride * (int64_t)sizeof(T)); \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
             const T *v_head = vb + (hq / group) * D;                                        \
@@ -191,11 +204,13 @@ static inline const float *row_fp8(const uint8_t *p, float *tmp, int64_t n) {
 static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cache,             \
                       const int32_t *table, int64_t t0, int64_t t1, int64_t num_heads,          \
                       int64_t group, int64_t row, int64_t block_size, int64_t block_stride,     \
-                      float *scores, float *part_m, float *part_l, float *part_acc) {          \
+                      float *scores, float *part_m, float *part_l, float *part_acc,            \
+                      float softcap) {                                                          \
     const int64_t n = t1 - t0;                                                                  \
-    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride;             \
-        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+    for (int64_t b0 = t0, m = 0; b0 < t1; b0 += m) {                                             \
+        const int64_t off = b0 % block_size; /* a window's first block: from its token */       \
+        const T *kb = k_cache + (int64_t)table[b0 / block_size] * block_stride + off * row; \
+        m = t1 - b0 < block_size - off ? t1 - b0 : block_size - off;                             \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
             const T *k_head = kb + (hq / group) * D;                                        \
             float qv[D];                                                                        \
@@ -211,6 +226,10 @@ static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cac
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
+    if (softcap > 0.0f) /* Gemma 2: each score s becomes softcap * tanh(s / softcap) */         \
+        for (int64_t hq = 0; hq < num_heads; ++hq)                                              \
+            for (int64_t t = 0; t < n; ++t)                                                     \
+                scores[hq * CHUNK_TOKENS + t] = softcap * tanhf(scores[hq * CHUNK_TOKENS + t] / softcap);\
     for (int64_t hq = 0; hq < num_heads; ++hq) {                                                \
         float *sh = scores + hq * CHUNK_TOKENS;                                                 \
         float mx = -INFINITY;                                                                   \
@@ -221,9 +240,10 @@ static void chunk_##NAME##_##D(const float *qs, const T *k_cache, const T *v_cac
         part_l[hq] = sum;                                                                       \
         memset(part_acc + hq * D, 0, sizeof(float) * D);                                        \
     }                                                                                           \
-    for (int64_t b0 = t0; b0 < t1; b0 += block_size) {                                          \
-        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride;             \
-        const int64_t m = t1 - b0 < block_size ? t1 - b0 : block_size;                          \
+    for (int64_t b0 = t0, m = 0; b0 < t1; b0 += m) {                                             \
+        const int64_t off = b0 % block_size; /* a window's first block: from its token */       \
+        const T *vb = v_cache + (int64_t)table[b0 / block_size] * block_stride + off * row; \
+        m = t1 - b0 < block_size - off ? t1 - b0 : block_size - off;                             \
         for (int64_t hq = 0; hq < num_heads; ++hq) {                                            \
             const T *v_head = vb + (hq / group) * D;                                        \
             const float *ph = scores + hq * CHUNK_TOKENS + (b0 - t0);                           \
@@ -263,7 +283,8 @@ static int paged_decode(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *tables, const int32_t *seq_lens, float *out,
                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t table_width,
-                        float scale, float q_factor, float out_factor, int num_threads) {
+                        float scale, float q_factor, float out_factor, int64_t window,
+                        const float *sinks, float softcap, int num_threads) {
     if (!bg_paged_decode_supports(head_dim)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
@@ -283,7 +304,8 @@ static int paged_decode(const float *q, const void *k_cache, const void *v_cache
     first_task[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0;
-        first_task[s + 1] = first_task[s] + (len + chunk - 1) / chunk;
+        const int64_t lo = window > 0 && len > window ? len - window : 0;
+        first_task[s + 1] = first_task[s] + (len - lo + chunk - 1) / chunk;
     }
     const float qs_factor = scale * q_factor;
     for (int64_t i = 0; i < num_seqs * num_heads * head_dim; ++i) qscaled[i] = q[i] * qs_factor;
@@ -315,8 +337,9 @@ static int paged_decode(const float *q, const void *k_cache, const void *v_cache
                 if (first_task[mid] <= task) lo = mid; else hi = mid - 1;
             }
             const int64_t s = lo;
-            const int64_t t0 = (task - first_task[s]) * chunk;
             const int64_t len = seq_lens[s];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t t0 = first + (task - first_task[s]) * chunk;
             const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
             const float *qs = qscaled + s * num_heads * head_dim;
             const int32_t *table = tables + s * table_width;
@@ -324,7 +347,7 @@ static int paged_decode(const float *q, const void *k_cache, const void *v_cache
             float *pa = part_acc + task * num_heads * head_dim;
 #define RUN_CHUNK(D, NAME, T) chunk_##NAME##_##D(qs, (const T *)k_cache, (const T *)v_cache, \
                                table, t0, t1, num_heads, group, row, block_size, block_stride, \
-                               scores, pm, pl, pa)
+                               scores, pm, pl, pa, softcap)
             if (fp8) {
                 switch (head_dim) {
                     case 16: RUN_CHUNK(16, fp8, uint8_t); break;
@@ -352,10 +375,10 @@ static int paged_decode(const float *q, const void *k_cache, const void *v_cache
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             float *o = out + (s * num_heads + hq) * head_dim;
             memset(o, 0, sizeof(float) * (size_t)head_dim);
-            float mx = -INFINITY;
+            float mx = sinks != NULL ? sinks[hq] : -INFINITY;
             for (int64_t c = first_task[s]; c < first_task[s + 1]; ++c)
                 mx = part_m[c * num_heads + hq] > mx ? part_m[c * num_heads + hq] : mx;
-            float denom = 0.0f;
+            float denom = sinks != NULL ? expf(sinks[hq] - mx) : 0.0f;
             for (int64_t c = first_task[s]; c < first_task[s + 1]; ++c) {
                 const float w = expf(part_m[c * num_heads + hq] - mx);
                 denom += w * part_l[c * num_heads + hq];
@@ -379,7 +402,7 @@ int bg_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
                         float scale, int num_threads) {
     return paged_decode(q, k_cache, v_cache, 0, tables, seq_lens, out, num_seqs, num_heads,
                         num_kv_heads, head_dim, block_size, table_width, scale, 1.0f, 1.0f,
-                        num_threads);
+                        0, NULL, 0.0f, num_threads);
 }
 
 /* The same over an FP8 cache: K = code * k_scale, V = code * v_scale. */
@@ -390,5 +413,19 @@ int bg_paged_decode_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v
                         float scale, float k_scale, float v_scale, int num_threads) {
     return paged_decode(q, k_cache, v_cache, 1, tables, seq_lens, out, num_seqs, num_heads,
                         num_kv_heads, head_dim, block_size, table_width, scale,
-                        256.0f * k_scale, 256.0f * v_scale, num_threads);
+                        256.0f * k_scale, 256.0f * v_scale, 0, NULL, 0.0f, num_threads);
+}
+
+/* Either cache (`fp8`; k_scale / v_scale ignored for fp32) over a sliding window, with
+ * attention sinks and with logit soft-capping (`softcap` > 0; see the head of this file). */
+int bg_paged_decode_windowed(const float *q, const void *k_cache, const void *v_cache, int fp8,
+                             const int32_t *tables, const int32_t *seq_lens, float *out,
+                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t table_width,
+                             float scale, float k_scale, float v_scale, int64_t window,
+                             const float *sinks, float softcap, int num_threads) {
+    const float qf = fp8 ? 256.0f * k_scale : 1.0f, of = fp8 ? 256.0f * v_scale : 1.0f;
+    return paged_decode(q, k_cache, v_cache, fp8, tables, seq_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, table_width, scale, qf, of, window,
+                        sinks, softcap, num_threads);
 }

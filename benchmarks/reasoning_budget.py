@@ -49,7 +49,7 @@ from batchgen_data.engine.engine import Engine  # noqa: E402
 from batchgen_lab import emulated_runner as emu  # noqa: E402
 
 START, END, FILLER, SENTENCE = 252, 253, 2, 255  # below the prompt header's ids
-END_STR = "<end of thinking>"
+END_STR = "Enough thinking.</think>"
 
 
 class ThinkTokenizer(emu.EmulatedTokenizer):

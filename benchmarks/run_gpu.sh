@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu.sh offload [MODEL ARGS] # issue 16: weights beyond device memory,
 #                                                   # MODEL llama8b (default) or qwen3moe
 #   bash benchmarks/run_gpu.sh quant                # issue 37 (optional): the quantized Triton
-#                                                   # matmuls and FP8 KV cache kernels against
+#                                                   # matmuls (MXFP4 too, issue 56) and FP8 KV
+#                                                   # cache kernels against
 #                                                   # their references, then gpu_quant.py
 #                                                   # (FP8-block / W4A16 vs bf16 tok/s)
 #   bash benchmarks/run_gpu.sh step                 # issue 35 (optional): the sampler on the

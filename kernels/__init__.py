@@ -14,6 +14,7 @@ Launchers (all validate dtypes, shapes, strides and devices and raise ``ValueErr
     moe_align_block_size                               (moe_align.py)
     fused_experts                                      (fused_moe.py)
     lora_shrink, lora_expand                           (lora.py)
+    mxfp4_linear                                       (mxfp4.py)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _LAUNCHERS = {
     "per_token_group_quant_fp8": "quant_matmul",
     "fp8_block_matmul": "quant_matmul",
     "fp8_block_matmul_quantized": "quant_matmul",
+    "mxfp4_linear": "mxfp4",
 }
 
 __all__ = ["triton_available", *_LAUNCHERS]

@@ -381,3 +381,32 @@ def fp8_block_matmul_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch
     xd = xq.float() * xs[:, cols]
     wd = weight.float() * weight_scale.repeat_interleave(bn, 0)[:n][:, cols]
     return (xd @ wd.t()).to(out_dtype)
+
+
+# ---- MXFP4 weights (OCP Microscaling FP4: gpt-oss's experts; layers/mxfp4.py, mxfp4.py) ------
+# E2M1 values of codes 0..7 (bit 3 is the sign): two exponent bits with bias 1, one mantissa bit
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32  # values sharing one E8M0 scale
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., N, K]`` from ``blocks`` uint8 ``[..., N, K / 2]`` (two E2M1 codes a
+    byte, the even column in the low nibble) and ``scales`` uint8 ``[..., N, K / 32]`` (E8M0:
+    2^(s - 127), 255 NaN)."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    lut = torch.cat([lut, -lut])
+    b = blocks.long()
+    vals = torch.stack((lut[b & 15], lut[b >> 4]), dim=-1)  # [..., N, K/2, 2]
+    vals = vals.reshape(*scales.shape, MXFP4_BLOCK)  # [..., N, G, 32]
+    exp = scales.to(torch.int32) - 127
+    out = torch.ldexp(vals, exp.unsqueeze(-1).float())
+    out = out.masked_fill((scales == 255).unsqueeze(-1), float("nan"))
+    return out.reshape(*scales.shape[:-1], -1)
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[M, K]`` @ mxfp4_dequantize(blocks, scales)^T (+ bias ``[N]``) in float32, cast back
+    to x's dtype."""
+    w = mxfp4_dequantize(blocks, scales)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)

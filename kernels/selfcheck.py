@@ -155,6 +155,20 @@ def case_quant(dtype: torch.dtype, kind: str, rows: int, dev: torch.device) -> f
                    reference.quant_linear(x, codes, scales, None, kind, 128))
 
 
+def case_mxfp4(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
+    """The MXFP4 matmul on gpt-oss's gate|up shape (5760 x 2880, biased), decoded in its K loop."""
+    from batchgen_data.kernels import mxfp4_linear, reference
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 5760, 2880
+    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(dev)
+    scales = torch.randint(118, 126, (n, k // 32), generator=gen, dtype=torch.uint8).to(dev)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
+    bias = torch.randn(n, generator=gen).to(dev)
+    return rel_err(mxfp4_linear(x, blocks, scales, bias),
+                   reference.mxfp4_linear(x, blocks, scales, bias))
+
+
 def case_fp8_block(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
     """FP8 W8A8, 128 x 128 weight blocks, per-token-group activation scales (DeepSeek-V3)."""
     from batchgen_data.kernels import fp8_block_matmul, reference
@@ -326,6 +340,8 @@ def quant_cases() -> list[tuple[str, torch.dtype, Callable[[torch.device], float
         for r in (1, 64):
             out.append((f"fp8_block_matmul M={r}", dt,
                         lambda dev, dt=dt, r=r: case_fp8_block(dt, r, dev)))
+            out.append((f"mxfp4_linear M={r}", dt,
+                        lambda dev, dt=dt, r=r: case_mxfp4(dt, r, dev)))
     return out
 
 

@@ -25,7 +25,7 @@ _ALIASES = {"compressed-tensors": ("compressed-tensors", "compressed_tensors"),
             "fp8": ("fp8", "fbgemm_fp8"),
             "gptq": ("gptq", "gptq_marlin", "marlin"),
             "awq": ("awq", "awq_marlin")}
-SUPPORTED = ("compressed-tensors", "fp8", "gptq", "awq")
+SUPPORTED = ("compressed-tensors", "fp8", "gptq", "awq", "mxfp4")
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
 
@@ -74,6 +74,8 @@ def parse(hf_config: Any, requested: str | None = None) -> CheckpointQuant | Non
         return _gptq(qc)
     if method == "awq":
         return _awq(qc)
+    if method == "mxfp4":  # gpt-oss: its experts' blocks and scales are the model's own stored
+        return None  # form (layers/mxfp4.py); every other weight is dense
     raise ValueError(f"quantization_config.quant_method={qc.get('quant_method')!r} is not "
                      f"supported; supported: {SUPPORTED} (docs/quantization.md)")
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
 from batchgen_data.models.glm4_moe import Glm4MoeForCausalLM
+from batchgen_data.models.gpt_oss import GptOssForCausalLM
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from batchgen_data.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
@@ -33,6 +35,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM",
                   "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                   "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 

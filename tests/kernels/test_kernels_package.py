@@ -14,7 +14,7 @@ def test_launchers_listed_and_lazy() -> None:
         "paged_decode_attention", "paged_prefill_attention", "write_kv_cache", "rms_norm",
         "fused_add_rms_norm", "apply_rotary", "silu_and_mul", "moe_align_block_size", "fused_experts",
         "lora_shrink", "lora_expand", "quant_linear", "per_token_group_quant_fp8",
-        "fp8_block_matmul", "fp8_block_matmul_quantized",
+        "fp8_block_matmul", "fp8_block_matmul_quantized", "mxfp4_linear",
         "triton_available",
     }
     assert set(kernels.__all__) == expected

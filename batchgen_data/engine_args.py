@@ -71,7 +71,9 @@ VLLM_ARGS: dict[str, _Arg] = {
     "calculate_kv_scales": _Arg(_is(False, None), "FP8 KV scales are the checkpoint's "
                                 "(k_scale / v_scale), else 1.0; they are never computed from "
                                 "the first batch (docs/quantization.md)"),
-    "limit_mm_per_prompt": _Arg(lambda v: not v, "multimodal input is not supported"),
+    # the front doors' image pipeline reads these from the same kwargs (inputs/image_options.py)
+    "limit_mm_per_prompt": _Arg(_any, "read by the inputs pipeline, not the engine"),
+    "mm_processor_kwargs": _Arg(_any, "read by the inputs pipeline, not the engine"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "tokenizer_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "code_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

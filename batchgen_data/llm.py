@@ -7,6 +7,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen_data.inputs.chat import render_chat
+from batchgen_data.inputs.image_options import ImageOptions
+from batchgen_data.inputs.image_prompts import chat_prompts, generate_prompts, mm_kwargs
+from batchgen_data.inputs.images import ImagePreparer, LazyPreparer
 from batchgen_data.engine import pooling_api
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.pooling import PoolingEngine
@@ -29,6 +32,7 @@ class LLM:
         docs/pooling.md), or "auto": pooling for encoders, classifiers, headless bases and
         sentence-transformers directories."""
         trust = bool(engine_kwargs.get("trust_remote_code", False))
+        images = ImageOptions.pop_from(engine_kwargs)  # the inputs pipeline's (docs/multimodal.md)
         dp = engine_kwargs.pop("data_parallel_size", None)
         repartition = engine_kwargs.pop("repartition", False)
         width = engine_kwargs.pop("repartition_width", None)
@@ -50,6 +54,7 @@ class LLM:
         else:
             engine = Engine.from_kwargs(model, **engine_kwargs)
             self._attach(engine, generator=engine, programs=engine)
+        self._images = LazyPreparer(self.tokenizer, images)
 
     def _attach(self, engine: EngineBase, generator: GenerationEngine | None = None,
                 pooler: PoolingEngine | None = None, programs: Engine | None = None) -> None:
@@ -61,11 +66,12 @@ class LLM:
         self.tokenizer = engine.tokenizer
 
     @classmethod
-    def _over(cls, engine: Engine) -> "LLM":
+    def _over(cls, engine: Engine, images: ImagePreparer | None = None) -> "LLM":
         """An LLM over one `Engine` built elsewhere, e.g. around a test's fake parts
         (`Engine(config, parts)`): the seam tests use instead of an engine option."""
         llm = cls.__new__(cls)
         llm._attach(engine, generator=engine, programs=engine)
+        llm._images = LazyPreparer(engine.tokenizer, ready=images)
         return llm
 
     def get_tokenizer(self) -> Any:
@@ -182,7 +188,7 @@ class LLM:
         engine = self._generation_engine()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = generate_prompts(self._images, list(prompts))  # images: multi_modal_data
         params = params_list(sampling_params, len(prompts))
         loras = lora_list(lora_request, len(prompts))
         check_priority(priority, len(prompts))
@@ -196,7 +202,8 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         order = {}
         for i, ((ids, text), sp, lr) in enumerate(zip(encoded, params, loras)):
-            order[engine.submit(ids, sp, prompt=text, lora_request=lr)] = i
+            order[engine.submit(ids, sp, prompt=text, lora_request=lr,
+                                **mm_kwargs(prompts[i]))] = i
         return self._run(engine, order, use_tqdm)
 
     def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -206,17 +213,18 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's `chat`: a custom Jinja `chat_template` replaces the tokenizer's, and
-        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}`).
+        `chat_template_kwargs` reach the template (e.g. `{"enable_thinking": False}`). OpenAI
+        content parts with images go through the model's processor (docs/multimodal.md).
         `tools` (OpenAI's function specs) are rendered by the template's tool support; the
         engine's `tool_call_parser` reads the calls back (docs/reasoning.md)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template, chat_template_kwargs)
-                   for c in conversations]
-        return self.generate([{"prompt_token_ids": ids, "prompt": text} for ids, text in prompts],
-                             sampling_params, use_tqdm)
+        prompts = chat_prompts(self._images, lambda c: self.render_chat(
+            c, add_generation_prompt, chat_template, chat_template_kwargs), conversations,
+            add_generation_prompt, chat_template, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def run(self, rows: Seq[dict[str, Any]], program: Program,
             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

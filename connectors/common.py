@@ -28,8 +28,13 @@ from typing import Any
 from batchgen_data.connectors import row_extras
 from batchgen_data.connectors.cells import to_python
 from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.image_rows import column_images_of, prompt_with_images
 from batchgen_data.inputs.chat import (
     check_template_kwargs, has_chat_template, prompt_as_chat, render_chat)
+from batchgen_data.inputs.image_input import ImageInput
+from batchgen_data.inputs.image_options import ImageOptions
+from batchgen_data.inputs.image_parts import IMAGE_COLUMNS, has_parts
+from batchgen_data.inputs.images import LazyPreparer
 from batchgen_data.inputs.prompt_checks import check_prompt_text, first_bad_token
 from batchgen_data.lora_request import (
     LORA_COLUMN, MODEL_COLUMN, AdapterNames, LoRARequest, no_adapters)
@@ -41,7 +46,7 @@ PARAMS_COLUMN = "sampling_params"
 LORA_FIELDS = (LORA_COLUMN, MODEL_COLUMN)  # a row's adapter (lora_request.AdapterNames)
 # the columns of a row a request reads besides its prompt (a connector that passes a prompt
 # column alone copies these along)
-ROW_COLUMNS = (PARAMS_COLUMN, *row_extras.ROW_FIELDS, *LORA_FIELDS)
+ROW_COLUMNS = (PARAMS_COLUMN, *row_extras.ROW_FIELDS, *LORA_FIELDS, *IMAGE_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class RowRequest:
     params: SamplingParams
     prompt: str | None
     lora: LoRARequest | None = None  # the adapter the row names (lora_request.AdapterNames)
+    images: tuple[ImageInput, ...] = ()  # its images, placeholders expanded in the ids
 
 
 def encode_prompt(value: Any, tokenizer: Any, column: str = "prompt",
@@ -115,11 +121,15 @@ class RequestBuilder:
                  apply_chat_template: bool = True, chat_template: str | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
                  adapters: AdapterNames | None = None,
-                 check_lora: Callable[[LoRARequest], None] | None = None) -> None:
+                 check_lora: Callable[[LoRARequest], None] | None = None,
+                 images: LazyPreparer | None = None) -> None:
         self.tokenizer = tokenizer
+        # the model's image pipeline, loaded by the first row with an image (inputs/images.py)
+        self.images = images if images is not None else LazyPreparer(tokenizer)
         # how rows name LoRA adapters (None: the engine has none) and engine.check_lora
         self.adapters, self.check_lora = adapters, check_lora
         # without the chat template a `messages` column is just another passed-through column
+        self.apply_chat_template = apply_chat_template
         self.columns = INPUT_COLUMNS if apply_chat_template else tuple(
             c for c in INPUT_COLUMNS if c != "messages")
         # plain prompts as one user turn: what an instruct model expects (docs/row-errors.md)
@@ -134,11 +144,13 @@ class RequestBuilder:
     @classmethod
     def from_engine(cls, engine: Any, default_params: Any = None,
                     apply_chat_template: bool = True, chat_template: str | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> "RequestBuilder":
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    image_options: ImageOptions | None = None) -> "RequestBuilder":
         """The builder for a generation engine's rows (`engine.protocol.GenerationEngine`:
         its tokenizer, entry checks and the adapters rows may name)."""
         return cls(engine.tokenizer, default_params, engine.check_request, apply_chat_template,
-                   chat_template, chat_template_kwargs, engine.lora_names(), engine.check_lora)
+                   chat_template, chat_template_kwargs, engine.lora_names(), engine.check_lora,
+                   LazyPreparer(engine.tokenizer, image_options))
 
     def build(self, row: Mapping[str, Any]) -> RowRequest:
         """The RowRequest for one row; RowError with a message naming the problem otherwise."""
@@ -146,15 +158,29 @@ class RequestBuilder:
         if not present:
             raise RowError(f"row has none of the input columns {list(self.columns)[::-1]}")
         column = next((c for c in present if to_python(row[c]) is not None), present[-1])
-        ids, text = encode_prompt(row[column], self.tokenizer, column, self.prompts_as_chat,
-                                  self._chat_options(row))
+        images = column_images_of(row)
+        value = to_python(row[column])
+        if images or (column == "messages" and has_parts(value)):
+            ids, text, mm = self.with_images(column, value, images, row)
+        else:
+            (ids, text), mm = encode_prompt(value, self.tokenizer, column, self.prompts_as_chat,
+                                            self._chat_options(row)), ()
         params = self.params_for(row.get(PARAMS_COLUMN), row)
         if self.check is not None:
             try:
                 self.check(ids, params)
             except (ValueError, TypeError) as e:
                 raise RowError(str(e)) from None
-        return RowRequest(ids, params, text, self.lora_for(row))
+        return RowRequest(ids, params, text, self.lora_for(row), mm)
+
+    def with_images(self, column: str, value: Any, images: list[Any],
+                    row: Mapping[str, Any]) -> tuple[list[int], str, tuple[ImageInput, ...]]:
+        """A row with image parts or an image column, through the model's image pipeline
+        (connectors/image_rows.py); RowError naming the problem."""
+        chat = self._chat_options(row)
+        return prompt_with_images(
+            self.images, lambda v: encode_prompt(v, self.tokenizer, column, False, chat),
+            column, value, images, chat, self.apply_chat_template)
 
     def lora_for(self, row: Mapping[str, Any]) -> LoRARequest | None:
         """The adapter `row` names, read and checked by the engine; RowError when it names one

@@ -25,6 +25,7 @@ from batchgen_data.connectors.pooling_rows import (
 from batchgen_data.connectors.programs import ProgramRows, require_schema
 from batchgen_data.connectors.rows import GenerationRows, output_schema
 from batchgen_data.inputs.chat import check_template_kwargs
+from batchgen_data.inputs.image_options import ImageOptions
 from batchgen_data.programs.api import Program
 
 GENERATE = "generate"
@@ -66,12 +67,16 @@ class RowKind:
     apply_chat_template: bool = True
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    # how rows' images are prepared (limit_mm_per_prompt, mm_processor_kwargs: from the
+    # engine kwargs, inputs/image_options.py)
+    image_options: ImageOptions | None = None
 
     @classmethod
     def create(cls, task: str = GENERATE, sampling_params: Any = None, program: Any = None,
                pooling_params: Any = None, apply_chat_template: bool = True,
                chat_template: str | None = None,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> "RowKind":
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               image_options: ImageOptions | None = None) -> "RowKind":
         """Checked where the job is written, so a typo fails before any engine loads; the
         generation defaults become a plain dict (`response_format` lifted), which pickles
         anywhere. A pooling task runs no program and no sampling: those are not read."""
@@ -85,7 +90,8 @@ class RowKind:
         params = row_extras.default_params(sampling_params).to_dict()
         return cls(task, params, program, None, apply_chat_template, chat_template,
                    check_template_kwargs(dict(chat_template_kwargs)
-                                         if chat_template_kwargs is not None else None))
+                                         if chat_template_kwargs is not None else None),
+                   image_options)
 
     @property
     def pooling(self) -> bool:
@@ -112,7 +118,7 @@ class RowKind:
                                on_engine_dead, fixed_size)
         builder = RequestBuilder.from_engine(driver.engine, self.sampling_params,
                                              self.apply_chat_template, self.chat_template,
-                                             self.chat_template_kwargs)
+                                             self.chat_template_kwargs, self.image_options)
         if self.program is not None:
             return ProgramRows(driver, builder, base_seed, self.program, on_error,
                                request_prefix, on_engine_dead)

@@ -20,6 +20,7 @@ import pyarrow as pa
 from batchgen_data.connectors import row_extras
 from batchgen_data.connectors.cells import with_outputs
 from batchgen_data.connectors.common import RequestBuilder, lora_kwargs, seeded
+from batchgen_data.connectors.image_rows import images_kwargs
 from batchgen_data.connectors.handler import RowLifecycle
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class GenerationRows(RowLifecycle):
         rid = self.next_request_id()
         extra = {"alone": True} if alone else {}
         fut = self.driver.submit(req.prompt_token_ids, params, request_id=rid, prompt=req.prompt,
-                                 **lora_kwargs(req.lora), **extra)
+                                 **lora_kwargs(req.lora), **images_kwargs(req.images),
+                                 **extra)
         return fut, rid
 
     def _columns(self, result: Any) -> dict[str, Any]:

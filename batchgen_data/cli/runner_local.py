@@ -21,6 +21,9 @@ from batchgen_data.cli.outcome import Emit, Outcome
 from batchgen_data.cli.outputs import ENGINE_FAILED
 from batchgen_data.connectors.common import RequestBuilder, encode_prompt, seeded
 from batchgen_data.connectors.handler import RowError
+from batchgen_data.connectors.image_rows import images_kwargs
+from batchgen_data.inputs.image_options import ImageOptions
+from batchgen_data.inputs.image_parts import has_parts
 from batchgen_data.lora_request import LoRARequest
 from batchgen_data.openai.batch_output import Choice
 from batchgen_data.report.record import EngineSampler, RunRecord
@@ -40,7 +43,8 @@ class LocalRunner:
         self.engine = Engine.from_kwargs(model, **engine_kwargs)
         self.driver = EngineDriver(self.engine)
         self.driver.step_hooks.append(EngineSampler(self.record, ACTOR))
-        self.builder = RequestBuilder.from_engine(self.engine, default_params)
+        self.builder = RequestBuilder.from_engine(self.engine, default_params,
+                                                  image_options=ImageOptions.of(engine_kwargs))
         # rows in the engine at once: enough to keep its batch full, few enough that a huge
         # input is read as it goes rather than queued whole
         self.max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
@@ -82,10 +86,10 @@ class LocalRunner:
         from batchgen_data.engine.driver import EngineDeadError
 
         try:
-            ids, params, text, lora = self._request(item)
+            ids, params, text, lora, images = self._request(item)
             self._ids += 1
             fut = self.driver.submit(ids, params, request_id=f"cli-{self._ids}", prompt=text,
-                                     lora_request=lora)
+                                     lora_request=lora, **images_kwargs(images))
         except EngineDeadError as e:  # not this request's fault: it is left for --resume
             self.dead = e
             return None
@@ -95,22 +99,27 @@ class LocalRunner:
         self.submitted += 1
         return fut
 
-    def _request(self, item: WorkItem
-                 ) -> tuple[list[int], SamplingParams, str | None, LoRARequest | None]:
+    def _request(self, item: WorkItem) -> tuple[list[int], SamplingParams, str | None,
+                                                LoRARequest | None, tuple[Any, ...]]:
         if item.request is None:  # a table row: the connectors' own rules
             req = self.builder.build(item.row)
             return req.prompt_token_ids, seeded(req.params, self.engine.config.seed,
-                                                req.prompt_token_ids), req.prompt, req.lora
+                                                req.prompt_token_ids), req.prompt, req.lora, \
+                req.images
         row = item.row
         column = next(c for c in ("messages", "prompt_token_ids", "prompt") if c in row)
         chat = {"chat_template_kwargs": row.get("chat_template_kwargs")}  # enable_thinking
-        ids, text = encode_prompt(row[column], self.engine.tokenizer, column, as_chat=False,
-                                  chat=chat)
+        images: tuple[Any, ...] = ()
+        if column == "messages" and has_parts(row[column]):  # image_url parts
+            ids, text, images = self.builder.with_images(column, row[column], [], row)
+        else:
+            ids, text = encode_prompt(row[column], self.engine.tokenizer, column,
+                                      as_chat=False, chat=chat)
         params = SamplingParams.from_dict(dict(row["sampling_params"]))
         self.engine.check_request(ids, params)
         # the line's "model" names a LoRA adapter (with enable_lora; connectors/lora_rows.py)
         lora = self.builder.lora_for(row)
-        return ids, seeded(params, self.engine.config.seed, ids), text, lora
+        return ids, seeded(params, self.engine.config.seed, ids), text, lora, images
 
     def _outcome(self, item: WorkItem, fut: Future) -> Outcome:
         from batchgen_data.engine.driver import EngineDeadError

@@ -198,17 +198,20 @@ def _fill_prompt(req: BatchRequest, body: dict[str, Any]) -> None:
 
 def _flat_message(message: Any, i: int) -> Any:
     """OpenAI content parts `[{"type": "text", "text": ...}]` joined into one string: the
-    chat template wants strings, and text parts are the only kind a text model reads."""
+    chat template wants strings, and text parts are the only kind a text model reads. A
+    message with `image_url` parts keeps its parts for the model's image pipeline
+    (inputs/image_parts.py), which refuses them for a text-only model."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         return message  # the chat module reports a malformed message by its index
-    texts = []
+    texts, images = [], False
     for part in message["content"]:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in ("text", "image_url"):
             raise _Bad("invalid_request", f"messages[{i}]: content part of type {kind!r} is "
-                                          "not supported (text only)")
+                                          "not supported (text and image_url only)")
+        images = images or kind == "image_url"
         texts.append(str(part.get("text", "")))
-    return {**message, "content": "".join(texts)}
+    return message if images else {**message, "content": "".join(texts)}
 
 
 def sampling_fields(body: dict[str, Any], chat: bool,

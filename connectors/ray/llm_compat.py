@@ -14,8 +14,10 @@ engine actor. So:
   same tokens), except that with detokenization on a `detokenize: False` that a preprocess puts
   in a row's sampling_params no longer empties its text, as Ray's stage would decode it; the
   per-stage resources (`batch_size`, `concurrency`, `num_cpus`, `memory`, `runtime_env`) size
-  no stage here and are accepted as such; multimodal stages and a stage tokenizer other than
-  the model's are refused with the reason;
+  no stage here and are accepted as such; `prepare_multimodal_stage` is accepted either way
+  (a row's image parts and image column are prepared in the engine actor's image pipeline,
+  inputs/images.py, on or off); a stage tokenizer other than the model's is refused with the
+  reason;
 * the postprocess sees the field names of Ray's vLLM stage output (`with_vllm_fields`).
 """
 from __future__ import annotations
@@ -36,12 +38,10 @@ STAGE_FIELDS = {"chat_template_stage": {"chat_template", "chat_template_kwargs",
                                              "chat_template_content_format",
                                              "apply_sys_msg_formatting"}}
 # Ray's fields that this connector refuses, and why
-REFUSED = {"has_image": "removed from ray.data.llm (prepare_multimodal_stage replaced it), and "
-                        "image inputs are not supported: the engine runs text-only models",
+REFUSED = {"has_image": "removed from ray.data.llm (prepare_multimodal_stage replaced it; "
+                        "image parts in messages need no switch here)",
            "prepare_image_stage": "removed from ray.data.llm (prepare_multimodal_stage "
-                                  "replaced it), and image inputs are not supported",
-           "prepare_multimodal_stage": "multimodal inputs are not supported: the engine runs "
-                                       "text-only models",
+                                  "replaced it; image parts in messages need no switch here)",
            "log_engine_metrics": "engine statistics are always exported through "
                                  "ray.util.metrics here (connectors/ray/metrics.py; the "
                                  "command's report reads them); leave it True"}
@@ -90,9 +90,7 @@ def check_ray_fields(config: Any) -> None:
     for name in ("has_image", "prepare_image_stage"):
         if getattr(config, name) is not None:
             raise ValueError(f"{name}: {REFUSED[name]}")
-    if stage("prepare_multimodal_stage", config.prepare_multimodal_stage,
-             config.model_source).enabled:
-        raise ValueError(f"prepare_multimodal_stage: {REFUSED['prepare_multimodal_stage']}")
+    stage("prepare_multimodal_stage", config.prepare_multimodal_stage, config.model_source)
     if config.log_engine_metrics is not True:
         raise ValueError(f"log_engine_metrics={config.log_engine_metrics!r}: "
                          f"{REFUSED['log_engine_metrics']}")

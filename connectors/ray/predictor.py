@@ -62,6 +62,7 @@ from batchgen_data.connectors.ray.metrics import StatsExport, start_stats_export
 from batchgen_data.connectors.ray.migration import MigrationClient, start_migration
 from batchgen_data.connectors.ray.poison import PoisonCall, PoisonClient, start_poison
 from batchgen_data.connectors.row_kinds import RowKind, build_engine
+from batchgen_data.inputs.image_options import ImageOptions
 from batchgen_data.sampling_params import SamplingParams
 from batchgen_data.worker.devices import pick_device
 
@@ -139,7 +140,8 @@ class BatchGenPredictor:
                  **engine_kwargs: Any) -> None:
         check_on_error(on_error)
         self.kind = RowKind.create(task, sampling_params, program, pooling_params,
-                                   apply_chat_template, chat_template, chat_template_kwargs)
+                                   apply_chat_template, chat_template, chat_template_kwargs,
+                                   ImageOptions.of(engine_kwargs))
         if self.kind.pooling:  # one pass per request: nothing worth moving (docs/pooling.md)
             migration, late_binding = False, False
         if stream not in STREAM_MODES:

@@ -85,7 +85,7 @@ class BatchGenProcessorConfig:
     chat_template_stage: Any = None
     tokenize_stage: Any = None
     detokenize_stage: Any = None
-    prepare_multimodal_stage: Any = False  # refused when on
+    prepare_multimodal_stage: Any = False  # on or off: images are prepared either way
     tokenize: bool | None = None  # Ray's deprecated flags for the two stages above
     detokenize: bool | None = None
     log_engine_metrics: bool = True  # True only: statistics are always exported (REFUSED)

@@ -23,6 +23,7 @@ from batchgen_data.connectors.row_kinds import GENERATE, RowKind
 from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, metrics as spark_metrics
 from batchgen_data.connectors.spark.engine_cache import EngineSpec
 from batchgen_data.connectors.spark.retry import RetryingRows
+from batchgen_data.inputs.image_options import ImageOptions
 from batchgen_data.connectors.spark.streaming import BatchSizeProbe
 from batchgen_data.worker.devices import cuda_indices, cuda_is_available, pick_device
 
@@ -55,7 +56,8 @@ class TaskSettings:
                pooling_params: Any = None, stats: Any = None,
                engine_factory: Any = None) -> "TaskSettings":
         rows = RowKind.create(task, sampling_params, program, pooling_params,
-                              apply_chat_template, chat_template, chat_template_kwargs)
+                              apply_chat_template, chat_template, chat_template_kwargs,
+                              ImageOptions.of(engine_kwargs))
         spec = EngineSpec.create(model, engine_kwargs, task, engine_factory)
         # Two engine batches' worth: the engine stays full while the oldest rows drain.
         window = max_in_flight if max_in_flight is not None else 2 * spec.max_num_seqs

@@ -9,7 +9,8 @@ flags: Ray's tests read its internal stage dicts, these read what the flags do h
 typed stage configs cannot be imported without `aiohttp`, so a pydantic stand-in with Ray's
 `ChatTemplateStageConfig` fields plays them. Not ported: custom stages and the
 `ProcessorBuilder` registry (no stage chain here), `test_embedding_model` (pooling rows take
-`prompt`/`text`, not chat messages: docs/ray_data.md lists it), multimodal (refused).
+`prompt`/`text`, not chat messages: docs/ray_data.md lists it), multimodal (the image rows
+are tests/unit/connectors/test_image_rows.py).
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def test_removed_legacy_fields_rejected(legacy_field: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"prepare_multimodal_stage": True}, "multimodal inputs are not supported"),
+    ({"prepare_multimodal_stage": {"chat_template_content_fmt": "openai"}}, "unknown field"),
     ({"log_engine_metrics": False}, "always exported"),
     ({"tokenize_stage": {"model_source": "other/model"}}, "own model's tokenizer"),
     ({"detokenize_stage": {"batch_sizes": 3}}, "unknown field"),

@@ -31,12 +31,16 @@ def test_completions_prompt_forms() -> None:
     assert bad.error_code == "invalid_request" and bad.error.startswith("line 5: ")
 
 
-def test_text_content_parts_are_joined_and_images_refused() -> None:
+def test_text_content_parts_are_joined_and_image_parts_kept() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = parse_line(_line(messages=[{"role": "user", "content": parts}]), 1)
     assert req.messages == [{"role": "user", "content": "ab"}]
-    img = [{"type": "image_url", "image_url": {"url": "x"}}]
-    assert "image_url" in parse_line(_line(messages=[{"role": "user", "content": img}]), 1).error
+    img = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "a"}]
+    req = parse_line(_line(messages=[{"role": "user", "content": img}]), 1)
+    assert req.error is None and req.messages[0]["content"] == img  # for the image pipeline
+    audio = [{"type": "input_audio", "input_audio": {}}]
+    assert "input_audio" in parse_line(_line(messages=[{"role": "user", "content": audio}]),
+                                       1).error
 
 
 @pytest.mark.parametrize("rf, expected", [

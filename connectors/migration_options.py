@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen_data.placement import AffinityConfig
+
 # The connector's placement switches where they differ from PlacementConfig's defaults:
 # `seat_receivers`, an actor's free seat is worth filling from another actor's queue (measured
 # by benchmarks/ray_migration.py)
@@ -44,9 +46,15 @@ class MigrationOptions:
     # (running, held: migration proper). The predictor sets both from `late_binding`/`migration`
     move_queued: bool = True
     move_started: bool = True
+    # late binding by prefix: a queued row moves to the engine that holds the longest match
+    # of its leading blocks, else to its prefix's consistent-hash engine, with bounded loads
+    # (docs/ray_data.md "How rows are placed"); `affinity`: AffinityConfig fields
+    prefix_affinity: bool = True
+    affinity: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "dead_after_s", "timeout_s", "rpc_timeout_s",
                      "lost_after_s", "link_bytes_per_s", "pcie_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"migration {name}={getattr(self, name)!r}: must be > 0")
+        AffinityConfig(**self.affinity)  # its own ValueError / TypeError naming the field

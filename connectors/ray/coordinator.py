@@ -27,9 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen_data.connectors.ray.affinity import PrefixPlanner
 from batchgen_data.placement import (
-    EngineLoad, Move, PlacementConfig, RequestSummary, TransferCost, find_receivers, pick_donors,
-    plan_moves)
+    AffinityConfig, EngineLoad, Move, PlacementConfig, RequestSummary, TransferCost,
+    find_receivers, pick_donors, plan_moves)
 
 NAMESPACE = "batchgen_data"
 # ("import", owner_id, state or ObjectRef of it, rid) | ("deliver", rid, output) | ("failed", rid)
@@ -57,6 +58,9 @@ class Report:
     # its own rows are done and its last task stays open only to take others' tail (`linger`):
     # the reply's `others_busy` then weighs only what other engines reported since
     lingering: bool = False
+    # its prefix summary's keys (`Engine.prefix_summary`), sent only when they changed
+    # (None: as last sent); what late binding by prefix reads (ray/affinity.py)
+    prefixes: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +100,12 @@ class Coordinator:
 
     def __init__(self, placement: Mapping[str, Any] | None = None, dead_after_s: float = 10.0,
                  cooldown_s: float = 1.0, idle_exit_s: float = 300.0, ship_kv: bool = True,
-                 link_bytes_per_s: float = 1.25e9, pcie_bytes_per_s: float = 16e9) -> None:
+                 link_bytes_per_s: float = 1.25e9, pcie_bytes_per_s: float = 16e9,
+                 prefix_affinity: bool = True, affinity: Mapping[str, Any] | None = None) -> None:
         self.cfg = PlacementConfig(**dict(placement or {}))
+        # late binding by prefix (ray/affinity.py); None: queued rows move by load alone
+        self.prefix = (PrefixPlanner(AffinityConfig(**dict(affinity or {})))
+                       if prefix_affinity else None)
         # ship a moved sequence's KV or let the receiver recompute it: decided per sequence by
         # `TransferCost` from the engines' measured prefill rate, their KV bytes per token and
         # these bandwidths (10 GbE between nodes by default; PCIe for device <-> host)
@@ -132,6 +140,8 @@ class Coordinator:
         self.num_exchanges += 1
         engine_id = report.load.engine_id
         self.reports[engine_id] = (now, report)
+        if self.prefix is not None:
+            self.prefix.note(engine_id, report)
         self.transfers[engine_id] = (report.kv_bytes_received, report.kv_transfer_s)
         live = self._live(now)
         for dst, msg in outbox:
@@ -191,13 +201,16 @@ class Coordinator:
                 "kv_bytes_moved": sum(b for b, _ in self.transfers.values()),
                 "kv_transfer_s": round(sum(s for _, s in self.transfers.values()), 6),
                 "kv_bytes_relayed": self.kv_bytes_relayed,
-                "dropped_imports": self.num_dropped_imports, "pruned": self.num_pruned}
+                "dropped_imports": self.num_dropped_imports, "pruned": self.num_pruned,
+                "affinity_moves": 0 if self.prefix is None else self.prefix.num_moves}
 
     def _live(self, now: float) -> set[str]:
         dead = [e for e, (t, _) in self.reports.items() if now - t > self.dead_after_s]
         for e in dead:
             del self.reports[e]
             self.linger_since.pop(e, None)
+            if self.prefix is not None:
+                self.prefix.forget(e)
             self.num_pruned += 1
             # its orders are void (the plan is made anew); its mail stays: an engine whose
             # reports stalled may come back. Its owners reclaim the rows they sent it (they
@@ -207,9 +220,20 @@ class Coordinator:
         return set(self.reports)
 
     def _plan(self, now: float, live: set[str]) -> None:
+        # late binding by prefix first: its sources are the engines with no orders still to
+        # carry out (their reports show rows about to leave); queued rows carry no KV, so
+        # neither side cools down, and the load pass below leaves this round's receivers be
+        took: set[str] = set()
+        if self.prefix is not None:
+            current = [e for e in live if not self.orders.get(e)]
+            for mv in self.prefix.plan(now, {e: self.reports[e][1] for e in live}, current):
+                self.orders[mv.src].append(mv)
+                took.add(mv.dst)
+                self.num_moves += len(mv.request_ids)
         # engines with moves or imports still under way are left out: their reports are stale
         ready = [e for e in live if not self.orders.get(e) and not self.mail.get(e)
-                 and self.busy_until.get(e, 0.0) <= now and self.reports[e][1].accepting]
+                 and e not in took and self.busy_until.get(e, 0.0) <= now
+                 and self.reports[e][1].accepting]
         loads = [self.reports[e][1].load for e in ready]
         if len(loads) < 2 or not find_receivers(loads, self.cfg):
             return

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen_data.connectors.migration_options import (  # noqa: F401 - re-exported
     DEFAULT_PLACEMENT, SPEED_RULES, MigrationOptions)
+from batchgen_data.connectors.ray.affinity import changed_prefixes
 from batchgen_data.connectors.ray.coordinator import Message, Reply, Report
 from batchgen_data.connectors.ray.guests import Guests, pack
 
@@ -90,6 +91,7 @@ class MigrationClient:
                        "kv_shipped": 0, "kv_imported_tokens": 0, "kv_bytes_sent": 0,
                        "kv_put_s": 0.0, "kv_bytes_received": 0, "kv_get_s": 0.0}
         self.disabled = False
+        self._prefix_version = -1  # the prefix summary last sent (engine thread only)
         self._lost_since: dict[str, float] = {}  # away rows the coordinator reports lost
         # another live engine still owns unfinished rows (`Reply.others_busy`), as the reply to
         # a report sent while lingering says; unknown (True) until then, so a last call that ends
@@ -192,8 +194,11 @@ class MigrationClient:
         guests = self.guests.owners
         movable = [r for r in engine.movable(exclude=guests)
                    if (opts.move_queued if r.kind == "waiting" else opts.move_started)]
+        prefixes, self._prefix_version = changed_prefixes(
+            engine, self.engine_id, self._prefix_version, opts.prefix_affinity and opts.move_queued)
         return Report(engine.load(self.engine_id), tuple(movable),
-                      owned=engine.num_unfinished(exclude=guests), guests=tuple(guests))
+                      owned=engine.num_unfinished(exclude=guests), guests=tuple(guests),
+                      prefixes=prefixes)
 
     # ---- owner side ---------------------------------------------------------------------
     def _export(self, dst: str, rids: tuple[str, ...], ship_kv: bool) -> None:
@@ -289,7 +294,8 @@ def start_migration(driver: EngineDriver, fingerprint: str,
                                       ship_kv=options.ship_kv,
                                       link_bytes_per_s=options.link_bytes_per_s,
                                       pcie_bytes_per_s=options.pcie_bytes_per_s,
-                                      cooldown_s=4 * options.interval_s)
+                                      cooldown_s=4 * options.interval_s, affinity=options.affinity,
+                                      prefix_affinity=options.prefix_affinity)
     except Exception as e:  # noqa: BLE001 - no Ray, no cluster: the job runs unmigrated
         log.warning("batchgen migration: no coordinator (%r); running without migration", e)
         return None

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from batchgen_data.connectors.ray import blocks as ray_blocks
+from batchgen_data.connectors.ray import grouping as ray_grouping
 from batchgen_data.connectors.ray.llm_compat import (BUILDER_KWARGS, VLLM_FIELDS, MergedPreprocess,
                                                      VllmFieldsThen, with_vllm_fields)
 from batchgen_data.connectors.ray.predictor import BatchGenPredictor
@@ -44,8 +45,13 @@ class Processor:
                  preprocess: Callable[[Row], Row] | None = None,
                  postprocess: Callable[[Row], Row] | None = None,
                  preprocess_map_kwargs: dict[str, Any] | None = None,
-                 postprocess_map_kwargs: dict[str, Any] | None = None) -> None:
+                 postprocess_map_kwargs: dict[str, Any] | None = None,
+                 prefix_grouping: bool = False,
+                 prefix_chars: int = ray_grouping.DEFAULT_PREFIX_CHARS) -> None:
         self.config = config
+        # sort rows by a hash of their leading text before blocks are cut (ray/grouping.py)
+        self.prefix_grouping = prefix_grouping
+        self.prefix_chars = ray_grouping.check_prefix_chars(prefix_chars)
         self.preprocess = (None if preprocess is None else
                            MergedPreprocess(preprocess, detokenize=config.detokenize_on))
         self.postprocess = None if postprocess is None else VllmFieldsThen(postprocess)
@@ -66,6 +72,8 @@ class Processor:
                                                              self.config.id_column)
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
+        if self.prefix_grouping:
+            ds = ray_grouping.group_by_prefix(ds, self.prefix_chars, self.preprocess_map_kwargs)
         # One input batch per block: Ray hands a task's batches to the UDF one after another,
         # so rows of a big block would reach the engine one batch at a time. `strict`: Ray
         # 2.60's default (non-strict) repartition leaves one short block per input block
@@ -99,11 +107,17 @@ def build_processor(config: BatchGenProcessorConfig,
                     postprocess: Callable[[Row], Row] | None = None,
                     preprocess_map_kwargs: dict[str, Any] | None = None,
                     postprocess_map_kwargs: dict[str, Any] | None = None,
-                    builder_kwargs: dict[str, Any] | None = None) -> Processor:
+                    builder_kwargs: dict[str, Any] | None = None,
+                    prefix_grouping: bool = False,
+                    prefix_chars: int = ray_grouping.DEFAULT_PREFIX_CHARS) -> Processor:
     """Same call shape as `ray.data.llm.build_processor`; `builder_kwargs` takes what Ray's
-    vLLM builder takes (`chat_template_kwargs`, which then applies to every row)."""
+    vLLM builder takes (`chat_template_kwargs`, which then applies to every row).
+    `prefix_grouping`: sort rows by a hash of their first `prefix_chars` characters before
+    blocks are cut, so rows sharing a prefix share an input batch (docs/ray_data.md)."""
     if not isinstance(config, BatchGenProcessorConfig):
         raise TypeError(f"config must be BatchGenProcessorConfig, got {type(config).__name__}")
+    if not isinstance(prefix_grouping, bool):
+        raise TypeError(f"prefix_grouping must be a bool, got {type(prefix_grouping).__name__}")
     extra = dict(builder_kwargs or {})
     reserved = sorted({"preprocess", "postprocess", "preprocess_map_kwargs",
                        "postprocess_map_kwargs"} & set(extra))
@@ -116,7 +130,7 @@ def build_processor(config: BatchGenProcessorConfig,
     if "chat_template_kwargs" in extra:
         config = replace(config, chat_template_kwargs=extra["chat_template_kwargs"])
     return Processor(config, preprocess, postprocess, preprocess_map_kwargs,
-                     postprocess_map_kwargs)
+                     postprocess_map_kwargs, prefix_grouping, prefix_chars)
 
 
 __all__ = ["BatchGenProcessorConfig", "MAX_WINDOW_BATCHES", "POOLING_ROW_TOKENS", "Processor",

@@ -1,4 +1,5 @@
-"""SwiGLU's activation on a fused gate|up output: silu(x[..., :I]) * x[..., I:].
+"""SwiGLU's activation on a fused gate|up output: silu(x[..., :I]) * x[..., I:] (and GeGLU's,
+`GeluTanhAndMul`).
 
 One pass instead of torch's three (chunk, silu, mul), which each read and write the whole
 [T, 2I] activation in a long prefill step: the Triton kernel on CUDA, a C loop on an fp32 CPU,
@@ -37,3 +38,14 @@ class SiluAndMul(nn.Module):
     def _torch(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU's activation on a fused gate|up output (Gemma): gelu_tanh(x[..., :I]) * x[..., I:],
+    with GELU's tanh approximation as HF's `gelu_pytorch_tanh`. Torch on every backend: the
+    kernels fuse SiLU only."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] -> [..., I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -189,6 +189,9 @@ def _load_one(model: nn.Module, params: dict[str, nn.Parameter], key: str,
     rename = getattr(model, "checkpoint_name", None)  # a model nesting HF's modules its way
     if rename is not None:
         name = rename(name)
+    stored = getattr(model, "stored_form", None)  # a tensor kept otherwise (Gemma's norms)
+    if stored is not None and isinstance(tensor, torch.Tensor):
+        tensor = stored(name, tensor)
     if name == "lm_head.weight" and model.lm_head is None:
         return set()  # tied to the embedding
     pieces = fused_weights.split(model, name, key, tensor)  # stored fused (Phi-3's qkv_proj)

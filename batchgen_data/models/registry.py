@@ -6,6 +6,7 @@ from typing import Any
 from torch import nn
 
 from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
+from batchgen_data.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from batchgen_data.models.glm4_moe import Glm4MoeForCausalLM
 from batchgen_data.models.gpt_oss import GptOssForCausalLM
 from batchgen_data.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -24,6 +25,8 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -34,6 +37,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "glm4_moe": "Glm4MoeForCausalLM", "phi3": "Phi3ForCausalLM",
                   "gpt_oss": "GptOssForCausalLM",
                   "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",

@@ -17,6 +17,7 @@
 #                                                   # and its collectives (NCCL) beside TP=1,
 #                                                   # then a re-partition join/split; the TP
 #                                                   # cases skip with a line on a 1-GPU machine
+#   bash benchmarks/run_gpu.sh vlm                  # issue 54: rows with images vs HF generate
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$(mktemp -d)}"
@@ -91,6 +92,16 @@ if [ "${1:-}" = "tp" ]; then
         echo "repartition: $gpus GPU(s) visible, a join needs 2: skipped"
     fi
     echo "exit code: $rc; JSON lines at the end of $OUT/tp_step_l*.log, repartition.log"
+    exit "$rc"
+fi
+
+if [ "${1:-}" = "vlm" ]; then
+    # issue 54: rows with images, ours (preprocessing on threads, and inline) against HF
+    # generate on the same random Qwen2.5-VL-shaped model (fp32); one repeat, bounded
+    timeout -k 5 300 "$PY" benchmarks/vlm_throughput.py --device cuda --size small \
+        --rows 200 --repeats 1 2>&1 | tee "$OUT/vlm_throughput.log"
+    rc=${PIPESTATUS[0]}
+    echo "exit code: $rc; JSON line at the end of $OUT/vlm_throughput.log"
     exit "$rc"
 fi
 

@@ -230,12 +230,12 @@ def sampling_fields(body: dict[str, Any], chat: bool,
     structured = _structured(body)
     if structured is not None:
         params["structured_outputs"] = structured
-    return params
-
-
     budget = chat_fields.effort_budget(body)
     if budget is not None:
         params["thinking_token_budget"] = budget
+    return params
+
+
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Chat: `logprobs: true` plus `top_logprobs: k`; completions: `logprobs: k`."""
     value = body.get("logprobs")

@@ -109,3 +109,15 @@ def test_gemma_prefix_cache_hits_keep_outputs_exact(gemma) -> None:  # type: ign
             + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp, use_tqdm=False)]
     assert llm.engine.pool.hits >= 2 * 6
     assert got == [_hf(hf, p, 10)[0] for p in prompts]
+
+
+@pytest.mark.slow
+def test_gemma3_tp2_matches_hf(gemma) -> None:  # type: ignore[no-untyped-def]
+    # two gloo ranks on the CPU: heads, KV heads and the MLP split, q/k norms replicated
+    path, hf = gemma["gemma3"]
+    prompts = _prompts(2, seed=3)
+    llm = LLM(str(path), tensor_parallel_size=2, num_threads=1, device="cpu", block_size=4,
+              max_num_batched_tokens=16, collective_timeout_s=60.0)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [_hf(hf, p, 8)[0] for p in prompts]

@@ -245,13 +245,15 @@ def check_tp(config: Any, hf_config: Any, quantized: bool, device: torch.device,
     `size` ranks (from the HF config alone: before anything starts or loads)."""
     from batchgen_data.layers.parallel import check_shape
     from batchgen_data.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from batchgen_data.models.gemma import Gemma2ForCausalLM
     from batchgen_data.models.llama import DecoderForCausalLM
     from batchgen_data.models.registry import resolve_architecture
 
     cls = resolve_architecture(hf_config)
-    if not issubclass(cls, DecoderForCausalLM) or issubclass(cls, DeepseekV3ForCausalLM):
+    sharded = issubclass(cls, (DecoderForCausalLM, Gemma2ForCausalLM))
+    if not sharded or issubclass(cls, DeepseekV3ForCausalLM):
         raise ValueError(f"tensor_parallel_size={size}: the Llama-family decoders (Llama, "
-                         f"Mistral, Qwen2, Qwen3) and their MoE models (Qwen2/Qwen3-MoE, "
+                         f"Mistral, Qwen2, Qwen3), Gemma 2/3 and the MoE models (Qwen2/Qwen3-MoE, "
                          f"Mixtral) are sharded; {cls.__name__} is not yet (docs/parallel.md)")
     check_shape(hf_config, size, config.enable_expert_parallel)
     moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)

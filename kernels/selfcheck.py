@@ -52,8 +52,9 @@ def _paged(num_seqs: int, lens: list[int], kv_heads: int, dim: int, block: int,
             torch.tensor(lens, dtype=torch.int32, device=dev))
 
 
-def case_decode(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.device
-                ) -> float:
+def case_decode(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.device,
+                **extra: object) -> float:
+    """`extra`: the launchers' sliding_window / sinks (True: random ones) / softcap."""
     from batchgen_data.kernels import paged_decode_attention, reference
 
     gen = torch.Generator().manual_seed(dim * 7 + ctx)
@@ -62,13 +63,22 @@ def case_decode(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.d
     k, v, tables, seq_lens = _paged(seqs, lens, kv_heads, dim, 16, dtype, dev, gen)
     q = torch.randn(seqs, kv_heads * group, dim, generator=gen).to(dtype).to(dev)
     scale = dim ** -0.5
-    got = paged_decode_attention(q, k, v, tables, seq_lens, scale)
-    want = reference.paged_decode_attention(q, k, v, tables, seq_lens, scale)
+    kw = _extra(extra, kv_heads * group, gen, dev)
+    got = paged_decode_attention(q, k, v, tables, seq_lens, scale, **kw)
+    want = reference.paged_decode_attention(q, k, v, tables, seq_lens, scale, **kw)
     return rel_err(got, want)
 
 
-def case_prefill(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.device
-                 ) -> float:
+def _extra(extra: dict, heads: int, gen: torch.Generator, dev: torch.device) -> dict:
+    """A window / sinks / soft-cap case's keyword arguments (sinks=True: random logits)."""
+    kw = dict(extra)
+    if kw.get("sinks") is True:
+        kw["sinks"] = (torch.randn(heads, generator=gen) * 2).to(dev)
+    return kw
+
+
+def case_prefill(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.device,
+                 **extra: object) -> float:
     from batchgen_data.kernels import paged_prefill_attention, reference
 
     gen = torch.Generator().manual_seed(dim * 11 + ctx)
@@ -80,9 +90,10 @@ def case_prefill(dtype: torch.dtype, dim: int, group: int, ctx: int, dev: torch.
                       device=dev)
     q = torch.randn(sum(q_lens), kv_heads * group, dim, generator=gen).to(dtype).to(dev)
     scale = dim ** -0.5
+    kw = _extra(extra, kv_heads * group, gen, dev)
     got = paged_prefill_attention(q, k, v, tables, cu, seq_lens, scale,
-                                  max_seqlen_q=max(q_lens))
-    want = reference.paged_prefill_attention(q, k, v, tables, cu, seq_lens, scale)
+                                  max_seqlen_q=max(q_lens), **kw)
+    want = reference.paged_prefill_attention(q, k, v, tables, cu, seq_lens, scale, **kw)
     return rel_err(got, want)
 
 
@@ -305,6 +316,17 @@ def cases(quick: bool) -> list[tuple[str, torch.dtype, Callable[[torch.device], 
                 out.append((f"prefill D={d} group={g} ctx=2048", dt,
                             lambda dev, dt=dt, d=d, g=g: case_prefill(dt, d, g, 2048, dev)))
             out.append((f"write_kv D={d}", dt, lambda dev, dt=dt, d=d: case_write_kv(dt, d, dev)))
+        # gpt-oss's 128-token windows with sinks; Gemma 2's soft-capped local layers
+        win = dict(sliding_window=128, sinks=True)
+        cap = dict(sliding_window=128, softcap=50.0)
+        out.append(("decode D=64 group=8 ctx=2048 window=128 sinks", dt,
+                    lambda dev, dt=dt: case_decode(dt, 64, 8, 2048, dev, **win)))
+        out.append(("prefill D=64 group=8 ctx=2048 window=128 sinks", dt,
+                    lambda dev, dt=dt: case_prefill(dt, 64, 8, 2048, dev, **win)))
+        out.append(("decode D=128 group=2 ctx=2048 window=128 softcap=50", dt,
+                    lambda dev, dt=dt: case_decode(dt, 128, 2, 2048, dev, **cap)))
+        out.append(("prefill D=128 group=2 ctx=2048 window=128 softcap=50", dt,
+                    lambda dev, dt=dt: case_prefill(dt, 128, 2, 2048, dev, **cap)))
         out.append(("norm/rotary/silu", dt, lambda dev, dt=dt: case_norm_rotary_act(dt, 128, dev)))
         for t in (1, 64, 512):
             out.append((f"fused_moe T={t}", dt, lambda dev, dt=dt, t=t: case_moe(dt, t, dev)))

@@ -19,6 +19,12 @@ def test_attention_cases(dim: int, group: int, ctx: int) -> None:
     assert selfcheck.case_prefill(torch.float32, dim, group, ctx, CPU) < 1e-4
 
 
+def test_window_sink_softcap_cases() -> None:
+    win = dict(sliding_window=16, sinks=True, softcap=5.0)
+    assert selfcheck.case_decode(torch.float32, 32, 2, 40, CPU, **win) < 1e-4
+    assert selfcheck.case_prefill(torch.float32, 32, 2, 40, CPU, **win) < 1e-4
+
+
 def test_the_other_cases() -> None:
     assert selfcheck.case_write_kv(torch.float32, 32, CPU) == 0.0
     assert selfcheck.case_moe(torch.float32, 5, CPU) < 1e-4

@@ -121,3 +121,43 @@ def test_gemma3_tp2_matches_hf(gemma) -> None:  # type: ignore[no-untyped-def]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [_hf(hf, p, 8)[0] for p in prompts]
+
+
+def test_gemma_lora_matches_peft(gemma, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # a PEFT adapter on every projection (q/k/v/o, gate/up/down) beside base rows in one batch
+    from batchgen_data import LoRARequest
+    from lora_adapters import hf_greedy, hf_lora_model, write_adapter
+
+    path, hf = gemma["gemma2"]
+    adapter = write_adapter(path, tmp_path / "adapter", seed=1)
+    prompts = _prompts(2, seed=9)
+    llm = LLM(str(path), block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], sp, use_tqdm=False,
+                        lora_request=[lora, lora, None, None])
+    peft = hf_lora_model(hf, adapter, merged=False)
+    want = [hf_greedy(peft, p, 8) for p in prompts] + [_hf(hf, p, 8)[0] for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert want[:2] != want[2:]  # the adapter changes the tokens
+
+
+@pytest.mark.parametrize("method, extra", [("gptq", dict(bits=4, group=32)),
+                                           ("fp8", dict(block=(16, 32)))])
+def test_gemma_quantized_matches_hf_on_dequantized_weights(gemma, tmp_path: Path, method: str,
+                                                           extra: dict) -> None:
+    # a GPTQ 4-bit and an FP8-block checkpoint of the tiny Gemma 3 against HF on the weights
+    # as the checkpoint dequantizes
+    from transformers import AutoModelForCausalLM
+    from quant_checkpoints import write_quantized
+
+    qdir, ddir = write_quantized(gemma["gemma3"][0], tmp_path / "q", tmp_path / "deq", method,
+                                 **extra)
+    hf = AutoModelForCausalLM.from_pretrained(ddir, dtype="float32").eval()
+    prompts = _prompts(2, seed=11)
+    llm = LLM(str(qdir), block_size=4, max_num_batched_tokens=16)
+    layers = llm.engine.runner.model.layers
+    assert all(getattr(layer.mlp.down_proj, "scheme", None) is not None for layer in layers)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [_hf(hf, p, 8)[0] for p in prompts]

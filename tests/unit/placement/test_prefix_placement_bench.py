@@ -17,7 +17,7 @@ pytestmark = pytest.mark.bench
 def test_prefix_placement_smoke(tiny_model_dir: Callable[..., Path]) -> None:
     args = ["--model", str(tiny_model_dir("llama")), "--workloads", "document", "--actors", "2",
             "--docs", "4", "--questions", "8", "--doc-tokens", "160", "--batch-size", "4",
-            "--max-tokens", "2"]
+            "--max-tokens", "2", "--repeats", "1"]
     proc = subprocess.run([sys.executable, "benchmarks/prefix_placement.py", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

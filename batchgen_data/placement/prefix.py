@@ -1,10 +1,13 @@
 """Prefix keys: the leading KV blocks of a prompt, named the same way in every process.
 
 An engine's prefix cache chains each full block's hash from its parent's (core/kv/block_pool.py),
-but with Python's `hash`, which differs between processes (`hash(None)` is an address before
-Python 3.12), so those hashes cannot be compared across engines. A *prefix key* is the same
-chain with an unkeyed BLAKE2b digest of the token ids: engine A's cached block and a row
-tokenized in engine B's process agree on it.
+starting from `None`, whose `hash` is an address before Python 3.12, so those hashes differ
+between processes and cannot be compared across engines. A *prefix key* is the same chain
+started from a fixed integer: the hash of a tuple of integers depends on their values alone (no
+`PYTHONHASHSEED`, no address), so engine A's cached block and a row tokenized in engine B's
+process agree on it wherever the engines run one Python build, as a job's do. It costs one tuple
+hash a block (a cryptographic digest cost ten times more, on every block the engine caches);
+a collision only misplaces a row.
 
 Keys are kept only for the first `MAX_BLOCKS` blocks and published only at the geometric depths
 `DEPTHS` (1, 2, 4, ... blocks), so a summary costs a handful of keys per cached prefix while a
@@ -14,8 +17,6 @@ in an engine's summary means the engine held those d blocks when it reported.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
@@ -23,15 +24,12 @@ from batchgen_data.placement.migration import EngineId
 
 DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 MAX_BLOCKS = DEPTHS[-1]
-_ROOT = bytes(8)  # the parent of a first block (the base model's chain; an adapter has none)
+_ROOT = 0x5EED_B10C_0F_CAC4E  # the parent of a first block (the base model's chain)
 
 
 def block_key(parent: int | None, tokens: Sequence[int]) -> int:
-    """The key of one full block: its parent's key and its token ids, digested to 64 bits."""
-    h = hashlib.blake2b(_ROOT if parent is None else parent.to_bytes(8, "little"),
-                        digest_size=8)
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
+    """The key of one full block: a hash of its parent's key and its token ids."""
+    return hash((_ROOT if parent is None else parent, tuple(tokens)))
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int,

@@ -5,7 +5,8 @@ sequence), the rest are prefill/extend chunks of varying length whose cached pre
 paged cache. The `Attention` layer picks its implementation when it is built: the Triton
 kernels on CUDA; on an fp32 CPU with its kernels, decodes in a small compiled C kernel
 (`batchgen_data.kernels.cpu.attention`) that reads the paged cache directly; otherwise (and for
-prefill chunks) a torch reference that gathers each sequence's blocks and runs dense attention.
+prefill chunks) a torch reference that gathers each sequence's blocks and runs dense attention
+(`layers/attention_torch.py`).
 
 An FP8 cache (float8_e4m3fn, `kv_cache_dtype="fp8"`; `layers/kv_quant.py`) is written as e4m3
 codes with this layer's `kv_scales` and read dequantized by every path: the Triton kernels and
@@ -36,11 +37,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
 from torch import nn
 
-from batchgen_data.layers import kv_quant
+from batchgen_data.layers import attention_torch, kv_quant
 from batchgen_data.layers.backend import current
 
 
@@ -137,7 +136,7 @@ class Attention(nn.Module):
         self.kv_scales = kv_quant.KVScales()
         b = current()
         self.c_decode = b.c_attention
-        self._forward = _attention_triton if b.triton else _attention_torch
+        self._forward = _attention_triton if b.triton else attention_torch.attend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -171,7 +170,7 @@ class Attention(nn.Module):
         if k_cache.device != q.device:
             there = k_cache.device
             sinks = None if self.sinks is None else self.sinks.to(there)
-            out = _attention_torch(q.to(there), k.to(there), v.to(there), k_cache, v_cache, meta,
+            out = attention_torch.attend(q.to(there), k.to(there), v.to(there), k_cache, v_cache, meta,
                                    self.scale, self.c_decode and there.type == "cpu",
                                    self.kv_scales, self.sliding_window, sinks, self.softcap)
             return out.to(q.device)
@@ -199,132 +198,3 @@ def _attention_triton(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs, win
                                            v_scale=kvs.v, sliding_window=window, sinks=sinks,
                                            softcap=softcap)
     return out
-
-
-def _attention_torch(q, k, v, k_cache, v_cache, meta, scale, c_decode, kvs, window=None,  # type: ignore[no-untyped-def]
-                     sinks=None, softcap=None):
-    num_kv = k_cache.shape[2]
-    head_dim = k_cache.shape[3]
-    fp8 = kv_quant.is_fp8(k_cache)
-    if fp8:  # the codes; what every read below gives back is code * scale
-        k, v = kv_quant.quantize(k, kvs.inv_k), kv_quant.quantize(v, kvs.inv_v)
-    k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
-    nd = meta.num_decodes
-    outs = []
-    if nd and c_decode:
-        from batchgen_data.kernels.cpu import attention as cpu_attention
-        outs.append(cpu_attention.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens[:nd], scale, kvs.k, kvs.v,
-                                               window, sinks, softcap))
-    elif nd:
-        outs.append(_decode_torch(q[:nd], k_cache, v_cache, meta, scale, kvs, window, sinks,
-                                  softcap))
-    start = nd
-    bs = k_cache.shape[1]
-    for i, (qlen, slen) in enumerate(zip(meta.query_lens_host[nd:], meta.seq_lens_host[nd:])):
-        qs = q[start:start + qlen]
-        if qlen == slen:  # no cached prefix: attend to the fresh K/V directly
-            ks, vs = k[start:start + qlen], v[start:start + qlen]
-        else:  # the cached prefix from the first token the chunk's first query sees
-            first = max(0, slen - qlen + 1 - window) if window else 0
-            b0, nblk = first // bs, -(-slen // bs)
-            blocks = meta.block_tables[nd + i, b0:nblk].long()
-            ks = k_cache[blocks].view(-1, num_kv, head_dim)[first - b0 * bs:slen - b0 * bs]
-            vs = v_cache[blocks].view(-1, num_kv, head_dim)[first - b0 * bs:slen - b0 * bs]
-        if fp8:
-            ks = kv_quant.dequantize(ks, kvs.k, q.dtype)
-            vs = kv_quant.dequantize(vs, kvs.v, q.dtype)
-        outs.append(_prefill_one(qs, ks, vs, scale, window, sinks, softcap))
-        start += qlen
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 window: int | None = None, sinks: torch.Tensor | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
-    # q [Q, H, D], k/v [S, Hkv, D] with the Q new tokens at the end of the S
-    # 4-D inputs (a batch of one): on the CPU only those reach torch's fused flash kernel; 3-D
-    # ones take the slower unfused math path.
-    qlen, slen = q.shape[0], k.shape[0]
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if qlen == slen and not window and sinks is None and not softcap:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    else:
-        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (slen - qlen)
-        cols = torch.arange(slen, device=q.device).unsqueeze(0)
-        mask = cols <= rows  # [Q, S]
-        if window:
-            mask &= cols > rows - window
-        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
-        o = _sdpa(qt, kt, vt, mask, scale, sink, gqa=True, softcap=softcap)
-    return o[0].transpose(0, 1)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-          sink: torch.Tensor | None, gqa: bool = False, softcap: float | None = None
-          ) -> torch.Tensor:
-    """SDPA of q [B, Hq, Q, D] over k/v [B, Hk, S, D] under the boolean `mask` (True = attend),
-    with `sink` (per query row, broadcastable to [B, Hq, Q, 1]) as one more key: a zero key
-    and value whose score bias is the sink, so the softmax's denominator gains exp(sink).
-    `softcap`: SDPA cannot bend its scores, so the softmax is spelled out."""
-    if softcap:
-        return _softcapped(q, k, v, mask, scale, sink, softcap)
-    if sink is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)
-    zero = k.new_zeros(k.shape[:2] + (1, k.shape[3]))
-    k, v = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
-    shape = (q.shape[0], q.shape[1], q.shape[2])
-    bias = torch.zeros(shape + (mask.shape[-1],), dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill(~mask, float("-inf"))
-    bias = torch.cat([bias, sink.to(q.dtype).expand(shape + (1,))], -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-
-
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                scale: float, sink: torch.Tensor | None, softcap: float) -> torch.Tensor:
-    """`_sdpa` with each score s bent to softcap * tanh(s / softcap), in float32."""
-    if k.shape[1] != q.shape[1]:  # GQA: each KV head serves its group of query heads
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sink is not None:
-        shape = scores.shape[:-1] + (1,)
-        scores = torch.cat([scores, sink.float().expand(shape)], -1)
-    probs = torch.softmax(scores, -1)
-    if sink is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs, v.float()).to(q.dtype)
-
-
-def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float,
-                  kvs: kv_quant.KVScales = kv_quant.KVScales(), window: int | None = None,
-                  sinks: torch.Tensor | None = None, softcap: float | None = None
-                  ) -> torch.Tensor:
-    # q [B, H, D]. Gather each sequence's KV blocks (one index_select of whole blocks) and let
-    # SDPA read them strided: this moves KV once instead of three times.
-    nd, num_kv, head_dim = meta.num_decodes, k_cache.shape[2], k_cache.shape[3]
-    blocks = meta.decode_blocks
-    keys = k_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
-    vals = v_cache.index_select(0, blocks).view(nd, -1, num_kv, head_dim)
-    if kv_quant.is_fp8(k_cache):
-        keys = kv_quant.dequantize(keys, kvs.k, q.dtype)
-        vals = kv_quant.dequantize(vals, kvs.v, q.dtype)
-    # The query heads that share a KV head attend to the same keys under the same mask, so they
-    # go in as that KV head's "query rows": plain attention, no GQA expansion of K/V (which
-    # enable_gqa would do on the CPU).
-    group = q.shape[1] // num_kv
-    mask = meta.decode_mask
-    if window:  # the gathered blocks also hold positions before the window
-        pos = torch.arange(mask.shape[-1], device=mask.device)
-        lo = meta.seq_lens[:nd].view(nd, 1, 1, 1) - window
-        mask = mask & (pos >= lo)
-    sink = None if sinks is None else sinks.view(1, num_kv, group, 1)
-    o = _sdpa(q.view(nd, num_kv, group, head_dim), keys.transpose(1, 2), vals.transpose(1, 2),
-              mask, scale, sink, softcap=softcap)
-    return o.reshape(nd, -1, head_dim)  # [B, H, D]

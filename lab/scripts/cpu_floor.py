@@ -120,7 +120,7 @@ def decode_attention_ms(seqs: int, context: int, heads: int, kv_heads: int, head
     from types import SimpleNamespace
 
     from batchgen_data.kernels.cpu import attention as cpu_attention
-    from batchgen_data.layers.attention import _decode_torch
+    from batchgen_data.layers.attention_torch import decode as _decode_torch
 
     bs = 16
     nblk = -(-context // bs)

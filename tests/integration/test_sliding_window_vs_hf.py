@@ -68,6 +68,9 @@ CASES = {
     "tiny_chunks": dict(max_num_batched_tokens=7, block_size=4),
     "preemption": dict(num_kv_blocks=30, block_size=4, max_num_batched_tokens=64),
     "torch_path": dict(block_size=4, cpu_kernels=False),
+    # step n+1 scheduled while step n runs: blocks freed after step n are not read by n+1
+    "async": dict(async_scheduling=True, max_num_seqs=4, block_size=4,
+                  max_num_batched_tokens=16),
 }
 
 
@@ -87,6 +90,8 @@ def test_windowed_greedy_matches_hf(arch: str, case: str, windowed_dirs, expecte
     llm = LLM(str(windowed_dirs[arch]), **CASES[case])
     assert run(llm, prompts, 12) == expected(arch, prompts, 12)
     # Mistral's rows keep only their windows' blocks (the rest freed), so it never runs out
+    if case == "async":
+        assert llm.engine.stats.overlapped_steps > 0
     if case == "preemption" and arch == "qwen2":
         assert llm.engine.stats.num_preemptions > 0
 

@@ -137,3 +137,32 @@ def test_blocks_outside_every_window_are_freed(windowed_dirs, expected, tiny_mod
     # global model's count, where the global one holds the whole context
     assert counts["windowed"] <= WINDOW // 4 + 1
     assert counts["windowed"] * longest <= (WINDOW + 4) * counts["global"]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_windowed_moe_greedy_matches_hf(arch: str, tmp_path: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
+    # Mixtral with a window, Qwen3-MoE with use_sliding_window: every layer windowed, so
+    # their blocks are freed early too
+    import transformers as tf
+
+    common = dict(vocab_size=len(build_tokenizer(tmp_path)), hidden_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                  tie_word_embeddings=False, sliding_window=WINDOW)
+    cfg = (tf.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                            **common) if arch == "mixtral" else
+           tf.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=2, head_dim=16, use_sliding_window=True,
+                             **common))
+    torch.manual_seed(7)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path)
+    prompts = _prompts(3, 300, 20, 40, seed=21)
+    llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=7)
+    assert llm.engine.pool.window == WINDOW
+    hf = hf_model(tmp_path)
+    assert run(llm, prompts, 10) == [hf_greedy(hf, p, 10) for p in prompts]

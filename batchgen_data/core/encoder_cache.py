@@ -29,6 +29,10 @@ class EncoderCache:
     def has(self, content_hash: str) -> bool:
         return content_hash in self._entries or content_hash in self._pending
 
+    def ready(self, content_hash: str) -> bool:
+        """Whether the image's embeddings are stored (not only expected)."""
+        return content_hash in self._entries
+
     def reserve(self, content_hash: str) -> None:
         self._pending.add(content_hash)
 

@@ -64,9 +64,17 @@ def image_rows(seqs: list[Sequence], starts: list[int], q: np.ndarray, cu: np.nd
     return rows
 
 
-def encode(model: Any, cache: EncoderCache, items: list[Any]) -> None:
+def encode(model: Any, cache: EncoderCache, items: list[Any],
+           rows: list[tuple[int, Any, int, int]]) -> None:
     """The step's encoder batch: every new image through the tower at once, each image's
-    rows stored under its hash."""
+    rows stored under its hash. An image the step's rows read that the cache does not hold
+    joins the batch too (a part of a failed step run again, whose batch went with the first
+    run): the rows never read an image that is not there."""
+    batch = {it.hash for it in items}
+    for _, item, _, _ in rows:
+        if item.hash not in batch and not cache.ready(item.hash):
+            items = [*items, item]
+            batch.add(item.hash)
     if not items:
         return
     pixels = torch.cat([torch.as_tensor(it.pixel_values) for it in items])

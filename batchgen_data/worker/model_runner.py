@@ -301,7 +301,7 @@ class ModelRunner:
             if inp.mm is not None:  # images: encoded first, their rows written in
                 cache = self.encoder_cache
                 assert cache is not None, "a model that takes images runs with an encoder cache"
-                mm_step.encode(self.model, cache, inp.mm.encode)
+                mm_step.encode(self.model, cache, inp.mm.encode, inp.mm.rows)
                 embeds = mm_step.embeddings(self.model, cache, inp.input_ids, inp.mm.rows)
                 return self.model(inp.input_ids, inp.positions, self.kv_caches, meta,
                                   inputs_embeds=embeds)

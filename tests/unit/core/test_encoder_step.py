@@ -152,3 +152,25 @@ def test_placeholders_are_checked() -> None:
         check_placeholders(ids, IMG, items[:1] + items[:1])  # both at the first run
     with pytest.raises(ValueError, match=r"mm_inputs\[1\]"):
         check_placeholders(ids, IMG, [items[0], Item("b", 4, 9)])
+
+
+def test_the_runner_encodes_an_image_its_rows_read_that_is_not_stored() -> None:
+    """A part of a failed step run again has no encoder batch of its own: the images its rows
+    read that the cache only expects are encoded with it, once."""
+    import torch
+
+    from batchgen_data.worker import mm_step
+
+    class Tower:
+        calls: list[int] = []
+
+        def encode_images(self, pixels: torch.Tensor, grids: list) -> torch.Tensor:
+            self.calls.append(pixels.shape[0])
+            return torch.ones(pixels.shape[0], 8)
+
+    cache, tower = EncoderCache(100), Tower()
+    pending, stored = Item("p", 4, 0, torch.zeros(4, 3)), Item("s", 2, 0, torch.zeros(2, 3))
+    cache.reserve("p")
+    cache.put("s", torch.zeros(2, 8))
+    mm_step.encode(tower, cache, [], [(0, pending, 0, 4), (4, stored, 0, 2), (6, pending, 0, 4)])
+    assert tower.calls == [4] and cache.ready("p") and cache.encoded == 2

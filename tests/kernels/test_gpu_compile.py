@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     from batchgen_data.kernels._attention_checks import prefill_tiles
     from batchgen_data.kernels._checks import tile
 
-    FP32_SCALARS = {"scale_log2", "eps", "v_factor", "inv_k_scale", "inv_v_scale"}
+    FP32_SCALARS = {"scale_log2", "cap_log2", "eps", "v_factor", "inv_k_scale", "inv_v_scale"}
 
     def compile_sm90(fn, pointers, constexprs, **options):
         # Unlisted non-constexpr args are int32 scalars, as the launchers pass them.
@@ -52,12 +52,16 @@ _SCRIPT = textwrap.dedent(
             cache = "u8" if fp8 else dt
             attn = dict(q_ptr=dt, k_cache_ptr=cache, v_cache_ptr=cache, out_ptr=dt,
                         bt_ptr="i32", seq_lens_ptr="i32", cu_seqlens_ptr="i32",
-                        part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32")
+                        part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32",
+                        sinks_ptr="fp32")
+            # sinks and soft-capping (gpt-oss, Gemma 2) with the FP8 cache, plain without
+            extra = dict(SINKS=fp8, SOFTCAP=fp8)
             compile_sm90(attention._decode_kernel, attn, dict(
                 GROUP=4, NUM_SPLITS=4, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128,
-                DOT_PRECISION="tf32", FP8=fp8))
+                DOT_PRECISION="tf32", FP8=fp8, **extra))
             compile_sm90(attention._decode_merge_kernel, attn,
-                         dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128, FP8=fp8))
+                         dict(NUM_SPLITS=4, BLOCK_SPLITS=4, BLOCK_D=128, FP8=fp8,
+                              SINKS=fp8))
             # the launcher's tiles for a GQA group of 3 and for MLA (head dim 576, 128 heads):
             # shared memory well under the H200's 228 KB
             for dim, group in ((128, 3), (576, 128)):
@@ -65,7 +69,7 @@ _SCRIPT = textwrap.dedent(
                 kernel = compile_sm90(attention._prefill_kernel, attn, dict(
                     GROUP=group, HEADS=t.heads, H_BLOCKS=-(-group // t.heads),
                     POSITIONS=t.positions, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_D=tile(dim),
-                    DOT_PRECISION="tf32", FP8=fp8), num_warps=t.num_warps)
+                    DOT_PRECISION="tf32", FP8=fp8, **extra), num_warps=t.num_warps)
                 assert kernel.metadata.shared <= 100 * 1024, (dim, group, kernel.metadata.shared)
         moe = dict(a_ptr=dt, b_ptr=dt, c_ptr=dt, weights_ptr="fp32", sorted_ptr="i32",
                    expert_ids_ptr="i32", total_ptr="i32")

@@ -12,7 +12,9 @@ once, after loading (`process_weights_after_loading`), so the activation reads t
 The experts stay MXFP4 (`layers/mxfp4.py`); each step runs one pair of matmuls per expert that
 received tokens, over all of that expert's tokens from every sequence of the step (the expert-level
 batching of `models/moe.py`), decoded in the Triton kernel or, on the CPU, one expert at a time.
-Every call counts the tokens each expert received (`expert_tokens`), as `FusedMoE` does.
+A CUDA graph cannot hold that (its shapes follow the routing), so a forward being captured runs
+every expert over every token instead, weighted by zero where it was not chosen. Every call
+counts the tokens each expert received (`expert_tokens`), as `FusedMoE` does.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import nn
 from batchgen_data.layers import mxfp4
 from batchgen_data.layers.backend import current
 from batchgen_data.layers.linear import Linear
+from batchgen_data.layers.moe import _COUNTED_ROWS
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -97,27 +100,59 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        self._count(ids)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.all_experts(x, weights, ids)  # a CUDA graph's capture
+        return self.routed_experts(x, weights, ids)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over the rows x [n, H] -> [n, H]."""
+        ex = self.experts
+        gate_up = mxfp4.linear(x, ex.gate_up_proj_blocks[e], ex.gate_up_proj_scales[e],
+                               ex.gate_up_proj_bias[e], self.triton)  # [n, 2I]
+        h = clamped_swiglu(gate_up, self.alpha, self.limit)  # [n, I]
+        return mxfp4.linear(h, ex.down_proj_blocks[e], ex.down_proj_scales[e],
+                            ex.down_proj_bias[e], self.triton)  # [n, H]
+
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                       ) -> torch.Tensor:
+        """Each expert that received tokens over those tokens alone (one host read of the
+        counts per step)."""
         flat = ids.reshape(-1)  # pair p is token p // k's choice p % k
         counts = torch.bincount(flat, minlength=self.num_experts)
-        self.expert_tokens += counts
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)  # [T*k, H] each expert's tokens contiguous
         out = torch.empty_like(xs)
-        ex, start = self.experts, 0
+        start = 0
         for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue  # an expert without tokens is never decoded
-            rows = slice(start, start + n)
-            gate_up = mxfp4.linear(xs[rows], ex.gate_up_proj_blocks[e],
-                                   ex.gate_up_proj_scales[e], ex.gate_up_proj_bias[e],
-                                   self.triton)  # [n, 2I]
-            h = clamped_swiglu(gate_up, self.alpha, self.limit)  # [n, I]
-            out[rows] = mxfp4.linear(h, ex.down_proj_blocks[e], ex.down_proj_scales[e],
-                                     ex.down_proj_bias[e], self.triton)  # [n, H]
+            out[start:start + n] = self._expert(e, xs[start:start + n])
             start += n
         scaled = (out.float() * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+    def all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """Every expert over every token, weighted by its routing weight (0 where it was not
+        chosen): no host read and no shape that depends on the routing, so a CUDA graph can
+        hold it, at E / k times the routed path's products."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.num_experts):
+            w = (weights * (ids == e)).sum(dim=-1)  # [T] float32
+            out += w[:, None] * self._expert(e, x).float()
+        return out.to(x.dtype)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Add the step's tokens per expert to `expert_tokens` with a fixed-size scatter (no
+        host read); a CUDA graph's padding rows (`moe.counted_rows`) do not count."""
+        flat = ids.reshape(-1)
+        t, k = ids.shape
+        rows = _COUNTED_ROWS.get()
+        weight = torch.ones_like(flat) if rows is None else \
+            rows[:t].to(flat.dtype).unsqueeze(1).expand(t, k).reshape(-1)
+        self.expert_tokens.index_add_(0, flat, weight)
 
     def take_expert_tokens(self) -> torch.Tensor:
         """Tokens each expert received since the last call ([E] int64), and a fresh count."""

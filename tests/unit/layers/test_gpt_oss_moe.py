@@ -82,3 +82,21 @@ def test_clamp_and_alpha_matter() -> None:
         assert not torch.allclose(moe(x), want[0], atol=1e-3)
         moe.limit, moe.alpha = cfg.swiglu_limit, 1.0
         assert not torch.allclose(moe(x), want[0], atol=1e-3)
+
+
+def test_graph_safe_path_gives_the_routed_output_and_counts() -> None:
+    """The path a CUDA graph captures (every expert, zero weights where unrouted) gives the
+    routed path's output; padding rows marked 0 by `counted_rows` are not counted."""
+    from batchgen_data.layers.moe import counted_rows
+
+    cfg, block, stored = hf_block(3)
+    moe = ours(cfg, block, stored)
+    x = torch.randn(6, H)
+    with torch.no_grad():
+        weights, ids = moe.route(x)
+        torch.testing.assert_close(moe.all_experts(x, weights, ids),
+                                   moe.routed_experts(x, weights, ids), rtol=1e-5, atol=1e-5)
+        moe.take_expert_tokens()
+        with counted_rows(torch.tensor([1, 1, 1, 1, 0, 0])):
+            moe(x)
+    assert int(moe.take_expert_tokens().sum()) == 4 * K

@@ -74,6 +74,7 @@ VLLM_ARGS: dict[str, _Arg] = {
     # the front doors' image pipeline reads these from the same kwargs (inputs/image_options.py)
     "limit_mm_per_prompt": _Arg(_any, "read by the inputs pipeline, not the engine"),
     "mm_processor_kwargs": _Arg(_any, "read by the inputs pipeline, not the engine"),
+    "allowed_local_media_path": _Arg(_any, "read by the inputs pipeline, not the engine"),
     "revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "tokenizer_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),
     "code_revision": _Arg(_is(None), "nothing is downloaded: pass a local directory"),

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tool-call-parser", default=None,
                      help="read tool calls out of answers (vLLM's tool_call_parser: hermes, "
                           "llama3_json, mistral, pythonic; docs/reasoning.md)")
+    run.add_argument("--allowed-local-media-path", default=None,  # absolute: actors' cwd differs
+                     type=lambda p: str(Path(p).absolute()),
+                     help="the directory whose images requests may name by path or file:// URL "
+                          "(vLLM's allowed_local_media_path; unset, no local file is read: "
+                          "docs/multimodal.md)")
     run.add_argument("--progress-interval", type=float, default=None,
                      help="seconds between progress lines when stderr is not a terminal")
     return parser
@@ -97,7 +102,8 @@ class Job:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        for flag in ("reasoning_parser", "tool_call_parser"):  # engine arguments by flag
+        for flag in ("reasoning_parser", "tool_call_parser",  # engine arguments by flag
+                     "allowed_local_media_path"):
             if getattr(args, flag, None) is not None:
                 args.engine_kwargs[flag] = getattr(args, flag)
         self.input: InputFile = read_input(args.input, args.max_tokens)

@@ -7,12 +7,22 @@ image column, a `{"bytes": ..., "path": ...}` struct (Hugging Face datasets), Sp
 arrays `ray.data.read_images` yields, or a PIL image. `Fetcher` reads URLs on a bounded pool of
 threads, each under one deadline for the whole read; whatever goes wrong is a ValueError whose
 message is the row's error.
+
+A local path or `file://` URL is a read of the worker's own disk: refused unless the options'
+`allowed_local_media_path` names a directory and the path, once its links and `..` are
+resolved, lies below it (vLLM's rule), so a batch file or table from elsewhere cannot read the
+worker's files. The resolved path is what is opened. An fsspec URL that reaches the local disk
+(`local://`, a chain over a bare path or `file://` such as `zip://a.png::/data/x.zip`, `git://`)
+is refused outright. Bytes, arrays, PIL images and structs holding bytes are not file reads.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import os
+import re
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,6 +35,11 @@ from batchgen_data.inputs.prompt_checks import shown
 
 _CHUNK = 1 << 16
 _SPARK_IMAGE_FIELDS = frozenset({"origin", "height", "width", "nChannels", "mode", "data"})
+# fsspec filesystems over the worker's own disk (a local repository for git and dvc; generic
+# takes any other URL as its path)
+_LOCAL_PROTOCOLS = frozenset({"file", "local", "asynclocal", "git", "dvc", "generic"})
+_NOT_ALLOWED = ("local image files are read only below allowed_local_media_path (vLLM's "
+                "engine argument; --allowed-local-media-path in the command), which is unset")
 
 
 def describe(source: Any) -> str:
@@ -59,6 +74,22 @@ def spark_image(struct: dict[str, Any]) -> np.ndarray:
     return arr[:, :, [2, 1, 0, 3][:c]]  # BGR(A) -> RGB(A)
 
 
+def _local_protocol(url: str) -> str | None:
+    """The protocol by which an fsspec URL (chains joined by "::" included) reads the local
+    disk, or None. Segments are read as fsspec reads them: a bare lowercase word is a protocol
+    name, anything else without "://" (or a one-letter drive) a local path."""
+    for seg in url.split("::"):
+        if "://" in seg:
+            proto = seg.split("://", 1)[0].lower()
+        elif re.fullmatch("[a-z]+", seg):
+            proto = seg
+        else:
+            return "a local path"
+        if proto in _LOCAL_PROTOCOLS or len(proto) == 1:
+            return proto
+    return None
+
+
 class Fetcher:
     """Reads sources into memory; URLs on at most `image_fetch_concurrency` threads."""
 
@@ -75,7 +106,7 @@ class Fetcher:
         if isinstance(source, dict):
             source = self._from_struct(source)
         if isinstance(source, str) and not source.startswith("data:"):
-            return self._pool.submit(self._read_url, source)
+            return self._pool.submit(self._read_url, self._checked(source))
         return source
 
     def result(self, started: Future | Any, source: Any) -> Any:
@@ -107,6 +138,33 @@ class Fetcher:
         raise ValueError(f"image struct has none of bytes / content / url / path: "
                          f"{shown(sorted(struct))}")
 
+    def _checked(self, url: str) -> str:
+        """What to read for `url`: a local path or `file://` URL as its resolved path below
+        `allowed_local_media_path`; ValueError for any other read of the local disk."""
+        if url.startswith(("http://", "https://")):
+            return url
+        if "://" not in url:  # a plain path (opened as one, "::" included)
+            return self._inside(url)
+        if url[:7].lower() == "file://":
+            parts = urllib.parse.urlsplit(url)
+            return self._inside(urllib.request.url2pathname(parts.netloc + parts.path))
+        proto = _local_protocol(url)
+        if proto is not None:
+            raise ValueError(f"{describe(url)} reads the worker's local disk through fsspec "
+                             f"({proto}); a local image is read only as a path or file:// URL "
+                             "below allowed_local_media_path")
+        return url
+
+    def _inside(self, path: str) -> str:
+        root = self.options.allowed_local_media_path
+        if root is None:
+            raise ValueError(_NOT_ALLOWED)
+        resolved = os.path.realpath(path)
+        if os.path.commonpath([root, resolved]) != root or resolved == root:
+            raise ValueError(f"{describe(path)} is not below allowed_local_media_path {root!r} "
+                             "once its links and '..' are resolved")
+        return resolved
+
     def _read_url(self, url: str) -> bytes:
         deadline = time.monotonic() + self.options.image_fetch_timeout_s
         try:
@@ -136,9 +194,8 @@ class Fetcher:
                 parts.append(chunk)
 
     def _read_fsspec(self, url: str) -> bytes:
-        if "://" not in url or url.startswith("file://"):
-            path = url[len("file://"):] if url.startswith("file://") else url
-            with open(path, "rb") as f:
+        if "://" not in url:  # a path `_checked` resolved
+            with open(url, "rb") as f:
                 data = f.read(self.options.max_image_bytes + 1)
         else:
             import fsspec

@@ -3,10 +3,12 @@
 Given with the engine's keyword arguments (`LLM(model, limit_mm_per_prompt={"image": 2})`, a
 connector's `engine_kwargs`, the command's `--engine-arg`s) and taken out of them before the
 engine is built (`ImageOptions.pop_from`): they are the inputs pipeline's settings, not the
-engine's. vLLM's names where vLLM has one (`limit_mm_per_prompt`, `mm_processor_kwargs`).
+engine's. vLLM's names where vLLM has one (`limit_mm_per_prompt`, `mm_processor_kwargs`,
+`allowed_local_media_path`).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -29,6 +31,9 @@ class ImageOptions:
     # a decompression bomb is refused from its header, before its pixels are decoded
     max_image_pixels: int = 64 * 1024 * 1024
     max_image_bytes: int = 64 << 20  # an encoded image (a fetched URL stops reading past it)
+    # vLLM's: the one directory whose files a row may name by path or file:// URL; unset, no
+    # local file is read, so an untrusted batch file or table cannot read the worker's files
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         limits = self.limit_mm_per_prompt
@@ -47,6 +52,8 @@ class ImageOptions:
         elif not isinstance(self.mm_processor_kwargs, Mapping):
             raise ValueError(f"mm_processor_kwargs must be a dict, got "
                              f"{self.mm_processor_kwargs!r}")
+        object.__setattr__(self, "allowed_local_media_path",
+                           _media_dir(self.allowed_local_media_path))
         for name in ("image_fetch_timeout_s",):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -75,3 +82,17 @@ class ImageOptions:
         """The options among `kwargs`, which is left as it is."""
         kwargs = kwargs or {}
         return cls(**{n: kwargs[n] for n in cls.names() if n in kwargs})
+
+
+def _media_dir(path: object) -> str | None:
+    """`allowed_local_media_path` resolved (symlinks and `..` followed once, here), checked to
+    be a directory as vLLM checks it; None and "" (vLLM's default) leave local files unread."""
+    if path is None or path == "":
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"allowed_local_media_path must be a directory path, got {path!r}")
+    resolved = os.path.realpath(os.fspath(path))
+    if not os.path.isdir(resolved):
+        raise ValueError(f"allowed_local_media_path {os.fspath(path)!r} is not a directory "
+                         "(it must exist on the machine that reads the images)")
+    return resolved

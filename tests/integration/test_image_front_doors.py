@@ -57,7 +57,8 @@ def test_llm_chat_and_rows_give_hf_tokens(vl_dir: Path, tmp_path: Path) -> None:
     url = "data:image/png;base64," + base64.b64encode(encoded(a)).decode()
     want_a, want_ab = hf_greedy(vl_dir, [a]), hf_greedy(vl_dir, [a, b])
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    llm = LLM(str(vl_dir), dtype="float32", device="cpu", limit_mm_per_prompt={"image": 2})
+    llm = LLM(str(vl_dir), dtype="float32", device="cpu", limit_mm_per_prompt={"image": 2},
+              allowed_local_media_path=str(tmp_path))  # the file path below
     try:
         def conv(*parts: Any) -> list[dict[str, Any]]:
             return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]

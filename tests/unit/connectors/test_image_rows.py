@@ -22,6 +22,7 @@ from batchgen_data.connectors.spark import engine_cache as spark_engine_cache, t
 from batchgen_data.connectors.spark.engine_cache import EngineCache
 from batchgen_data.connectors.spark.task import TaskSession, TaskSettings
 from batchgen_data.inputs.hf_processor import load_processor
+from batchgen_data.inputs.image_options import ImageOptions
 from batchgen_data.inputs.images import ImagePreparer
 from batchgen_data.llm import LLM
 from batchgen_data.openai.batch import parse_line
@@ -147,10 +148,11 @@ def test_text_only_model_refuses_images_and_reads_text_parts(proc: Any) -> None:
     assert engine.got[0] == engine.got[1]
 
 
-def _rows(kind: str, proc: Any, rows: list[dict[str, Any]],
-          monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, Any]], FakeEngine]:
+def _rows(kind: str, proc: Any, rows: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+          **engine_kwargs: Any) -> tuple[list[dict[str, Any]], FakeEngine]:
     """`rows` through a Ray predictor or a Spark task over a fake driver whose tokenizer
     is the VL model's (its processor is loaded from the tokenizer's directory)."""
+    engine_kwargs = {"limit_mm_per_prompt": {"image": 2}, **engine_kwargs}
     driver = FakeEngine(proc.tokenizer, futures=True)
     if kind == "ray":
         monkeypatch.setattr(ray_predictor.os, "_exit", lambda code: None)
@@ -159,14 +161,13 @@ def _rows(kind: str, proc: Any, rows: list[dict[str, Any]],
             def start_driver(self, model: Any, engine_kwargs: Any) -> FakeEngine:
                 return driver
 
-        pred = OnFake(sampling_params={"max_tokens": 4}, migration=False,
-                      limit_mm_per_prompt={"image": 2})
+        pred = OnFake(sampling_params={"max_tokens": 4}, migration=False, **engine_kwargs)
         out = [r for t in pred(pa.Table.from_pylist(rows)) for r in t.to_pylist()]
         return sorted(out, key=lambda r: r["id"]), driver
     monkeypatch.setattr(spark_engine_cache, "ENGINES", EngineCache(lambda spec: driver))
     monkeypatch.setattr(spark_task, "task_resources", lambda: ([], 1))
     session = TaskSession(TaskSettings.create(None, {"max_tokens": 4}, "row", None, False,
-                                              {"limit_mm_per_prompt": {"image": 2}}))
+                                              engine_kwargs))
     return session.output_rows(session.submit(rows, [r["id"] for r in rows])), driver
 
 
@@ -204,6 +205,51 @@ def test_connector_rows_with_image_columns(kind: str, proc: Any,
         assert [r["error"] for r in out] == [None] * 4  # HWC arrays: ray.data.read_images
         for ids, mm in driver.got:
             assert_is_reference(ids, mm, reference(proc, [a]))
+
+
+@pytest.mark.parametrize("kind", ["ray", "spark"])
+def test_local_image_paths_need_the_allowance(kind: str, proc: Any, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path in an image column or a file:// part is a read of the worker's disk: a row error
+    unless `allowed_local_media_path` (an engine kwarg, as in vLLM) holds the file; a path
+    outside it, or a link out of it, stays a row error with the allowance."""
+    a = picture(23)
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "a.png").write_bytes(encoded(a))
+    (tmp_path / "secret.png").write_bytes(encoded(picture(24)))
+    (media / "out.png").symlink_to(tmp_path / "secret.png")
+    part = [{"type": "image_url", "image_url": {"url": f"file://{media / 'a.png'}"}},
+            {"type": "text", "text": QUESTION}]
+    rows = [{"id": 0, "prompt": QUESTION, "image": str(media / "a.png"), "images": None},
+            {"id": 1, "prompt": QUESTION, "image": str(tmp_path / "secret.png"), "images": None},
+            {"id": 2, "prompt": QUESTION, "image": str(media / "out.png"), "images": None},
+            {"id": 3, "prompt": QUESTION, "image": None, "images": [encoded(a)]}]  # bytes
+    chats = [{"id": 0, "messages": [{"role": "user", "content": part}]}]
+    out, _ = _rows(kind, proc, rows, monkeypatch)
+    out += _rows(kind, proc, chats, monkeypatch)[0]
+    assert [r["error"] is None for r in out] == [False, False, False, True, False]
+    assert all("allowed_local_media_path" in out[i]["error"] for i in (0, 1, 2, 4))
+    out, driver = _rows(kind, proc, rows, monkeypatch, allowed_local_media_path=str(media))
+    out2, driver2 = _rows(kind, proc, chats, monkeypatch, allowed_local_media_path=str(media))
+    assert [r["error"] is None for r in out + out2] == [True, False, False, True, True]
+    assert all("not below allowed_local_media_path" in r["error"] for r in out[1:3])
+    assert len(driver.got) == 2 and len(driver2.got) == 1
+    for ids, mm in driver.got + driver2.got:
+        assert_is_reference(ids, mm, reference(proc, [a]))
+
+
+def test_llm_chat_refuses_a_local_path_without_the_allowance(proc: Any, tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(encoded(picture(25)))
+    conv = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")}]}]
+    prep = ImagePreparer(proc)
+    llm = LLM._over(FakeEngine(proc.tokenizer), images=prep)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"conversations\[0\]: image 1 of 1 .*"
+                                         "allowed_local_media_path"):
+        llm.chat(conv, use_tqdm=False)
+    prep = ImagePreparer(proc, ImageOptions(allowed_local_media_path=str(tmp_path)))
+    llm = LLM._over(FakeEngine(proc.tokenizer), images=prep)  # type: ignore[arg-type]
+    assert llm.chat(conv, use_tqdm=False)[0].outputs[0].text == "ok"
 
 
 def test_batch_line_with_image_url_keeps_its_parts() -> None:

@@ -26,8 +26,14 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prep(vl_dir: Path) -> ImagePreparer:
-    p = ImagePreparer.for_model(str(vl_dir), ImageOptions(limit_mm_per_prompt={"image": 3}))
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def prep(vl_dir: Path, media_dir: Path) -> ImagePreparer:
+    p = ImagePreparer.for_model(str(vl_dir), ImageOptions(
+        limit_mm_per_prompt={"image": 3}, allowed_local_media_path=str(media_dir)))
     assert p is not None
     yield p
     p.close()
@@ -65,20 +71,20 @@ def test_matches_the_hf_processor_call(prep: ImagePreparer, vl_dir: Path) -> Non
     assert out.images[0].hash != out.images[1].hash
 
 
-def test_every_source_of_one_picture_is_one_image(prep: ImagePreparer, tmp_path: Path) -> None:
+def test_every_source_of_one_picture_is_one_image(prep: ImagePreparer, media_dir: Path) -> None:
     """data: URL, path, file://, memory:// (fsspec), bytes, a HWC array (ray.data.read_images),
     HF datasets' and Spark binaryFile's structs, Spark's image struct (BGR), a PIL image, a
     JPEG-free RGBA PNG over white: the same pixels, the same hash and pixel values."""
     img = picture(3)
     png = encoded(img)
-    (tmp_path / "a.png").write_bytes(png)
+    (media_dir / "a.png").write_bytes(png)
     with fsspec.open("memory://imgs/a.png", "wb") as f:
         f.write(png)
     arr = np.asarray(img)
     spark_image = {"origin": "x", "height": 56, "width": 56, "nChannels": 3, "mode": 16,
                    "data": arr[:, :, ::-1].tobytes()}
     rgba = img.convert("RGBA")  # opaque: over white it is the same picture
-    sources = [data_url(img), str(tmp_path / "a.png"), f"file://{tmp_path / 'a.png'}",
+    sources = [data_url(img), str(media_dir / "a.png"), f"file://{media_dir / 'a.png'}",
                "memory://imgs/a.png", png, arr, {"bytes": png, "path": None},
                {"content": png, "path": "a.png"}, spark_image, img, encoded(rgba)]
     outs = [prep.prepare_chat([{"role": "user", "content": [{"type": "image", "image": s}]}])
@@ -106,7 +112,7 @@ def _png_header_only(width: int, height: int) -> bytes:
     (encoded(picture(4), "PPM"), "not an image in a supported format"),
     (_png_header_only(200_000, 200_000), "pixel"),  # a decompression bomb, by its header
     ("data:image/png;base64,@@@", "not valid base64"),
-    ("/no/such/file.png", "could not fetch"),
+    ("/no/such/file.png", "not below allowed_local_media_path"),
     ("memory://no/such.png", "could not fetch"),
     ("http://127.0.0.1:1/x.png", "could not fetch"),  # nothing listens on port 1
     (np.zeros((4, 4, 2), np.uint8), "HxWxC"),

@@ -46,10 +46,21 @@ def family_config(name: str) -> Any:
         return tf.GptOssConfig(**_WIDTH, intermediate_size=576, num_hidden_layers=12,
                                num_local_experts=16, num_experts_per_tok=4,
                                sliding_window=128, max_position_embeddings=8192)
+    if name == "gemma3":  # Gemma 3's recipe: five local layers (windows of 512) to one global
+        return tf.Gemma3TextConfig(**_WIDTH, intermediate_size=1536, num_hidden_layers=30,
+                                   sliding_window=512, query_pre_attn_scalar=64,
+                                   max_position_embeddings=8192)
+    if name == "gemma2":  # local and global alternating, attention and final soft-capping
+        return tf.Gemma2Config(**_WIDTH, intermediate_size=1536, num_hidden_layers=30,
+                               sliding_window=512, query_pre_attn_scalar=64,
+                               max_position_embeddings=8192)
+    if name == "mistral_window":  # Mistral v0.1's recipe: every layer windowed (KV freed early)
+        return tf.MistralConfig(**_WIDTH, intermediate_size=1536, num_hidden_layers=30,
+                                sliding_window=256, max_position_embeddings=8192)
     raise ValueError(f"family={name!r}: one of {FAMILIES}")
 
 
-FAMILIES = ("phi3", "glm4_moe", "gpt_oss")
+FAMILIES = ("phi3", "glm4_moe", "gpt_oss", "gemma2", "gemma3", "mistral_window")
 
 
 def write_family(name: str, dest: Path, seed: int) -> None:

@@ -6,7 +6,8 @@ Three systems run in one process on the same weights and the same requests:
              a batch decodes until its longest request is done, so the rest is padding work
   hf_cb      HF continuous batching (`init_continuous_batching` manager, per-request max_new_tokens)
 
-The model has SmolLM2-135M's shape (`--family phi3 | glm4_moe | gpt_oss`: a small random model of
+The model has SmolLM2-135M's shape (`--family phi3 | glm4_moe | gpt_oss | gemma2 | gemma3 |
+mistral_window`: a small random model of
 that family at SmolLM2's width, `_families.py`), random weights from a fixed seed, fp32, saved once as
 safetensors (plus the SmolLM2 tokenizer when the embedded GGUF is installed) so that every system
 loads the same files. Prompts are random non-special token ids; every request decodes exactly its

@@ -9,8 +9,9 @@ gives it those appended tokens to compute in its next step, as it would a prompt
 accounting, core/sequence.py), after which it samples its answer. No stop, no new request.
 
 A job may also cap every row adaptively (`ThinkingCap`, the engine's `thinking_cap_quantile`):
-no row reasons longer than a quantile of the reasoning lengths of the rows that ended their
-reasoning by themselves so far. The same event ends a row at the lower of the two.
+no row reasons longer than a quantile of the job's reasoning lengths, estimated from the rows
+that ended their reasoning so far and those still reasoning (`censored_quantile`). The same
+event ends a row at the lower of the two.
 
 The budget's state is a function of the sequence's tokens, so an exported sequence needs none
 of it: the importing engine replays the tokens (`ThinkingBudget.attach`; a job cap is the
@@ -29,19 +30,62 @@ from batchgen_data.reasoning.think import ThinkParser
 
 @dataclass(eq=False)
 class ThinkingCap:
-    """A job's adaptive reasoning cap: the `quantile` of the reasoning lengths of the rows
-    that ended their reasoning themselves, once `min_rows` have (None before). Rows cut by a
-    budget or the cap are not counted: their length is the cut, not the model's."""
+    """A job's adaptive reasoning cap: the `quantile` of the job's reasoning lengths, once
+    `min_rows` rows have ended their reasoning themselves (None before, or while the rows seen
+    cannot yet tell where that quantile lies).
+
+    The rows that end first are the short ones, so the quantile of the finished rows alone
+    would sit near the short rows' and cut most long thinkers. The rows still thinking, and
+    those cut by a budget or the cap, are instead counted as reasoning *at least* as long as
+    they have so far (right-censored), and the quantile is read from the product-limit
+    (Kaplan-Meier) estimate of the lengths: the smallest length L with an estimated share of
+    rows reasoning longer than L of at most 1 - `quantile`."""
 
     quantile: float
     min_rows: int = 16
-    lengths: list[int] = field(default_factory=list)  # sorted
+    ended_lengths: list[int] = field(default_factory=list)  # sorted: rows that ended themselves
+    cut_lengths: list[int] = field(default_factory=list)  # rows cut, at their cut
+    live: set[Any] = field(default_factory=set)  # the budgets still thinking
     value: int | None = None
+    _estimated_at: int = 0  # len(ended_lengths) at the last estimate
 
-    def ended(self, n: int) -> None:
-        bisect.insort(self.lengths, n)
-        if len(self.lengths) >= self.min_rows:
-            self.value = self.lengths[max(0, math.ceil(self.quantile * len(self.lengths)) - 1)]
+    def watch(self, budget: Any) -> None:
+        self.live.add(budget)
+
+    def ended(self, budget: Any) -> None:
+        """`budget`'s row ended its reasoning by itself after `budget.used` tokens."""
+        self.live.discard(budget)
+        bisect.insort(self.ended_lengths, budget.used)
+        n = len(self.ended_lengths)
+        # the estimate costs a sort of every row seen: redone as the count grows by 1/64
+        if n >= self.min_rows and n - self._estimated_at >= max(1, self._estimated_at // 64):
+            self._estimated_at = n
+            self.value = censored_quantile(self.ended_lengths, self.cut_lengths
+                                           + [b.used for b in self.live], self.quantile)
+
+    def cut(self, budget: Any) -> None:
+        """`budget`'s row was cut after `budget.used` tokens (it would have gone on)."""
+        self.live.discard(budget)
+        self.cut_lengths.append(budget.used)
+
+
+def censored_quantile(ended: list[int], at_least: list[int], quantile: float) -> int | None:
+    """The `quantile` of a length from the product-limit estimate: `ended` are exact lengths
+    (sorted), `at_least` lower bounds of the others. None while the estimated share above
+    every ended length is still over 1 - `quantile`."""
+    bounds = sorted(at_least)
+    share = 1.0
+    i = 0
+    while i < len(ended):
+        length = ended[i]
+        j = bisect.bisect_right(ended, length, lo=i)
+        # rows still in the running at `length`: ended there or later, or known to go on
+        at_risk = (len(ended) - i) + (len(bounds) - bisect.bisect_left(bounds, length))
+        share *= 1.0 - (j - i) / at_risk
+        if share <= 1.0 - quantile + 1e-12:
+            return length
+        i = j
+    return None
 
 
 @dataclass(eq=False, slots=True)
@@ -68,6 +112,8 @@ class ThinkingBudget:
         for t in seq.token_ids[len(seq.prompt_token_ids):]:
             if not b._count(t):
                 return
+        if cap is not None:
+            cap.watch(b)
         if b._spent():
             b._cut(seq)
         else:
@@ -96,7 +142,7 @@ class ThinkingBudget:
         if not self._count(token):
             seq.thinking = None  # the model ended its reasoning itself
             if self.cap is not None:
-                self.cap.ended(self.used)
+                self.cap.ended(self)
         elif self._spent():
             self._cut(seq)
 
@@ -108,6 +154,8 @@ class ThinkingBudget:
         if n_out + len(self.end_ids) < seq.max_tokens:
             seq.token_ids.extend(self.end_ids)
         seq.thinking = None
+        if self.cap is not None:
+            self.cap.cut(self)
 
 
 def check_budget(params: Any, parser: ThinkParser | None, async_scheduling: bool) -> None:

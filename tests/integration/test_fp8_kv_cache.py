@@ -182,7 +182,7 @@ def test_export_import_between_fp8_engines_continues_identically(tiny_model_dir)
     assert seq["kv_format"] == {"dtype": "float8_e4m3fn", "scales": [[1.0, 1.0], [1.0, 1.0]]}
     kv_bytes = sum(k.numel() + v.numel() for k, v in seq["kv"])
     dst.import_(state)
-    assert dst.requests[rid].seqs[0].held_kv[0][0].dtype == FP8
+    assert dst.live.requests[rid].seqs[0].held_kv[0][0].dtype == FP8
     assert dst.held_kv.used_bytes == kv_bytes  # one byte an element
     got = []
     while dst.has_unfinished():
@@ -205,7 +205,7 @@ def test_import_converts_between_fp8_and_float_caches(tiny_model_dir) -> None:  
     state = exported(fp8)
     codes = state["seqs"][0]["kv"]
     fp32.import_(state)
-    held = fp32.requests[state["request_id"]].seqs[0].held_kv
+    held = fp32.live.requests[state["request_id"]].seqs[0].held_kv
     assert held[0][0].dtype == torch.float32 and torch.equal(held[0][0], codes[0][0].float())
     # fp32 into an FP8 engine: quantized as a write there would
     other = Engine.from_kwargs(path, block_size=4, kv_cache_dtype="fp8")
@@ -213,7 +213,7 @@ def test_import_converts_between_fp8_and_float_caches(tiny_model_dir) -> None:  
     floats = state["seqs"][0]["kv"]
     assert state["seqs"][0]["kv_format"] == {"dtype": "float32"}
     other.import_(state)
-    held = other.requests[state["request_id"]].seqs[0].held_kv
+    held = other.live.requests[state["request_id"]].seqs[0].held_kv
     assert torch.equal(held[1][1].view(torch.uint8), quantize(floats[1][1], 1.0).view(torch.uint8))
     # FP8 with other scales: requantized to this engine's
     scaled = Engine.from_kwargs(path, block_size=4, kv_cache_dtype="fp8")
@@ -223,7 +223,7 @@ def test_import_converts_between_fp8_and_float_caches(tiny_model_dir) -> None:  
     state = exported(Engine.from_kwargs(path, block_size=4, kv_cache_dtype="fp8"))
     src = state["seqs"][0]["kv"]
     scaled.import_(state)
-    held = scaled.requests[state["request_id"]].seqs[0].held_kv
+    held = scaled.live.requests[state["request_id"]].seqs[0].held_kv
     assert torch.equal(held[0][0].view(torch.uint8), quantize(src[0][0].float(), 2.0).view(torch.uint8))
     assert torch.equal(held[0][1].view(torch.uint8), quantize(src[0][1].float(), 0.5).view(torch.uint8))
     for engine in (fp32, other, scaled):  # each continues to the end

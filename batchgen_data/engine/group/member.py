@@ -30,7 +30,7 @@ from batchgen_data.worker.tp.launch import RankGroup
 from batchgen_data.engine import setup
 from batchgen_data.engine.engine import Engine
 from batchgen_data.engine.setup import EngineParts
-from batchgen_data.layers import parallel
+from batchgen_data.layers import long_rope, parallel
 from batchgen_data.models import loader, reshard
 
 
@@ -88,7 +88,7 @@ class Member:
         tp = self.block.tp
         full, p = pieces.model, pieces
         pieces.model = None  # type: ignore[assignment]  (narrow_into frees it weight by weight)
-        with parallel.sharding(tp):
+        with parallel.sharding(tp), long_rope.context_length(self.wide_config.max_model_len):
             shard = loader.build_model(full.config, p.backend.dtype, p.device, p.backend)
         reshard.narrow_into(shard, full)
         del full
@@ -107,7 +107,8 @@ class Member:
         t0 = time.perf_counter()
         shard, p = pieces.model, pieces
         pieces.model = None  # type: ignore[assignment]
-        full = loader.build_model(shard.config, p.backend.dtype, p.device, p.backend)
+        with long_rope.context_length(self.config.max_model_len):  # as setup builds it
+            full = loader.build_model(shard.config, p.backend.dtype, p.device, p.backend)
         reshard.gather_into(full, shard, self.block.tp.all_gather)
         del shard
         loader.finalize(full)

@@ -45,18 +45,7 @@ def chat_prompts(preparer: Callable[[], ImagePreparer | None], render: Render,
         except (TypeError, ValueError) as e:
             _cancel(pending)
             raise type(e)(f"conversations[{i}]: {e}") from None
-    out = []
-    for i, p in enumerate(pending):
-        if isinstance(p, dict):
-            out.append(p)
-            continue
-        try:
-            ready = p.result()
-        except (TypeError, ValueError) as e:
-            _cancel(pending)
-            raise type(e)(f"conversations[{i}]: {e}") from None
-        out.append(_tokens(ready.prompt_token_ids, ready.prompt, list(ready.images)))
-    return out
+    return _collect(pending, "conversations")
 
 
 def generate_prompts(preparer: Callable[[], ImagePreparer | None],
@@ -75,6 +64,12 @@ def generate_prompts(preparer: Callable[[], ImagePreparer | None],
         except (TypeError, ValueError) as e:
             _cancel(pending)
             raise type(e)(f"prompts[{i}]: {e}") from None
+    return _collect(pending, "prompts")
+
+
+def _collect(pending: list[Any], name: str) -> list[Any]:
+    """Each prepared image prompt as a token prompt, in order (the rest as they are); the
+    first that failed raises naming `name[i]`, the others cancelled."""
     out = []
     for i, p in enumerate(pending):
         if not isinstance(p, Future):
@@ -84,7 +79,7 @@ def generate_prompts(preparer: Callable[[], ImagePreparer | None],
             ready = p.result()
         except (TypeError, ValueError) as e:
             _cancel(pending)
-            raise type(e)(f"prompts[{i}]: {e}") from None
+            raise type(e)(f"{name}[{i}]: {e}") from None
         out.append(_tokens(ready.prompt_token_ids, ready.prompt, list(ready.images)))
     return out
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from batchgen_data.kernels.selfcheck_quant import case_fp8_block, case_mxfp4, case_quant
+
 # relative error allowed: a few units of the output dtype's rounding after fp32 accumulation
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
@@ -150,47 +152,6 @@ def case_moe(dtype: torch.dtype, tokens: int, dev: torch.device) -> float:
     got = fused_experts(x, w13, w2, weights.float(), ids)
     want = reference.fused_experts(x, w13, w2, weights.float(), ids)
     return rel_err(got, want)
-
-
-def case_quant(dtype: torch.dtype, kind: str, rows: int, dev: torch.device) -> float:
-    """The weight-only quantized matmul (groups of 128) on a 4096 x 4096 weight."""
-    from batchgen_data.kernels import quant_linear, reference
-    from batchgen_data.kernels.cpu.quant import random_codes
-
-    gen = torch.Generator().manual_seed(rows)
-    n = k = 4096
-    codes = random_codes(kind, n, k, gen).to(dev)
-    scales = ((torch.rand(n, k // 128, generator=gen) + 0.5) / 64).to(dev)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
-    return rel_err(quant_linear(x, codes, scales, None, kind, 128),
-                   reference.quant_linear(x, codes, scales, None, kind, 128))
-
-
-def case_mxfp4(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
-    """The MXFP4 matmul on gpt-oss's gate|up shape (5760 x 2880, biased), decoded in its K loop."""
-    from batchgen_data.kernels import mxfp4_linear, reference
-
-    gen = torch.Generator().manual_seed(rows)
-    n, k = 5760, 2880
-    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(dev)
-    scales = torch.randint(118, 126, (n, k // 32), generator=gen, dtype=torch.uint8).to(dev)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
-    bias = torch.randn(n, generator=gen).to(dev)
-    return rel_err(mxfp4_linear(x, blocks, scales, bias),
-                   reference.mxfp4_linear(x, blocks, scales, bias))
-
-
-def case_fp8_block(dtype: torch.dtype, rows: int, dev: torch.device) -> float:
-    """FP8 W8A8, 128 x 128 weight blocks, per-token-group activation scales (DeepSeek-V3)."""
-    from batchgen_data.kernels import fp8_block_matmul, reference
-
-    gen = torch.Generator().manual_seed(rows)
-    n, k = 2048, 7168
-    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(dev)
-    ws = (torch.rand(n // 128, k // 128, generator=gen) / 1000 + 1e-4).to(dev)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(dev)
-    return rel_err(fp8_block_matmul(x, w, ws, (128, 128)),
-                   reference.fp8_block_matmul(x, w, ws, (128, 128)))
 
 
 def case_fp8_kv_write(dtype: torch.dtype, dev: torch.device) -> float:
@@ -358,12 +319,13 @@ def quant_cases() -> list[tuple[str, torch.dtype, Callable[[torch.device], float
         for kind in ("int4", "int8", "fp8"):
             for r in (1, 64):
                 out.append((f"quant_linear {kind} M={r}", dt,
-                            lambda dev, dt=dt, kind=kind, r=r: case_quant(dt, kind, r, dev)))
+                            lambda dev, dt=dt, kind=kind, r=r: rel_err(*case_quant(dt, kind, r,
+                                                                                     dev))))
         for r in (1, 64):
             out.append((f"fp8_block_matmul M={r}", dt,
-                        lambda dev, dt=dt, r=r: case_fp8_block(dt, r, dev)))
+                        lambda dev, dt=dt, r=r: rel_err(*case_fp8_block(dt, r, dev))))
             out.append((f"mxfp4_linear M={r}", dt,
-                        lambda dev, dt=dt, r=r: case_mxfp4(dt, r, dev)))
+                        lambda dev, dt=dt, r=r: rel_err(*case_mxfp4(dt, r, dev))))
     return out
 
 
